@@ -1,0 +1,25 @@
+//! crowdgrad-core: everything both sides of the wire share, with no I/O and no runtime, so it
+//! builds natively and for `wasm32-unknown-unknown`.
+//!
+//! # Layout
+//! - [`model`]: [`model::ModelSpec`], [`model::Model`] (forward/backward over a flat vector),
+//!   [`model::ParamLayout`].
+//! - [`optim`]: update rules ([`optim::step`]) over slices with explicit [`optim::OptState`].
+//! - [`partition`]: [`partition::KeyRange`], [`partition::partition`], [`partition::Slicer`].
+//! - [`wire`]: frames, [`wire::decode`] / [`wire::encode`]; spec in docs/protocol.md.
+//! - [`data`]: IDX parsing, [`data::Dataset`], [`data::BatchSampler`].
+//! - [`spec`]: the run spec and join messages.
+//! - [`worker`]: the sans-IO [`worker::Worker`] state machine.
+//! - [`rng`]: the deterministic PRNG everything seeds from.
+
+pub mod data;
+pub mod error;
+pub mod model;
+pub mod optim;
+pub mod partition;
+pub mod rng;
+pub mod spec;
+pub mod wire;
+pub mod worker;
+
+pub use error::{Error, Result};

@@ -1,0 +1,482 @@
+//! Optimizers as pure update rules over slices with explicit state (burn's `SimpleOptimizer`
+//! shape): [`step`] takes the parameters of one shard, the gradient slice for them and the
+//! [`OptState`] the shard owns. Every rule is element-wise, so applying one push to N shards gives
+//! bit-for-bit the same parameters as applying it to one unsharded vector.
+//!
+//! Weight decay is L2 regularisation folded into the gradient (`g + wd * p`) for every rule.
+//! Gradient clipping by global norm is done by the worker on the full gradient before it is
+//! sliced ([`clip_by_global_norm`]), because a shard only sees its own slice.
+
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+
+/// The update rule and its own hyperparameters.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Rule {
+    /// `p -= lr * g`.
+    Sgd,
+    /// Heavy-ball momentum (TensorFlow's `MomentumOptimizer`): `v = mu v + g; p -= lr v`, or with
+    /// Nesterov `p -= lr (g + mu v)`.
+    Momentum {
+        /// Momentum coefficient `mu` in `[0, 1)`.
+        momentum: f32,
+        /// Use Nesterov's look-ahead form.
+        nesterov: bool,
+    },
+    /// Adagrad: `a += g^2; p -= lr g / (sqrt(a) + eps)`.
+    Adagrad {
+        /// Starting value of the accumulator (TensorFlow uses 0.1).
+        initial_accumulator: f32,
+        /// Added to the root for stability.
+        eps: f32,
+    },
+    /// RMSProp: `s = rho s + (1 - rho) g^2; p -= lr g / (sqrt(s) + eps)`.
+    RmsProp {
+        /// Decay `rho` of the running mean square.
+        decay: f32,
+        /// Added to the root for stability.
+        eps: f32,
+    },
+    /// Adam with bias correction (Kingma & Ba 2015).
+    Adam {
+        /// First-moment decay.
+        beta1: f32,
+        /// Second-moment decay.
+        beta2: f32,
+        /// Added to the root for stability.
+        eps: f32,
+    },
+}
+
+impl Rule {
+    /// The rule named `name` with its customary defaults: `sgd`, `momentum`, `nesterov`,
+    /// `adagrad`, `rmsprop`, `adam`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for an unknown name.
+    pub fn from_name(name: &str) -> Result<Self> {
+        Ok(match name {
+            "sgd" => Rule::Sgd,
+            "momentum" => Rule::Momentum {
+                momentum: 0.9,
+                nesterov: false,
+            },
+            "nesterov" => Rule::Momentum {
+                momentum: 0.9,
+                nesterov: true,
+            },
+            "adagrad" => Rule::Adagrad {
+                initial_accumulator: 0.1,
+                eps: 1e-7,
+            },
+            "rmsprop" => Rule::RmsProp {
+                decay: 0.9,
+                eps: 1e-7,
+            },
+            "adam" => Rule::Adam {
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-7,
+            },
+            other => {
+                return Err(Error::Config(format!(
+                    "unknown optimizer {other:?} (expected sgd, momentum, nesterov, adagrad, rmsprop or adam)"
+                )))
+            }
+        })
+    }
+
+    /// How many state values per parameter the rule keeps.
+    pub fn slots(&self) -> usize {
+        match self {
+            Rule::Sgd => 0,
+            Rule::Momentum { .. } | Rule::Adagrad { .. } | Rule::RmsProp { .. } => 1,
+            Rule::Adam { .. } => 2,
+        }
+    }
+}
+
+/// Hyperparameters of a shard's optimizer. Build it, then call [`OptimizerConfig::validate`].
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct OptimizerConfig {
+    /// The update rule.
+    pub rule: Rule,
+    /// Learning rate.
+    pub lr: f32,
+    /// L2 weight decay folded into the gradient; 0 disables it.
+    pub weight_decay: f32,
+    /// Clip the worker's full gradient to this global L2 norm before pushing; `None` disables it.
+    pub clip_norm: Option<f32>,
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        Self {
+            rule: Rule::from_name("adagrad").unwrap_or(Rule::Sgd),
+            lr: 0.05,
+            weight_decay: 0.0,
+            clip_norm: None,
+        }
+    }
+}
+
+impl OptimizerConfig {
+    /// Checks every value is finite and in range.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the first bad value.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: &str, v: f32| Err(Error::Config(format!("{what} = {v} is out of range")));
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return bad("learning rate", self.lr);
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return bad("weight decay", self.weight_decay);
+        }
+        if let Some(c) = self.clip_norm {
+            if !(c.is_finite() && c > 0.0) {
+                return bad("clip norm", c);
+            }
+        }
+        let unit = |v: f32| v.is_finite() && (0.0..1.0).contains(&v);
+        let pos = |v: f32| v.is_finite() && v > 0.0;
+        match self.rule {
+            Rule::Sgd => Ok(()),
+            Rule::Momentum { momentum, .. } if !unit(momentum) => bad("momentum", momentum),
+            Rule::Adagrad {
+                initial_accumulator,
+                ..
+            } if !(initial_accumulator.is_finite() && initial_accumulator >= 0.0) => {
+                bad("initial accumulator", initial_accumulator)
+            }
+            Rule::Adagrad { eps, .. } | Rule::RmsProp { eps, .. } | Rule::Adam { eps, .. }
+                if !pos(eps) =>
+            {
+                bad("epsilon", eps)
+            }
+            Rule::RmsProp { decay, .. } if !unit(decay) => bad("decay", decay),
+            Rule::Adam { beta1, .. } if !unit(beta1) => bad("beta1", beta1),
+            Rule::Adam { beta2, .. } if !unit(beta2) => bad("beta2", beta2),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Per-parameter optimizer state for one shard (or one unsharded vector).
+#[derive(Debug, Clone, PartialEq)]
+pub struct OptState {
+    /// First state slot (velocity, accumulator, mean square or first moment).
+    pub slot0: Vec<f32>,
+    /// Second state slot (Adam's second moment).
+    pub slot1: Vec<f32>,
+    /// Number of updates applied so far (Adam's bias correction uses it).
+    pub t: u64,
+}
+
+impl OptState {
+    /// Fresh state for `len` parameters under `rule`.
+    pub fn new(rule: &Rule, len: usize) -> Self {
+        let init = match rule {
+            Rule::Adagrad {
+                initial_accumulator,
+                ..
+            } => *initial_accumulator,
+            _ => 0.0,
+        };
+        let slots = rule.slots();
+        Self {
+            slot0: if slots >= 1 {
+                vec![init; len]
+            } else {
+                Vec::new()
+            },
+            slot1: if slots >= 2 {
+                vec![0.0; len]
+            } else {
+                Vec::new()
+            },
+            t: 0,
+        }
+    }
+}
+
+/// Applies one gradient to `params` in place. `lr_scale` multiplies the learning rate (1.0 for a
+/// plain step; staleness policies use it).
+///
+/// # Panics
+/// If `grad` or the state slots do not match `params` in length: the caller (the shard) checks
+/// lengths of everything that comes from the network before it calls this.
+pub fn step(
+    cfg: &OptimizerConfig,
+    state: &mut OptState,
+    params: &mut [f32],
+    grad: &[f32],
+    lr_scale: f32,
+) {
+    assert_eq!(params.len(), grad.len(), "gradient length");
+    let lr = cfg.lr * lr_scale;
+    let wd = cfg.weight_decay;
+    state.t += 1;
+    match cfg.rule {
+        Rule::Sgd => {
+            for (p, &g) in params.iter_mut().zip(grad) {
+                *p -= lr * (g + wd * *p);
+            }
+        }
+        Rule::Momentum { momentum, nesterov } => {
+            let v = &mut state.slot0[..params.len()];
+            for ((p, &g), v) in params.iter_mut().zip(grad).zip(v) {
+                let g = g + wd * *p;
+                *v = momentum * *v + g;
+                let d = if nesterov { g + momentum * *v } else { *v };
+                *p -= lr * d;
+            }
+        }
+        Rule::Adagrad { eps, .. } => {
+            let a = &mut state.slot0[..params.len()];
+            for ((p, &g), a) in params.iter_mut().zip(grad).zip(a) {
+                let g = g + wd * *p;
+                *a += g * g;
+                *p -= lr * g / (a.sqrt() + eps);
+            }
+        }
+        Rule::RmsProp { decay, eps } => {
+            let s = &mut state.slot0[..params.len()];
+            for ((p, &g), s) in params.iter_mut().zip(grad).zip(s) {
+                let g = g + wd * *p;
+                *s = decay * *s + (1.0 - decay) * g * g;
+                *p -= lr * g / (s.sqrt() + eps);
+            }
+        }
+        Rule::Adam { beta1, beta2, eps } => {
+            let t = state.t.min(i32::MAX as u64) as i32;
+            let c1 = 1.0 / (1.0 - beta1.powi(t));
+            let c2 = 1.0 / (1.0 - beta2.powi(t));
+            let (m, v) = (
+                &mut state.slot0[..params.len()],
+                &mut state.slot1[..params.len()],
+            );
+            for (((p, &g), m), v) in params.iter_mut().zip(grad).zip(m).zip(v) {
+                let g = g + wd * *p;
+                *m = beta1 * *m + (1.0 - beta1) * g;
+                *v = beta2 * *v + (1.0 - beta2) * g * g;
+                *p -= lr * (*m * c1) / ((*v * c2).sqrt() + eps);
+            }
+        }
+    }
+}
+
+/// Scales `grad` down so its L2 norm is at most `max_norm`; returns the norm before clipping.
+pub fn clip_by_global_norm(grad: &mut [f32], max_norm: f32) -> f32 {
+    let norm = grad.iter().map(|&g| g * g).sum::<f32>().sqrt();
+    if norm > max_norm && norm > 0.0 {
+        let s = max_norm / norm;
+        grad.iter_mut().for_each(|g| *g *= s);
+    }
+    norm
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(rule: Rule, lr: f32) -> OptimizerConfig {
+        OptimizerConfig {
+            rule,
+            lr,
+            weight_decay: 0.0,
+            clip_norm: None,
+        }
+    }
+
+    fn close(a: f32, b: f32) {
+        assert!((a - b).abs() < 1e-6, "{a} != {b}");
+    }
+
+    #[test]
+    fn sgd_by_hand() {
+        let c = cfg(Rule::Sgd, 0.1);
+        let mut s = OptState::new(&c.rule, 2);
+        let mut p = [1.0, -2.0];
+        step(&c, &mut s, &mut p, &[0.5, -1.0], 1.0);
+        close(p[0], 0.95);
+        close(p[1], -1.9);
+        // lr_scale halves the move.
+        step(&c, &mut s, &mut p, &[1.0, 0.0], 0.5);
+        close(p[0], 0.90);
+    }
+
+    #[test]
+    fn weight_decay_by_hand() {
+        let mut c = cfg(Rule::Sgd, 0.1);
+        c.weight_decay = 0.5;
+        let mut s = OptState::new(&c.rule, 1);
+        let mut p = [2.0];
+        step(&c, &mut s, &mut p, &[0.0], 1.0);
+        close(p[0], 2.0 - 0.1 * 1.0);
+    }
+
+    #[test]
+    fn momentum_and_nesterov_by_hand() {
+        let c = cfg(
+            Rule::Momentum {
+                momentum: 0.9,
+                nesterov: false,
+            },
+            0.1,
+        );
+        let mut s = OptState::new(&c.rule, 1);
+        let mut p = [1.0];
+        step(&c, &mut s, &mut p, &[1.0], 1.0); // v = 1, p = 0.9
+        close(p[0], 0.9);
+        step(&c, &mut s, &mut p, &[1.0], 1.0); // v = 1.9, p = 0.71
+        close(p[0], 0.71);
+
+        let c = cfg(
+            Rule::Momentum {
+                momentum: 0.9,
+                nesterov: true,
+            },
+            0.1,
+        );
+        let mut s = OptState::new(&c.rule, 1);
+        let mut p = [1.0];
+        step(&c, &mut s, &mut p, &[1.0], 1.0); // v = 1, d = 1 + 0.9 = 1.9, p = 0.81
+        close(p[0], 0.81);
+        step(&c, &mut s, &mut p, &[1.0], 1.0); // v = 1.9, d = 1 + 1.71 = 2.71, p = 0.539
+        close(p[0], 0.539);
+    }
+
+    #[test]
+    fn adagrad_by_hand() {
+        let c = cfg(
+            Rule::Adagrad {
+                initial_accumulator: 0.1,
+                eps: 0.0,
+            },
+            0.1,
+        );
+        let mut s = OptState::new(&c.rule, 1);
+        let mut p = [1.0];
+        step(&c, &mut s, &mut p, &[0.3], 1.0); // a = 0.19
+        close(s.slot0[0], 0.19);
+        close(p[0], 1.0 - 0.1 * 0.3 / 0.19f32.sqrt());
+    }
+
+    #[test]
+    fn rmsprop_by_hand() {
+        let c = cfg(
+            Rule::RmsProp {
+                decay: 0.9,
+                eps: 0.0,
+            },
+            0.01,
+        );
+        let mut s = OptState::new(&c.rule, 1);
+        let mut p = [1.0];
+        step(&c, &mut s, &mut p, &[2.0], 1.0); // s = 0.4, move = 0.01 * 2 / sqrt(0.4)
+        close(s.slot0[0], 0.4);
+        close(p[0], 1.0 - 0.01 * 2.0 / 0.4f32.sqrt());
+    }
+
+    #[test]
+    fn adam_by_hand() {
+        let c = cfg(
+            Rule::Adam {
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 0.0,
+            },
+            0.001,
+        );
+        let mut s = OptState::new(&c.rule, 1);
+        let mut p = [1.0];
+        // First Adam step moves by exactly lr * sign(g) once bias-corrected.
+        step(&c, &mut s, &mut p, &[5.0], 1.0);
+        close(p[0], 0.999);
+        // Second step, g = 1: m = 0.09*5*... computed explicitly.
+        step(&c, &mut s, &mut p, &[1.0], 1.0);
+        let m = 0.9f32 * 0.5 + 0.1 * 1.0;
+        let v = 0.999f32 * 0.025 + 0.001 * 1.0;
+        let mhat = m / (1.0 - 0.81);
+        let vhat = v / (1.0 - 0.998_001);
+        close(p[0], 0.999 - 0.001 * mhat / vhat.sqrt());
+    }
+
+    #[test]
+    fn sharded_apply_equals_unsharded() {
+        for name in ["sgd", "momentum", "nesterov", "adagrad", "rmsprop", "adam"] {
+            let c = OptimizerConfig {
+                rule: Rule::from_name(name).unwrap(),
+                lr: 0.01,
+                weight_decay: 1e-4,
+                clip_norm: None,
+            };
+            let n = 1001;
+            let init: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+            let grads: Vec<Vec<f32>> = (0..5)
+                .map(|k| {
+                    (0..n)
+                        .map(|i| ((i * (k + 3)) as f32 * 0.11).cos())
+                        .collect()
+                })
+                .collect();
+            let mut whole = init.clone();
+            let mut ws = OptState::new(&c.rule, n);
+            for g in &grads {
+                step(&c, &mut ws, &mut whole, g, 1.0);
+            }
+            let ranges = crate::partition::partition(n, 4).unwrap();
+            let mut sharded = init.clone();
+            for r in ranges {
+                let mut st = OptState::new(&c.rule, r.len());
+                for g in &grads {
+                    step(
+                        &c,
+                        &mut st,
+                        &mut sharded[r.start..r.end],
+                        &g[r.start..r.end],
+                        1.0,
+                    );
+                }
+            }
+            assert_eq!(whole, sharded, "{name}");
+        }
+    }
+
+    #[test]
+    fn validation_rejects_bad_values() {
+        let mut c = OptimizerConfig::default();
+        assert!(c.validate().is_ok());
+        c.lr = f32::NAN;
+        assert!(c.validate().is_err());
+        c.lr = 0.1;
+        c.rule = Rule::Momentum {
+            momentum: 1.5,
+            nesterov: false,
+        };
+        assert!(c.validate().is_err());
+        c.rule = Rule::Adam {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 0.0,
+        };
+        assert!(c.validate().is_err());
+        c.rule = Rule::Sgd;
+        c.clip_norm = Some(-1.0);
+        assert!(c.validate().is_err());
+        assert!(Rule::from_name("lbfgs").is_err());
+    }
+
+    #[test]
+    fn clip_scales_to_norm() {
+        let mut g = [3.0, 4.0];
+        assert_eq!(clip_by_global_norm(&mut g, 1.0), 5.0);
+        close(g[0], 0.6);
+        close(g[1], 0.8);
+        let mut g = [0.3, 0.4];
+        clip_by_global_norm(&mut g, 1.0);
+        assert_eq!(g, [0.3, 0.4]);
+    }
+}
