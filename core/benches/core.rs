@@ -25,7 +25,15 @@ fn apply(c: &mut Criterion) {
         let mut params = vec![0.5f32; N];
         let grad: Vec<f32> = (0..N).map(|i| (i as f32).sin() * 1e-3).collect();
         g.bench_function(name, |b| {
-            b.iter(|| step(&cfg, &mut state, black_box(&mut params), black_box(&grad), 1.0))
+            b.iter(|| {
+                step(
+                    &cfg,
+                    &mut state,
+                    black_box(&mut params),
+                    black_box(&grad),
+                    1.0,
+                )
+            })
         });
     }
     g.finish();
@@ -42,7 +50,9 @@ fn codec(c: &mut Criterion) {
     let mut out = vec![0.0f32; N];
     g.bench_function("decode_push_and_copy_checked", |b| {
         b.iter(|| {
-            let wire::Message::Push { grad, .. } = wire::decode(black_box(&frame), 1 << 24).expect("valid") else {
+            let wire::Message::Push { grad, .. } =
+                wire::decode(black_box(&frame), 1 << 24).expect("valid")
+            else {
                 unreachable!()
             };
             grad.copy_into(&mut out).expect("finite")
@@ -62,7 +72,11 @@ fn gradient(c: &mut Criterion) {
     let mut g = c.benchmark_group("gradient");
     g.throughput(Throughput::Elements(32));
     g.bench_function("mlp_784_128_10_batch32", |b| {
-        b.iter(|| model.loss_and_grad(&params, x.view(), &y, &mut grad, &mut ws).expect("fits"))
+        b.iter(|| {
+            model
+                .loss_and_grad(&params, x.view(), &y, &mut grad, &mut ws)
+                .expect("fits")
+        })
     });
     g.bench_function("init_params", |b| {
         b.iter_batched(|| (), |_| model.init_params(3), BatchSize::SmallInput)

@@ -1,0 +1,50 @@
+//! Shard apply throughput through the real writer thread (decode, validate, copy, update,
+//! publish), per optimizer. Run: `cargo bench -p crowdgrad --bench shard`.
+
+use criterion::{criterion_main, Criterion, Throughput};
+use crowdgrad::config::StalenessPolicy;
+use crowdgrad::shard::Shard;
+use crowdgrad_core::optim::{OptimizerConfig, Rule};
+use crowdgrad_core::partition::KeyRange;
+use crowdgrad_core::wire;
+
+const N: usize = 101_770;
+
+fn apply(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mut g = c.benchmark_group("shard_apply");
+    g.throughput(Throughput::Elements(N as u64));
+    for name in ["sgd", "momentum", "adagrad", "rmsprop", "adam"] {
+        let cfg = OptimizerConfig {
+            rule: Rule::from_name(name).expect("rule"),
+            lr: 1e-3,
+            weight_decay: 0.0,
+            clip_norm: None,
+        };
+        let (shard, _writer) = Shard::start(
+            0,
+            KeyRange { start: 0, end: N },
+            vec![0.1; N],
+            cfg,
+            StalenessPolicy::AcceptAll,
+        );
+        let grad = vec![1e-3f32; N];
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                let frame = wire::encode_push(1, 0, shard.version(), 32, &grad);
+                rt.block_on(shard.push(frame.into()))
+            })
+        });
+    }
+    g.finish();
+}
+
+mod group {
+    #![allow(missing_docs)] // criterion_group! generates an undocumented fn
+    use super::*;
+    criterion::criterion_group!(benches, apply);
+}
+criterion_main!(group::benches);

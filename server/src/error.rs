@@ -1,0 +1,44 @@
+//! The server crate's error type.
+
+use thiserror::Error;
+
+/// Errors of the server, the native worker and the data tools.
+#[derive(Debug, Error)]
+pub enum Error {
+    /// An error from the shared core (config, data, protocol).
+    #[error(transparent)]
+    Core(#[from] crowdgrad_core::Error),
+    /// A file or socket operation failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// Invalid configuration given on the command line.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// Obtaining or validating a dataset failed.
+    #[error("data: {0}")]
+    Data(String),
+    /// An HTTP request to the server failed.
+    #[error("http: {0}")]
+    Http(String),
+    /// A WebSocket operation failed.
+    #[error("websocket: {0}")]
+    WebSocket(String),
+}
+
+impl Error {
+    /// Wraps an I/O error with what was being done.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}
+
+/// `Result` with the server [`Error`].
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,222 @@
+//! The HTTP surface: join, status, events (SSE), parameters, data partitions, shard WebSockets
+//! and the static page.
+
+use crate::app::App;
+use crate::handler::{self, Inbound, Outbound};
+use axum::body::Bytes;
+use axum::extract::ws::{CloseFrame, Message as WsMessage, WebSocket, WebSocketUpgrade};
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use crowdgrad_core::spec::{JoinRequest, JoinResponse, PartitionInfo};
+use crowdgrad_core::wire::PROTOCOL_VERSION;
+use futures_util::{SinkExt, StreamExt};
+use serde_json::json;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+use tower_http::services::ServeDir;
+
+/// The router for `app`.
+pub fn router(app: Arc<App>) -> Router {
+    let web = ServeDir::new(&app.cfg.web_dir);
+    Router::new()
+        .route("/api/join", post(join))
+        .route("/api/status", get(status))
+        .route("/api/events", get(events))
+        .route("/api/params", get(params))
+        .route("/api/data/{tag}/train/{index}/{file}", get(data))
+        .route("/ws/shard/{id}", get(ws))
+        .fallback_service(web)
+        .with_state(app)
+}
+
+fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    (status, Json(json!({ "error": message.into() }))).into_response()
+}
+
+async fn join(State(app): State<Arc<App>>, body: Bytes) -> Response {
+    let req: JoinRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("bad join request: {e}")),
+    };
+    if req.protocol != PROTOCOL_VERSION {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "worker speaks protocol {}, this server speaks {PROTOCOL_VERSION}",
+                req.protocol
+            ),
+        );
+    }
+    if *app.shutdown.borrow() {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "server is shutting down");
+    }
+    let name = req
+        .name
+        .map(|n| n.chars().filter(|c| !c.is_control()).take(64).collect());
+    let Some((worker_id, index)) = app.registry.join(req.client, name, app.cfg.partitions) else {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too many workers registered",
+        );
+    };
+    let Ok(range) = app.train.partition(index, app.cfg.partitions) else {
+        return error(StatusCode::INTERNAL_SERVER_ERROR, "no such data partition");
+    };
+    let base = format!("/api/data/{}/train/{index}", app.data_tag);
+    Json(JoinResponse {
+        protocol: PROTOCOL_VERSION,
+        worker_id,
+        run: app.spec.clone(),
+        partition: PartitionInfo {
+            index,
+            count: app.cfg.partitions,
+            examples: range.len(),
+            images: format!("{base}/images"),
+            labels: format!("{base}/labels"),
+        },
+    })
+    .into_response()
+}
+
+async fn status(State(app): State<Arc<App>>) -> Response {
+    Json(app.status()).into_response()
+}
+
+async fn events(
+    State(app): State<Arc<App>>,
+) -> Sse<impl futures_util::Stream<Item = Result<Event, Infallible>>> {
+    let stream = futures_util::stream::unfold((app, true), |(app, first)| async move {
+        if !first {
+            let mut stop = app.shutdown.clone();
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                _ = stop.changed() => {}
+            }
+        }
+        if *app.shutdown.borrow() {
+            return None;
+        }
+        let body = serde_json::to_string(&app.status()).unwrap_or_else(|_| "{}".into());
+        Some((
+            Ok(Event::default().event("status").data(body)),
+            (app, false),
+        ))
+    });
+    Sse::new(stream).keep_alive(KeepAlive::default())
+}
+
+async fn params(State(app): State<Arc<App>>) -> Response {
+    let (values, versions) = app.params();
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let versions: Vec<String> = versions.iter().map(ToString::to_string).collect();
+    let mut r = bytes.into_response();
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/octet-stream"),
+    );
+    if let Ok(v) = HeaderValue::from_str(&versions.join(",")) {
+        r.headers_mut().insert("x-crowdgrad-versions", v);
+    }
+    r
+}
+
+async fn data(
+    State(app): State<Arc<App>>,
+    Path((tag, index, file)): Path<(String, usize, String)>,
+) -> Response {
+    if tag != app.data_tag {
+        return error(
+            StatusCode::NOT_FOUND,
+            "unknown data tag (the server's data changed; join again)",
+        );
+    }
+    let Ok(range) = app.train.partition(index, app.cfg.partitions) else {
+        return error(StatusCode::NOT_FOUND, format!("no partition {index}"));
+    };
+    let Ok((images, labels)) = app.train.to_idx(range) else {
+        return error(StatusCode::INTERNAL_SERVER_ERROR, "partition out of range");
+    };
+    let body = match file.as_str() {
+        "images" => images,
+        "labels" => labels,
+        _ => return error(StatusCode::NOT_FOUND, "file must be images or labels"),
+    };
+    let mut r = body.into_response();
+    let h = r.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/octet-stream"),
+    );
+    // The URL names the content, so clients may cache it forever.
+    h.insert(
+        header::CACHE_CONTROL,
+        HeaderValue::from_static("public, max-age=31536000, immutable"),
+    );
+    r
+}
+
+async fn ws(
+    State(app): State<Arc<App>>,
+    Path(id): Path<usize>,
+    upgrade: WebSocketUpgrade,
+) -> Response {
+    let Some(shard) = app.shards.get(id).cloned() else {
+        return error(StatusCode::NOT_FOUND, format!("no shard {id}"));
+    };
+    if *app.shutdown.borrow() {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "server is shutting down");
+    }
+    let Ok(permit) = app.connections.clone().try_acquire_owned() else {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "too many connections");
+    };
+    // Let frames a little over the shard's limit through the WebSocket layer so the handler can
+    // answer them with a clear `oversize` error frame; far larger ones are cut off here.
+    let limit = shard.frame_limit() * 2 + 1024;
+    let tracker = app.tracker.clone();
+    upgrade
+        .max_message_size(limit)
+        .max_frame_size(limit)
+        .on_upgrade(move |socket| {
+            tracker.track_future(async move {
+                connection(socket, shard, app).await;
+                drop(permit);
+            })
+        })
+}
+
+async fn connection(socket: WebSocket, shard: crate::shard::Shard, app: Arc<App>) {
+    let (sink, stream) = socket.split();
+    let sink = sink.with(|o: Outbound| async move {
+        Ok::<_, axum::Error>(match o {
+            Outbound::Frame(v) => WsMessage::Binary(v.into()),
+            Outbound::Close(reason) => {
+                let reason: String = reason.chars().take(100).collect();
+                WsMessage::Close(Some(CloseFrame {
+                    code: 1000,
+                    reason: reason.into(),
+                }))
+            }
+        })
+    });
+    let stream = stream.filter_map(|m| async move {
+        match m {
+            Ok(WsMessage::Binary(b)) => Some(Inbound::Frame(b)),
+            Ok(WsMessage::Text(_)) => Some(Inbound::Text),
+            Ok(WsMessage::Ping(_) | WsMessage::Pong(_)) => None,
+            Ok(WsMessage::Close(_)) | Err(_) => Some(Inbound::Closed),
+        }
+    });
+    handler::serve(
+        Box::pin(sink),
+        Box::pin(stream),
+        shard,
+        app.registry.clone(),
+        app.shutdown.clone(),
+    )
+    .await;
+}

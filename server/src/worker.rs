@@ -1,0 +1,468 @@
+//! The native worker: `crowdgrad work`. It joins over HTTP, downloads its data partition, opens
+//! one WebSocket per shard (tokio-tungstenite) and drives core's sans-IO
+//! [`crowdgrad_core::worker::Worker`]: the same training logic the browser worker runs.
+//!
+//! If the server goes away it reconnects with exponential backoff and joins again (the server
+//! may have restarted with a new run), keeping its counters.
+
+use crate::error::{Error, Result};
+use crowdgrad_core::data::Dataset;
+use crowdgrad_core::spec::{JoinRequest, JoinResponse};
+use crowdgrad_core::wire::{self, Bye, ClientKind, Message as Frame};
+use crowdgrad_core::worker::{Worker, WorkerStats};
+use futures_util::{SinkExt, StreamExt};
+use serde::Serialize;
+use std::collections::HashMap;
+use std::future::Future;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+use tokio_tungstenite::tungstenite::Message;
+
+/// What `crowdgrad work` was asked to do.
+#[derive(Debug, Clone)]
+pub struct WorkOptions {
+    /// Base URL of the server, e.g. `http://127.0.0.1:8080`.
+    pub server: String,
+    /// Stop after this many steps.
+    pub steps: Option<u64>,
+    /// Stop after this long.
+    pub duration: Option<Duration>,
+    /// Display name sent on join.
+    pub name: Option<String>,
+    /// Show a progress bar.
+    pub progress: bool,
+    /// Longest wait between reconnection attempts.
+    pub max_backoff: Duration,
+}
+
+impl WorkOptions {
+    /// Options for `server` with no limit, no progress bar and a 5 s backoff cap.
+    pub fn new(server: impl Into<String>) -> Self {
+        Self {
+            server: server.into(),
+            steps: None,
+            duration: None,
+            name: None,
+            progress: false,
+            max_backoff: Duration::from_secs(5),
+        }
+    }
+}
+
+/// What a worker did, printed at the end.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    /// Worker ids it was given (one per session).
+    pub worker_ids: Vec<u64>,
+    /// Counters over all sessions.
+    pub stats: WorkerStats,
+    /// Wall time.
+    pub seconds: f64,
+    /// Examples per second.
+    pub samples_per_sec: f64,
+    /// Sessions (1 + reconnections).
+    pub sessions: u32,
+    /// Peak resident memory of the process, KiB (Linux).
+    pub peak_rss_kib: Option<u64>,
+    /// Why the last session ended badly, if it did.
+    pub last_error: Option<String>,
+}
+
+/// Peak resident set size of this process in KiB, from /proc (Linux only).
+pub fn peak_rss_kib() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    s.lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+}
+
+fn base_urls(server: &str) -> Result<(String, String)> {
+    let s = server.trim_end_matches('/');
+    let rest = s.strip_prefix("http://").ok_or_else(|| {
+        Error::Config(format!(
+            "server URL {server:?} must start with http:// (e.g. http://127.0.0.1:8080)"
+        ))
+    })?;
+    if rest.is_empty() || rest.contains('/') {
+        return Err(Error::Config(format!(
+            "server URL {server:?} must be a base address like http://HOST:PORT"
+        )));
+    }
+    Ok((s.to_string(), format!("ws://{rest}")))
+}
+
+fn http_error(e: ureq::Error) -> Error {
+    Error::Http(e.to_string())
+}
+
+/// Most bytes accepted in one HTTP response (a data partition).
+const MAX_BODY: u64 = 1 << 30;
+
+async fn join(http: &str, name: Option<String>) -> Result<JoinResponse> {
+    let url = format!("{http}/api/join");
+    let mut req = JoinRequest::new(ClientKind::Native);
+    req.name = name;
+    let body = serde_json::to_vec(&req).map_err(|e| Error::Http(e.to_string()))?;
+    let bytes = tokio::task::spawn_blocking(move || -> Result<Vec<u8>> {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .build()
+            .into();
+        let mut resp = agent
+            .post(&url)
+            .header("content-type", "application/json")
+            .send(&body[..])
+            .map_err(http_error)?;
+        let status = resp.status();
+        let bytes = resp
+            .body_mut()
+            .with_config()
+            .limit(1 << 20)
+            .read_to_vec()
+            .map_err(http_error)?;
+        if !status.is_success() {
+            return Err(Error::Http(format!(
+                "join refused ({status}): {}",
+                String::from_utf8_lossy(&bytes)
+            )));
+        }
+        Ok(bytes)
+    })
+    .await
+    .map_err(|e| Error::Http(e.to_string()))??;
+    serde_json::from_slice(&bytes).map_err(|e| Error::Http(format!("bad join reply: {e}")))
+}
+
+async fn get(url: String) -> Result<Vec<u8>> {
+    tokio::task::spawn_blocking(move || -> Result<Vec<u8>> {
+        let mut resp = ureq::get(&url).call().map_err(http_error)?;
+        resp.body_mut()
+            .with_config()
+            .limit(MAX_BODY)
+            .read_to_vec()
+            .map_err(http_error)
+    })
+    .await
+    .map_err(|e| Error::Http(e.to_string()))?
+}
+
+enum End {
+    /// Steps or time limit reached, or asked to stop.
+    Done,
+    /// The connection was lost or refused.
+    Lost(String),
+}
+
+struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+    last: Instant,
+}
+
+impl Progress {
+    fn update(&mut self, id: u64, stats: &WorkerStats, started: Instant, force: bool) {
+        let Some(bar) = &self.bar else { return };
+        if !force && self.last.elapsed() < Duration::from_millis(200) {
+            return;
+        }
+        self.last = Instant::now();
+        let rate = stats.samples as f64 / started.elapsed().as_secs_f64().max(1e-9);
+        bar.set_message(format!(
+            "worker {id} | {} samples | {rate:.0} samples/s | loss {:.4} | pushes {} ok, {} rejected | staleness {}",
+            stats.samples, stats.ema_loss, stats.pushes_accepted, stats.pushes_rejected, stats.last_staleness
+        ));
+        bar.tick();
+    }
+}
+
+/// Runs a native worker until its step or time limit, or until `shutdown` completes.
+///
+/// # Errors
+/// Only for bad options (a malformed server URL); network trouble is retried with backoff and
+/// reported in the summary.
+pub async fn work(opts: WorkOptions, shutdown: impl Future<Output = ()>) -> Result<Summary> {
+    let (http, ws) = base_urls(&opts.server)?;
+    let started = Instant::now();
+    let deadline = opts.duration.map(|d| started + d);
+    let mut stats = WorkerStats::default();
+    let mut ids = Vec::new();
+    let mut sessions = 0u32;
+    let mut backoff = Duration::from_millis(200);
+    let mut last_error = None;
+    let mut cache: HashMap<String, Dataset> = HashMap::new();
+    let mut progress = Progress {
+        bar: opts.progress.then(|| {
+            let b = indicatif::ProgressBar::new_spinner();
+            b.set_style(
+                indicatif::ProgressStyle::with_template("{spinner} [{elapsed_precise}] {msg}")
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+            );
+            b
+        }),
+        last: Instant::now(),
+    };
+    tokio::pin!(shutdown);
+    loop {
+        let out_of_time = deadline.is_some_and(|d| Instant::now() >= d);
+        let out_of_steps = opts.steps.is_some_and(|s| stats.steps >= s);
+        if out_of_time || out_of_steps {
+            break;
+        }
+        sessions += 1;
+        let steps_before = stats.steps;
+        let session = async {
+            let joined = join(&http, opts.name.clone()).await?;
+            ids.push(joined.worker_id);
+            let data = match cache.get(&joined.partition.images) {
+                Some(d) => d.clone(),
+                None => {
+                    let images = get(format!("{http}{}", joined.partition.images)).await?;
+                    let labels = get(format!("{http}{}", joined.partition.labels)).await?;
+                    let d = Dataset::from_idx(&images, &labels)?;
+                    cache.insert(joined.partition.images.clone(), d.clone());
+                    d
+                }
+            };
+            let mut worker = Worker::new(joined, data, ClientKind::Native, opts.steps)?;
+            worker.carry_stats(stats.clone());
+            let end = drive(&mut worker, &ws, deadline, &mut progress, started).await;
+            stats = worker.stats().clone();
+            Ok::<End, Error>(end)
+        };
+        let end = tokio::select! {
+            r = session => r.unwrap_or_else(|e| End::Lost(e.to_string())),
+            _ = &mut shutdown => break,
+        };
+        match end {
+            End::Done => break,
+            End::Lost(why) => {
+                tracing::warn!(%why, "connection lost; reconnecting in {backoff:?}");
+                last_error = Some(why);
+                if stats.steps > steps_before {
+                    backoff = Duration::from_millis(200);
+                }
+                let wait = match deadline {
+                    Some(d) => backoff.min(d.saturating_duration_since(Instant::now())),
+                    None => backoff,
+                };
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = &mut shutdown => break,
+                }
+                backoff = (backoff * 2).min(opts.max_backoff);
+            }
+        }
+    }
+    if let Some(id) = ids.last() {
+        progress.update(*id, &stats, started, true);
+    }
+    if let Some(b) = &progress.bar {
+        b.finish();
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    Ok(Summary {
+        worker_ids: ids,
+        samples_per_sec: stats.samples as f64 / seconds.max(1e-9),
+        stats,
+        seconds,
+        sessions,
+        peak_rss_kib: peak_rss_kib(),
+        last_error,
+    })
+}
+
+enum Event {
+    Frame(usize, Vec<u8>),
+    Closed(usize, String),
+}
+
+async fn drive(
+    worker: &mut Worker,
+    ws: &str,
+    deadline: Option<Instant>,
+    progress: &mut Progress,
+    started: Instant,
+) -> End {
+    let shards: Vec<String> = worker
+        .join_info()
+        .run
+        .shards
+        .iter()
+        .map(|s| format!("{ws}{}", s.path))
+        .collect();
+    let id = worker.join_info().worker_id;
+    // Connect to every shard concurrently.
+    let conns = futures_util::future::join_all(
+        shards
+            .iter()
+            .map(|u| tokio_tungstenite::connect_async(u.as_str())),
+    )
+    .await;
+    let (ev_tx, mut ev_rx) = mpsc::channel::<Event>(256);
+    let mut sinks = Vec::new();
+    let mut readers = tokio::task::JoinSet::new();
+    for (i, c) in conns.into_iter().enumerate() {
+        let (socket, _) = match c {
+            Ok(s) => s,
+            Err(e) => return End::Lost(format!("connecting to shard {i}: {e}")),
+        };
+        let (sink, mut stream) = socket.split();
+        sinks.push(sink);
+        let tx = ev_tx.clone();
+        readers.spawn(async move {
+            loop {
+                let ev = match stream.next().await {
+                    Some(Ok(Message::Binary(b))) => Event::Frame(i, b.into()),
+                    Some(Ok(Message::Close(c))) => Event::Closed(
+                        i,
+                        c.map_or_else(|| "closed".into(), |c| c.reason.to_string()),
+                    ),
+                    Some(Ok(_)) => continue,
+                    Some(Err(e)) => Event::Closed(i, e.to_string()),
+                    None => Event::Closed(i, "closed".into()),
+                };
+                let closed = matches!(ev, Event::Closed(..));
+                if tx.send(ev).await.is_err() || closed {
+                    break;
+                }
+            }
+        });
+        worker.connected(i);
+    }
+    drop(ev_tx);
+    let end = loop {
+        let mut send_failed = None;
+        while let Some(out) = worker.poll_transmit() {
+            if let Err(e) = sinks[out.shard]
+                .send(Message::Binary(out.frame.into()))
+                .await
+            {
+                send_failed = Some(format!("sending to shard {}: {e}", out.shard));
+                break;
+            }
+        }
+        if let Some(why) = send_failed {
+            break End::Lost(why);
+        }
+        if worker.is_done() || deadline.is_some_and(|d| Instant::now() >= d) {
+            break End::Done;
+        }
+        if worker.ready() {
+            if let Err(e) = worker.step() {
+                break End::Lost(e.to_string());
+            }
+            progress.update(id, worker.stats(), started, false);
+            continue;
+        }
+        let ev = match deadline {
+            Some(d) => match tokio::time::timeout_at(d.into(), ev_rx.recv()).await {
+                Ok(ev) => ev,
+                Err(_) => break End::Done,
+            },
+            None => ev_rx.recv().await,
+        };
+        match ev {
+            Some(Event::Frame(i, bytes)) => {
+                if let Err(e) = worker.receive(i, &bytes) {
+                    break End::Lost(format!("shard {i}: {e}"));
+                }
+            }
+            Some(Event::Closed(i, why)) => {
+                worker.disconnected(i);
+                break End::Lost(format!("shard {i} closed: {why}"));
+            }
+            None => break End::Lost("all connections closed".into()),
+        }
+    };
+    // Say goodbye on every connection that is still open.
+    for (i, mut sink) in sinks.into_iter().enumerate() {
+        let bye = wire::encode(&Frame::Bye {
+            shard: i as u32,
+            bye: Bye {
+                reason: "worker leaving".into(),
+            },
+        });
+        let _ = tokio::time::timeout(Duration::from_millis(500), async {
+            let _ = sink.send(Message::Binary(bye.into())).await;
+            let _ = sink.close().await;
+        })
+        .await;
+    }
+    readers.abort_all();
+    end
+}
+
+/// A worker running on a thread of its own with a single-threaded runtime (how tests and
+/// benches run several workers in one process without sharing the server's runtime).
+#[derive(Debug)]
+pub struct WorkerThread {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    kill: Option<tokio::sync::oneshot::Sender<()>>,
+    handle: std::thread::JoinHandle<Option<Result<Summary>>>,
+}
+
+impl WorkerThread {
+    /// Starts a worker with `opts`.
+    pub fn spawn(opts: WorkOptions) -> Self {
+        let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let (kill, kill_rx) = tokio::sync::oneshot::channel::<()>();
+        let handle = std::thread::spawn(move || {
+            let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                Ok(rt) => rt,
+                Err(e) => return Some(Err(Error::io("building a runtime", e))),
+            };
+            rt.block_on(async move {
+                let stopped = async move {
+                    let _ = stop_rx.await;
+                };
+                tokio::select! {
+                    r = work(opts, stopped) => Some(r),
+                    // Dropping the worker mid-flight closes its sockets without a goodbye, as
+                    // a crashed process would.
+                    _ = kill_rx => None,
+                }
+            })
+        });
+        Self {
+            stop: Some(stop),
+            kill: Some(kill),
+            handle,
+        }
+    }
+
+    /// True once the worker has returned.
+    pub fn is_finished(&self) -> bool {
+        self.handle.is_finished()
+    }
+
+    /// Asks the worker to stop (it says goodbye) and waits for its summary.
+    ///
+    /// # Errors
+    /// What [`work`] returned, or an error when the thread panicked.
+    pub fn stop(mut self) -> Result<Summary> {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        self.join()
+    }
+
+    /// Waits for the worker to finish by itself (step or time limit).
+    ///
+    /// # Errors
+    /// As [`WorkerThread::stop`].
+    pub fn join(self) -> Result<Summary> {
+        match self.handle.join() {
+            Ok(Some(r)) => r,
+            Ok(None) => Err(Error::Config("worker was killed".into())),
+            Err(_) => Err(Error::Config("worker thread panicked".into())),
+        }
+    }
+
+    /// Kills the worker abruptly: its connections drop without Bye or Close frames.
+    pub fn kill(mut self) {
+        if let Some(k) = self.kill.take() {
+            let _ = k.send(());
+        }
+        let _ = self.handle.join();
+    }
+}

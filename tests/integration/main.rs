@@ -1,0 +1,8 @@
+//! Integration tests: real servers on 127.0.0.1:0, real WebSocket clients, real MNIST.
+//!
+//! One module per area (mini-redis' tests layout); `util` holds the shared helpers.
+
+mod http;
+mod protocol;
+mod training;
+mod util;

@@ -1,0 +1,201 @@
+//! The wire protocol over a real server: every kind of bad input gets a clear error frame, the
+//! connection is closed, the shard is unchanged, and the server keeps serving other workers.
+
+use crate::util::{config, connect, hello, join, recv, send, server, status};
+use crowdgrad::Running;
+use crowdgrad_core::wire::{self, ClientKind, ErrorCode, Hello, Message as Frame, HEADER_LEN, MAX_META_LEN};
+use futures_util::SinkExt;
+use tokio_tungstenite::tungstenite::Message;
+
+fn decode(frame: &[u8]) -> Frame<'_> {
+    wire::decode(frame, usize::MAX).expect("the server's frames decode")
+}
+
+/// A healthy worker can still pull and push on shard 0 and the push is applied.
+async fn still_serving(running: &Running, worker: u64) {
+    let (mut ws, version) = hello(running, worker, 0).await;
+    let n = join_len(running).await;
+    send(&mut ws, wire::encode_push(5, 0, version, 1, &vec![0.0; n])).await;
+    let ack = recv(&mut ws).await.expect("ack");
+    assert!(matches!(decode(&ack), Frame::Ack { request_id: 5, .. }), "{:?}", decode(&ack));
+    send(&mut ws, wire::encode(&Frame::Pull { request_id: 6, shard: 0 })).await;
+    let p = recv(&mut ws).await.expect("params");
+    assert!(matches!(decode(&p), Frame::Params { request_id: 6, values, .. } if values.len() == n));
+}
+
+async fn join_len(running: &Running) -> usize {
+    let s = status(&running.url()).await;
+    let r = &s["shards"][0]["range"];
+    (r["end"].as_u64().unwrap_or(0) - r["start"].as_u64().unwrap_or(0)) as usize
+}
+
+/// Sends `bad` after an optional handshake and checks: error frame with `code` echoing
+/// `request_id`, then close; shard 0 unchanged; others still served.
+async fn rejected(handshake: bool, bad: Message, code: ErrorCode, request_id: u32) {
+    let running = server(config()).await;
+    let url = running.url();
+    let me = join(&url).await.worker_id;
+    let other = join(&url).await.worker_id;
+    let before = status(&url).await;
+    let (_, params_before) = crate::util::get(format!("{url}/api/params")).await;
+    let mut ws = if handshake { hello(&running, me, 0).await.0 } else { connect(&running, 0).await };
+    ws.send(bad).await.expect("send");
+    let reply = recv(&mut ws).await.expect("an error frame before the close");
+    match decode(&reply) {
+        Frame::Error { error, request_id: echoed, .. } => {
+            assert_eq!(error.code, code, "{}", error.message);
+            assert!(!error.message.is_empty());
+            assert_eq!(echoed, request_id);
+        }
+        other => panic!("expected an Error frame, got {other:?}"),
+    }
+    assert!(recv(&mut ws).await.is_none(), "the connection is closed after a fatal error");
+    let after = status(&url).await;
+    assert_eq!(after["shards"][0]["version"], before["shards"][0]["version"]);
+    let (_, params_after) = crate::util::get(format!("{url}/api/params")).await;
+    assert!(params_before == params_after, "a rejected frame changed the parameters");
+    assert_eq!(after["shards"][0]["rejected_by_reason"][code.name()], 1);
+    still_serving(&running, other).await;
+    running.stop().await.expect("clean shutdown");
+}
+
+fn bin(v: Vec<u8>) -> Message {
+    Message::Binary(v.into())
+}
+
+fn full_push(n: usize) -> Vec<u8> {
+    wire::encode_push(9, 0, 0, 32, &vec![0.01; n])
+}
+
+const SHARD0: usize = 50_885; // MLP 784-128-10 over the default 2 shards
+
+#[tokio::test]
+async fn truncated_frame() {
+    let mut f = full_push(SHARD0);
+    f.truncate(f.len() - 3);
+    rejected(true, bin(f), ErrorCode::Malformed, 9).await;
+}
+
+#[tokio::test]
+async fn frame_shorter_than_a_header() {
+    rejected(true, bin(vec![b'C', b'G', 1]), ErrorCode::Malformed, 0).await;
+}
+
+#[tokio::test]
+async fn oversized_frame() {
+    let n = SHARD0 + MAX_META_LEN / 4 + HEADER_LEN;
+    rejected(true, bin(wire::encode_push(9, 0, 0, 32, &vec![0.0; n])), ErrorCode::Oversize, 9).await;
+}
+
+#[tokio::test]
+async fn wrong_length_push() {
+    rejected(true, bin(wire::encode_push(9, 0, 0, 32, &vec![0.0; SHARD0 - 1])), ErrorCode::WrongLength, 9).await;
+}
+
+#[tokio::test]
+async fn unknown_kind() {
+    let mut f = wire::encode(&Frame::Pull { request_id: 9, shard: 0 });
+    f[3] = 99;
+    rejected(true, bin(f), ErrorCode::UnknownKind, 9).await;
+}
+
+#[tokio::test]
+async fn unknown_wire_version() {
+    let mut f = full_push(SHARD0);
+    f[2] = 2;
+    rejected(true, bin(f), ErrorCode::WireVersion, 9).await;
+}
+
+#[tokio::test]
+async fn wrong_protocol_version_in_hello() {
+    let f = wire::encode(&Frame::Hello {
+        request_id: 4,
+        shard: 0,
+        hello: Hello { protocol: 99, worker_id: 1, client: ClientKind::Native },
+    });
+    rejected(false, bin(f), ErrorCode::ProtocolVersion, 4).await;
+}
+
+#[tokio::test]
+async fn nan_in_a_push() {
+    let mut g = vec![0.01f32; SHARD0];
+    g[1234] = f32::NAN;
+    rejected(true, bin(wire::encode_push(9, 0, 0, 32, &g)), ErrorCode::NotFinite, 9).await;
+}
+
+#[tokio::test]
+async fn infinity_in_a_push() {
+    let mut g = vec![0.01f32; SHARD0];
+    g[SHARD0 - 1] = f32::NEG_INFINITY;
+    rejected(true, bin(wire::encode_push(9, 0, 0, 32, &g)), ErrorCode::NotFinite, 9).await;
+}
+
+#[tokio::test]
+async fn push_from_the_future() {
+    rejected(true, bin(wire::encode_push(9, 0, 1000, 32, &vec![0.0; SHARD0])), ErrorCode::FutureVersion, 9).await;
+}
+
+#[tokio::test]
+async fn push_before_hello() {
+    rejected(false, bin(full_push(SHARD0)), ErrorCode::Protocol, 9).await;
+}
+
+#[tokio::test]
+async fn unknown_worker_id() {
+    let f = wire::encode(&Frame::Hello {
+        request_id: 3,
+        shard: 0,
+        hello: Hello { protocol: 1, worker_id: 424_242, client: ClientKind::Native },
+    });
+    rejected(false, bin(f), ErrorCode::UnknownWorker, 3).await;
+}
+
+#[tokio::test]
+async fn frame_for_another_shard() {
+    rejected(true, bin(wire::encode_push(9, 1, 0, 32, &vec![0.0; SHARD0])), ErrorCode::WrongShard, 9).await;
+}
+
+#[tokio::test]
+async fn text_message() {
+    rejected(true, Message::Text("{\"pull\":1}".into()), ErrorCode::Malformed, 0).await;
+}
+
+#[tokio::test]
+async fn graceful_shutdown_says_bye_and_closes() {
+    let running = server(config()).await;
+    let me = join(&running.url()).await.worker_id;
+    let (mut ws, _) = hello(&running, me, 1).await;
+    let stopping = tokio::spawn(running.stop());
+    let bye = recv(&mut ws).await.expect("a Bye frame");
+    assert!(matches!(decode(&bye), Frame::Bye { shard: 1, .. }));
+    assert!(recv(&mut ws).await.is_none());
+    stopping.await.expect("join").expect("clean shutdown");
+}
+
+#[tokio::test]
+async fn staleness_is_recorded_and_a_bounded_policy_rejects_without_closing() {
+    let mut cfg = config();
+    cfg.staleness = crowdgrad::config::StalenessPolicy::DropBeyond(1);
+    let running = server(cfg).await;
+    let url = running.url();
+    let me = join(&url).await.worker_id;
+    let (mut ws, v0) = hello(&running, me, 0).await;
+    let g = vec![0.0f32; SHARD0];
+    for (req, expect_staleness) in [(1u32, 0u32), (2, 1)] {
+        send(&mut ws, wire::encode_push(req, 0, v0, 32, &g)).await;
+        let ack = recv(&mut ws).await.expect("ack");
+        assert!(matches!(decode(&ack), Frame::Ack { staleness, .. } if staleness == expect_staleness));
+    }
+    // Staleness 2 > 1: rejected, but the connection stays open.
+    send(&mut ws, wire::encode_push(3, 0, v0, 32, &g)).await;
+    let err = recv(&mut ws).await.expect("error");
+    assert!(matches!(decode(&err), Frame::Error { request_id: 3, error, .. } if error.code == ErrorCode::TooStale));
+    send(&mut ws, wire::encode(&Frame::Pull { request_id: 4, shard: 0 })).await;
+    let p = recv(&mut ws).await.expect("still open");
+    assert!(matches!(decode(&p), Frame::Params { version: 2, .. }));
+    let s = status(&url).await;
+    assert_eq!(s["shards"][0]["staleness_max"], 1);
+    assert_eq!(s["shards"][0]["rejected_by_reason"]["too_stale"], 1);
+    assert_eq!(s["workers"][0]["pushes_rejected"], 1);
+    running.stop().await.expect("clean shutdown");
+}
