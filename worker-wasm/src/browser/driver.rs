@@ -1,0 +1,383 @@
+//! The driver task: join, fetch data, connect, then feed the core worker socket events, send
+//! its frames and call `step()` whenever it is ready, within the CPU limit. Any failure ends the
+//! session; [`run`] then rejoins from scratch after an exponential backoff, carrying the
+//! counters over with `carry_stats`.
+
+use super::net::Scope;
+use super::socket::{ShardSocket, SocketEventKind};
+use super::Shared;
+use crate::endpoint::{http_url, ws_url};
+use crate::error::{Error, Result};
+use crate::pace::{Backoff, Ema, RateMeter};
+use crate::progress::ConnState;
+use crowdgrad_core::data::Dataset;
+use crowdgrad_core::spec::{JoinRequest, JoinResponse};
+use crowdgrad_core::wire::ClientKind;
+use crowdgrad_core::worker::{Worker, WorkerStats};
+use std::rc::Rc;
+
+/// First rejoin delay.
+const BACKOFF_BASE_MS: f64 = 500.0;
+/// Longest rejoin delay.
+const BACKOFF_CAP_MS: f64 = 10_000.0;
+/// A step waits while any socket has more than this many bytes unsent (a browser closes a
+/// socket whose send buffer overflows).
+const HIGH_WATER_BYTES: u32 = 4 << 20;
+/// Longest wait for parameters before the session is declared stalled.
+const STALL_MS: f64 = 30_000.0;
+/// How often progress is posted while nothing else changes.
+const REPORT_EVERY_MS: f64 = 250.0;
+/// Weight of the newest step time in the step-time average.
+const STEP_EMA_ALPHA: f64 = 0.1;
+
+/// Runs sessions until the page calls `stop()`.
+pub(crate) async fn run(sh: Rc<Shared>) {
+    let started = sh.scope.now();
+    let mut d = Driver {
+        sh: sh.clone(),
+        started,
+        carried: WorkerStats::default(),
+        next_link: 1,
+        step_ms: Ema::default(),
+        rate: RateMeter::new(5_000.0),
+        last_report: f64::NEG_INFINITY,
+    };
+    let mut backoff = Backoff::new(BACKOFF_BASE_MS, BACKOFF_CAP_MS);
+    let mut sessions = 0u32;
+    loop {
+        if sh.control.borrow().stopped {
+            break;
+        }
+        sh.progress.borrow_mut().reconnects = sessions;
+        sessions += 1;
+        let accepted_before = d.carried.pushes_accepted;
+        match d.session().await {
+            Ok(()) => break,
+            Err(e) => {
+                if d.carried.pushes_accepted > accepted_before {
+                    // The session trained: this is a fresh failure, not a repeated one.
+                    backoff.reset();
+                }
+                let delay = backoff.next_delay_ms(js_sys::Math::random());
+                {
+                    let mut p = sh.progress.borrow_mut();
+                    p.state = ConnState::Reconnecting;
+                    p.error = Some(e.to_string());
+                    p.retry_in_ms = Some(delay);
+                    p.shards_connected = 0;
+                }
+                d.report(None, true);
+                let deadline = sh.scope.now() + delay;
+                loop {
+                    let left = deadline - sh.scope.now();
+                    if left <= 0.0 || sh.control.borrow().stopped {
+                        break;
+                    }
+                    sh.wake.wait(&sh.scope, left).await;
+                }
+                sh.progress.borrow_mut().retry_in_ms = None;
+            }
+        }
+    }
+    sh.progress.borrow_mut().state = ConnState::Stopped;
+    sh.progress.borrow_mut().shards_connected = 0;
+    d.report(None, true);
+}
+
+struct Driver {
+    sh: Rc<Shared>,
+    started: f64,
+    /// Counters of the sessions so far (handed to each new core worker).
+    carried: WorkerStats,
+    next_link: u64,
+    step_ms: Ema,
+    rate: RateMeter,
+    last_report: f64,
+}
+
+/// The open sockets of one session (or of one stretch between pauses).
+struct Link {
+    id: u64,
+    sockets: Vec<Option<ShardSocket>>,
+    open: Vec<bool>,
+}
+
+impl Link {
+    fn connected(&self) -> usize {
+        self.open.iter().filter(|&&o| o).count()
+    }
+
+    fn buffered_max(&self) -> u32 {
+        self.sockets
+            .iter()
+            .flatten()
+            .map(ShardSocket::buffered)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Sends everything the core worker queued.
+    fn flush(&self, worker: &mut Worker) -> Result<()> {
+        while let Some(out) = worker.poll_transmit() {
+            match self.sockets.get(out.shard).and_then(Option::as_ref) {
+                Some(s) => s.send(&out.frame)?,
+                None => {
+                    return Err(Error::Closed {
+                        shard: out.shard,
+                        code: 1006,
+                        reason: "socket already closed".into(),
+                    })
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Closes every socket and tells the core worker (which counts lost pushes).
+    fn close(&mut self, worker: &mut Worker, reason: &str) {
+        for (shard, s) in self.sockets.iter_mut().enumerate() {
+            if let Some(s) = s.take() {
+                s.close(reason);
+            }
+            worker.disconnected(shard);
+            self.open[shard] = false;
+        }
+    }
+}
+
+impl Driver {
+    fn scope(&self) -> &Scope {
+        &self.sh.scope
+    }
+
+    fn set_state(&mut self, state: ConnState, worker: Option<&Worker>) {
+        self.sh.progress.borrow_mut().state = state;
+        self.report(worker, true);
+    }
+
+    /// Refreshes the report from `worker` (or the carried counters) and posts it, at most every
+    /// [`REPORT_EVERY_MS`] unless `force`.
+    fn report(&mut self, worker: Option<&Worker>, force: bool) {
+        let now = self.scope().now();
+        if !force && now - self.last_report < REPORT_EVERY_MS {
+            return;
+        }
+        self.last_report = now;
+        {
+            let mut p = self.sh.progress.borrow_mut();
+            p.stats = worker.map_or_else(|| self.carried.clone(), |w| w.stats().clone());
+            p.samples_per_sec = self.rate.rate(now);
+            p.step_ms = self.step_ms.get();
+            p.uptime_ms = now - self.started;
+            if p.first_push_ms.is_none() && p.stats.pushes_accepted > 0 {
+                p.first_push_ms = Some(now - self.started);
+            }
+        }
+        self.sh.post();
+    }
+
+    async fn wait_while_paused(&mut self) {
+        let mut announced = false;
+        loop {
+            let c = *self.sh.control.borrow();
+            if !c.paused || c.stopped {
+                return;
+            }
+            if !announced {
+                self.sh.progress.borrow_mut().shards_connected = 0;
+                self.set_state(ConnState::Paused, None);
+                announced = true;
+            }
+            self.sh.wake.wait(&self.sh.scope, 60_000.0).await;
+        }
+    }
+
+    /// One join-to-failure session. `Ok` means the page stopped the worker.
+    async fn session(&mut self) -> Result<()> {
+        self.wait_while_paused().await;
+        if self.sh.control.borrow().stopped {
+            return Ok(());
+        }
+        self.set_state(ConnState::Joining, None);
+        let join_url = format!("{}/api/join", self.sh.base);
+        let join: JoinResponse = self
+            .scope()
+            .post_json(&join_url, &JoinRequest::new(ClientKind::Browser))
+            .await?;
+        {
+            let mut p = self.sh.progress.borrow_mut();
+            p.worker_id = Some(join.worker_id);
+            p.run_id = Some(join.run.run_id.clone());
+            p.model = Some(join.run.model.to_string());
+            p.batch_size = Some(join.run.batch_size);
+            p.shards = join.run.shards.len();
+            p.partition_examples = Some(join.partition.examples);
+            p.error = None;
+        }
+        self.set_state(ConnState::Downloading, None);
+        let base = self.sh.base.clone();
+        let (images, images_cached) = self
+            .scope()
+            .fetch_cached(&http_url(&base, &join.partition.images))
+            .await?;
+        let (labels, labels_cached) = self
+            .scope()
+            .fetch_cached(&http_url(&base, &join.partition.labels))
+            .await?;
+        {
+            let mut p = self.sh.progress.borrow_mut();
+            p.data_from_cache = Some(images_cached && labels_cached);
+            p.data_bytes = (images.len() + labels.len()) as u64;
+        }
+        let data = Dataset::from_idx(&images, &labels)?;
+        drop((images, labels));
+        let mut worker = Worker::new(join, data, ClientKind::Browser, None)?;
+        worker.carry_stats(self.carried.clone());
+        let mut link = self.connect(&worker)?;
+        let result = self.drive(&mut worker, &mut link).await;
+        link.close(
+            &mut worker,
+            if result.is_ok() { "stopped" } else { "error" },
+        );
+        self.carried = worker.stats().clone();
+        result
+    }
+
+    /// Opens one socket per shard.
+    fn connect(&mut self, worker: &Worker) -> Result<Link> {
+        let id = self.next_link;
+        self.next_link += 1;
+        // Late events from an older link are skipped by id; drop them now too.
+        self.sh.events.borrow_mut().clear();
+        let shards = &worker.join_info().run.shards;
+        let mut sockets = Vec::with_capacity(shards.len());
+        for (i, s) in shards.iter().enumerate() {
+            let url = ws_url(&self.sh.base, &s.path);
+            match ShardSocket::open(&url, i, id, &self.sh) {
+                Ok(sock) => sockets.push(Some(sock)),
+                Err(e) => {
+                    sockets.into_iter().flatten().for_each(|s| s.close("error"));
+                    return Err(e);
+                }
+            }
+        }
+        let n = sockets.len();
+        {
+            let mut p = self.sh.progress.borrow_mut();
+            p.state = ConnState::Connecting;
+            p.shards_connected = 0;
+        }
+        self.report(Some(worker), true);
+        Ok(Link {
+            id,
+            sockets,
+            open: vec![false; n],
+        })
+    }
+
+    /// Feeds the core worker until a failure or `stop()`.
+    async fn drive(&mut self, worker: &mut Worker, link: &mut Link) -> Result<()> {
+        let mut training = false;
+        let mut rest_end = self.scope().now();
+        let mut last_frame = rest_end;
+        loop {
+            // 1. Socket events, in arrival order.
+            loop {
+                let Some(ev) = self.sh.events.borrow_mut().pop_front() else {
+                    break;
+                };
+                if ev.link != link.id {
+                    continue;
+                }
+                match ev.kind {
+                    SocketEventKind::Open => {
+                        link.open[ev.shard] = true;
+                        worker.connected(ev.shard);
+                        self.sh.progress.borrow_mut().shards_connected = link.connected();
+                    }
+                    SocketEventKind::Message(bytes) => {
+                        last_frame = self.scope().now();
+                        worker.receive(ev.shard, &bytes)?;
+                    }
+                    SocketEventKind::Close { code, reason } => {
+                        link.sockets[ev.shard] = None;
+                        link.open[ev.shard] = false;
+                        worker.disconnected(ev.shard);
+                        return Err(Error::Closed {
+                            shard: ev.shard,
+                            code,
+                            reason,
+                        });
+                    }
+                }
+            }
+            link.flush(worker)?;
+
+            // 2. What the page asked for.
+            let control = *self.sh.control.borrow();
+            if control.stopped {
+                return Ok(());
+            }
+            if control.paused {
+                link.close(worker, "paused");
+                training = false;
+                self.wait_while_paused().await;
+                if self.sh.control.borrow().stopped {
+                    return Ok(());
+                }
+                *link = self.connect(worker)?;
+                rest_end = self.scope().now();
+                last_frame = rest_end;
+                continue;
+            }
+
+            // 3. A step, when every shard's parameters are in.
+            if worker.ready() {
+                if !training {
+                    training = true;
+                    self.set_state(ConnState::Training, Some(worker));
+                }
+                let buffered = link.buffered_max();
+                {
+                    let mut p = self.sh.progress.borrow_mut();
+                    p.buffered_max = p.buffered_max.max(u64::from(buffered));
+                    if buffered > HIGH_WATER_BYTES {
+                        p.backpressure_waits += 1;
+                    }
+                }
+                if buffered > HIGH_WATER_BYTES {
+                    self.scope().sleep(10.0).await;
+                    continue;
+                }
+                let t0 = self.scope().now();
+                let idle = t0 - rest_end;
+                worker.step()?;
+                let t1 = self.scope().now();
+                link.flush(worker)?;
+                let dt = t1 - t0;
+                self.step_ms.update(dt, STEP_EMA_ALPHA);
+                self.sh.progress.borrow_mut().step_ms_last = Some(dt);
+                self.rate.record(t1, worker.stats().samples);
+                self.report(Some(worker), false);
+                let rest = control.throttle.rest_ms(dt, idle);
+                if rest > 0.0 {
+                    self.scope().sleep(rest).await;
+                }
+                rest_end = self.scope().now();
+                last_frame = last_frame.max(t1);
+                continue;
+            }
+
+            // 4. Nothing to do until a frame or a command arrives.
+            let now = self.scope().now();
+            if now - last_frame > STALL_MS {
+                return Err(Error::Stalled(format!(
+                    "no frame from the shards for {} s",
+                    (STALL_MS / 1000.0) as u32
+                )));
+            }
+            self.report(Some(worker), false);
+            self.sh.wake.wait(&self.sh.scope, REPORT_EVERY_MS).await;
+        }
+    }
+}

@@ -1,0 +1,469 @@
+//! Native and wasm32 parity: the same seeds and batches give the same numbers in the browser as
+//! natively. One computation ([`compute`]) runs in both places and is compared against one
+//! fixture, `tests/fixtures/parity.json`, generated natively:
+//!
+//! - natively: `cargo test -p crowdgrad-worker-wasm --test parity`
+//!   (regenerate with `CROWDGRAD_BLESS=1`);
+//! - as wasm, in a dedicated Web Worker of headless Chromium:
+//!   `CHROMEDRIVER=/usr/bin/chromedriver cargo test -p crowdgrad-worker-wasm --target
+//!   wasm32-unknown-unknown` (with `wasm-bindgen-test-runner` as the target's runner).
+//!
+//! Two kinds of values, and why:
+//! - **exact** (compared bit for bit): the PRNG's integers, initial weights, data parsing and
+//!   batching, the optimizer update and every frame header the worker sends. These are integer
+//!   or element-wise IEEE arithmetic (`+ - * / sqrt`) that Rust neither contracts nor reorders,
+//!   so wasm must match exactly. Initial weights go through f64 `ln`/`cos`, which differ in
+//!   the last bits between glibc (native) and Rust's libm port (wasm), but they are rounded to
+//!   f32 and all 101,770 weights of the MLP come out identical.
+//! - **approximate** (relative tolerance [`RTOL`], absolute floor [`ATOL`]): the f64 normal
+//!   samples themselves (which do differ in the last bits, see above), losses and gradients.
+//!   Losses and gradients go through `matrixmultiply`'s GEMM, whose native kernel is chosen at
+//!   run time by CPU features (FMA where available), and through `expf`/`ln`, so they may round
+//!   differently on another machine even though on the reference machine they match bit for
+//!   bit. The largest relative difference seen is printed by both tests.
+
+use crowdgrad_core::data::{encode_idx, BatchSampler, Dataset};
+use crowdgrad_core::model::{Model, ModelSpec};
+use crowdgrad_core::optim::{self, OptState, OptimizerConfig, Rule};
+use crowdgrad_core::partition::{partition, KeyRange};
+use crowdgrad_core::rng::Rng;
+use crowdgrad_core::spec::{DataInfo, JoinResponse, PartitionInfo, RunSpec, ShardInfo};
+use crowdgrad_core::wire::{self, ClientKind, Message, Welcome, PROTOCOL_VERSION};
+use crowdgrad_core::worker::Worker;
+use ndarray::Array2;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, VecDeque};
+
+#[cfg(target_arch = "wasm32")]
+wasm_bindgen_test::wasm_bindgen_test_configure!(run_in_dedicated_worker);
+
+/// Relative tolerance for values that go through GEMM and transcendental functions.
+const RTOL: f64 = 1e-4;
+/// Absolute floor of the tolerance (gradient entries near zero).
+const ATOL: f64 = 1e-6;
+
+/// The fixture, checked in.
+const FIXTURE: &str = include_str!("fixtures/parity.json");
+
+/// What both platforms compute.
+#[derive(Debug, Default, PartialEq, Serialize, Deserialize)]
+struct Fingerprint {
+    /// Hex digests (FNV-1a 64 of the bits) or decimal integers, compared exactly.
+    exact: BTreeMap<String, String>,
+    /// Values compared within tolerance, as Rust's shortest round-trip decimal text (parsed
+    /// back exactly with `str::parse`, unlike JSON numbers through serde_json's fast path).
+    approx: BTreeMap<String, Vec<String>>,
+}
+
+/// FNV-1a 64 over bytes.
+fn fnv(bytes: impl IntoIterator<Item = u8>) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+fn fnv_f32(values: &[f32]) -> String {
+    fnv(values.iter().flat_map(|v| v.to_bits().to_le_bytes()))
+}
+
+fn l2(values: &[f32]) -> f64 {
+    values
+        .iter()
+        .map(|&v| f64::from(v) * f64::from(v))
+        .sum::<f64>()
+        .sqrt()
+}
+
+fn sum(values: &[f32]) -> f64 {
+    values.iter().map(|&v| f64::from(v)).sum()
+}
+
+/// A synthetic MNIST-shaped dataset (28x28 bytes, 10 classes) as IDX files, so the test needs no
+/// download.
+fn synthetic_idx(n: usize, seed: u64) -> (Vec<u8>, Vec<u8>) {
+    let mut r = Rng::new(seed);
+    let pixels: Vec<u8> = (0..n * 784)
+        .map(|_| {
+            // Mostly dark like MNIST, some bright strokes.
+            let v = r.next_u64();
+            if v & 3 == 0 {
+                (v >> 8) as u8
+            } else {
+                0
+            }
+        })
+        .collect();
+    let labels: Vec<u8> = (0..n).map(|_| r.below(10) as u8).collect();
+    (encode_idx(&[n, 28, 28], &pixels), encode_idx(&[n], &labels))
+}
+
+impl Fingerprint {
+    fn put_exact(&mut self, key: &str, value: String) {
+        self.exact.insert(key.into(), value);
+    }
+
+    fn put_approx(&mut self, key: &str, values: impl IntoIterator<Item = f64>) {
+        let text = values.into_iter().map(|v| format!("{v:?}")).collect();
+        self.approx.insert(key.into(), text);
+    }
+}
+
+fn compute() -> Fingerprint {
+    let mut fp = Fingerprint::default();
+
+    // PRNG.
+    let mut r = Rng::new(42);
+    let words: Vec<u8> = (0..64).flat_map(|_| r.next_u64().to_le_bytes()).collect();
+    fp.put_exact("rng.next_u64", fnv(words));
+    // f64 `ln`/`cos` behind `normal()` are not bit-identical across libms: approximate.
+    let normals: Vec<f64> = (0..64).map(|_| r.normal()).collect();
+    fp.put_approx("rng.normal_f64", normals);
+
+    // Initial weights of the MNIST MLP the server runs by default.
+    let mlp = Model::new(ModelSpec::parse("mlp:128", 784, 10).expect("spec")).expect("model");
+    let p0 = mlp.init_params(7);
+    fp.put_exact("init.mlp128.len", p0.len().to_string());
+    fp.put_exact("init.mlp128.bits", fnv_f32(&p0));
+
+    // Data parsing and batching.
+    let (img, lab) = synthetic_idx(96, 5);
+    let data = Dataset::from_idx(&img, &lab).expect("valid IDX");
+    let mut sampler = BatchSampler::new(data.len(), 11);
+    let mut idx = vec![0u32; 32];
+    let mut all_idx = Vec::new();
+    for _ in 0..4 {
+        sampler.next_batch(&mut idx);
+        all_idx.extend_from_slice(&idx);
+    }
+    fp.put_exact(
+        "data.batches",
+        fnv(all_idx.iter().flat_map(|i| i.to_le_bytes())),
+    );
+    let mut x = Array2::zeros((32, 784));
+    let mut y = vec![0u8; 32];
+    data.fill_batch(&idx, &mut x.view_mut(), &mut y);
+    fp.put_exact(
+        "data.batch_x",
+        fnv_f32(x.as_slice().expect("standard layout")),
+    );
+    fp.put_exact("data.batch_y", fnv(y.iter().copied()));
+
+    // Loss and gradient of the MNIST MLP on that batch.
+    let mut grad = vec![0.0f32; p0.len()];
+    let mut ws = mlp.workspace(32);
+    let stats = mlp
+        .loss_and_grad(&p0, x.view(), &y, &mut grad, &mut ws)
+        .expect("fits");
+    fp.put_approx("mlp128.loss", [stats.mean_loss()]);
+    fp.put_approx("mlp128.grad.l2_sum", [l2(&grad), sum(&grad)]);
+    // A spread of individual entries: first and last layer, weights and biases.
+    let picks: Vec<f64> = [
+        0usize, 1, 5000, 77_777, 100_351, 100_480, 100_481, 101_759, 101_769,
+    ]
+    .iter()
+    .map(|&i| f64::from(grad[i]))
+    .collect();
+    fp.put_approx("mlp128.grad.picks", picks);
+
+    // A tiny model, every gradient entry.
+    let tiny = Model::new(ModelSpec {
+        inputs: 16,
+        hidden: vec![8],
+        classes: 4,
+    })
+    .expect("model");
+    let tp = tiny.init_params(3);
+    let mut r = Rng::new(9);
+    let tx = Array2::from_shape_fn((8, 16), |_| r.normal() as f32);
+    let ty: Vec<u8> = (0..8).map(|_| r.below(4) as u8).collect();
+    let mut tg = vec![0.0f32; tp.len()];
+    let mut tws = tiny.workspace(8);
+    let ts = tiny
+        .loss_and_grad(&tp, tx.view(), &ty, &mut tg, &mut tws)
+        .expect("fits");
+    fp.put_exact("tiny.init.bits", fnv_f32(&tp));
+    fp.put_approx("tiny.loss", [ts.mean_loss()]);
+    fp.put_approx("tiny.grad", tg.iter().map(|&g| f64::from(g)));
+
+    // The optimizer: element-wise IEEE arithmetic, so bit-exact.
+    for name in ["sgd", "momentum", "adagrad", "rmsprop", "adam"] {
+        let cfg = OptimizerConfig {
+            rule: Rule::from_name(name).expect("rule"),
+            lr: 0.01,
+            weight_decay: 1e-4,
+            clip_norm: None,
+        };
+        let mut state = OptState::new(&cfg.rule, 100);
+        // Inputs from exact integer arithmetic (f32 `sin`/`cos` would differ across libms).
+        let mut r = Rng::new(13);
+        let mut uniform = || ((r.next_u64() >> 40) as f32) / (1u32 << 24) as f32 - 0.5;
+        let mut p: Vec<f32> = (0..100).map(|_| uniform()).collect();
+        for _ in 0..5 {
+            let g: Vec<f32> = (0..100).map(|_| uniform()).collect();
+            optim::step(&cfg, &mut state, &mut p, &g, 1.0);
+        }
+        fp.put_exact(&format!("optim.{name}"), fnv_f32(&p));
+    }
+
+    worker_session(&mut fp);
+    fp
+}
+
+/// Runs the sans-IO worker against an in-memory two-shard server for a few steps.
+fn worker_session(fp: &mut Fingerprint) {
+    let spec = ModelSpec::parse("mlp:32", 784, 10).expect("spec");
+    let model = Model::new(spec.clone()).expect("model");
+    let ranges: Vec<KeyRange> = partition(model.param_len(), 2).expect("ranges");
+    let cfg = OptimizerConfig {
+        rule: Rule::Sgd,
+        lr: 0.1,
+        weight_decay: 0.0,
+        clip_norm: Some(5.0),
+    };
+    let join = JoinResponse {
+        protocol: PROTOCOL_VERSION,
+        worker_id: 3,
+        run: RunSpec {
+            run_id: "parity".into(),
+            model: spec,
+            optimizer: cfg,
+            batch_size: 16,
+            seed: 42,
+            consistency: "async".into(),
+            shards: ranges
+                .iter()
+                .enumerate()
+                .map(|(i, &range)| ShardInfo {
+                    id: i as u32,
+                    path: format!("/ws/shard/{i}"),
+                    range,
+                })
+                .collect(),
+            dataset: DataInfo {
+                name: "synthetic".into(),
+                image_dims: vec![28, 28],
+                classes: 10,
+                train_len: 64,
+                test_len: 0,
+            },
+        },
+        partition: PartitionInfo {
+            index: 0,
+            count: 1,
+            examples: 64,
+            images: "/images".into(),
+            labels: "/labels".into(),
+        },
+    };
+    let (img, lab) = synthetic_idx(64, 21);
+    let data = Dataset::from_idx(&img, &lab).expect("valid IDX");
+    let mut worker = Worker::new(join, data, ClientKind::Browser, Some(4)).expect("worker");
+
+    // The fake shards.
+    let init = model.init_params(42);
+    let mut params: Vec<Vec<f32>> = ranges
+        .iter()
+        .map(|r| init[r.start..r.end].to_vec())
+        .collect();
+    let mut states: Vec<OptState> = ranges
+        .iter()
+        .map(|r| OptState::new(&cfg.rule, r.len()))
+        .collect();
+    let mut versions = [0u64; 2];
+    let mut replies: VecDeque<(usize, Vec<u8>)> = VecDeque::new();
+    let mut headers = Vec::new();
+    let mut hellos = Vec::new();
+    let mut push_l2 = Vec::new();
+    let mut losses = Vec::new();
+    for shard in 0..2 {
+        worker.connected(shard);
+    }
+    for _round in 0..100 {
+        while let Some(out) = worker.poll_transmit() {
+            headers.extend_from_slice(&out.frame[..wire::HEADER_LEN]);
+            let msg = wire::decode(&out.frame, 1 << 24).expect("valid frame");
+            let s = out.shard;
+            let reply = match msg {
+                Message::Hello { request_id, .. } => {
+                    hellos.extend_from_slice(&out.frame);
+                    wire::encode(&Message::Welcome {
+                        request_id,
+                        shard: s as u32,
+                        welcome: Welcome {
+                            protocol: PROTOCOL_VERSION,
+                            range: ranges[s],
+                            version: versions[s],
+                        },
+                    })
+                }
+                Message::Pull { request_id, .. } => {
+                    wire::encode_params(request_id, s as u32, versions[s], &params[s])
+                }
+                Message::Push {
+                    request_id,
+                    base_version,
+                    grad,
+                    ..
+                } => {
+                    let mut g = vec![0.0f32; grad.len()];
+                    grad.copy_into(&mut g).expect("finite");
+                    push_l2.push(l2(&g));
+                    optim::step(&cfg, &mut states[s], &mut params[s], &g, 1.0);
+                    versions[s] += 1;
+                    wire::encode(&Message::Ack {
+                        request_id,
+                        shard: s as u32,
+                        version: versions[s],
+                        staleness: (versions[s] - 1 - base_version) as u32,
+                    })
+                }
+                other => panic!("unexpected frame from the worker: {other:?}"),
+            };
+            replies.push_back((s, reply));
+        }
+        while let Some((s, bytes)) = replies.pop_front() {
+            worker.receive(s, &bytes).expect("valid reply");
+        }
+        if worker.ready() {
+            losses.push(worker.step().expect("step").loss);
+        } else if worker.is_done() {
+            break;
+        }
+    }
+    let st = worker.stats();
+    fp.exact.insert(
+        "worker.counts".into(),
+        format!(
+            "steps={} samples={} sent={} accepted={} rejected={} lost={}",
+            st.steps,
+            st.samples,
+            st.pushes_sent,
+            st.pushes_accepted,
+            st.pushes_rejected,
+            st.pushes_lost
+        ),
+    );
+    fp.exact.insert("worker.headers".into(), fnv(headers));
+    fp.exact.insert("worker.hellos".into(), fnv(hellos));
+    fp.put_approx("worker.losses", losses);
+    fp.put_approx("worker.push_l2", push_l2);
+    let all: Vec<f32> = params.concat();
+    fp.put_approx("worker.final_params.l2_sum", [l2(&all), sum(&all)]);
+}
+
+/// What [`compare`] found.
+#[derive(Debug, Default)]
+struct Report {
+    /// Largest relative difference among approximate values.
+    worst: f64,
+    /// Approximate values that matched bit for bit, of `total`.
+    identical: usize,
+    total: usize,
+    /// Largest relative difference per approximate key.
+    per_key: Vec<String>,
+    failures: Vec<String>,
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "exact values all equal: {}; approximate values bit-identical: {} of {}; \
+             largest relative difference {:.1e} ({})",
+            self.failures.iter().all(|m| !m.starts_with("exact")),
+            self.identical,
+            self.total,
+            self.worst,
+            self.per_key.join(", ")
+        )
+    }
+}
+
+/// Compares `got` with `want`.
+fn compare(got: &Fingerprint, want: &Fingerprint) -> Report {
+    let mut r = Report::default();
+    let failures = &mut r.failures;
+    for (k, w) in &want.exact {
+        match got.exact.get(k) {
+            Some(g) if g == w => {}
+            g => failures.push(format!("exact {k}: got {g:?}, fixture {w}")),
+        }
+    }
+    let parse =
+        |v: &[String]| -> Vec<f64> { v.iter().map(|t| t.parse().unwrap_or(f64::NAN)).collect() };
+    for (k, w) in &want.approx {
+        let w = parse(w);
+        let Some(g) = got.approx.get(k).map(|g| parse(g)) else {
+            failures.push(format!("missing {k}"));
+            continue;
+        };
+        if g.len() != w.len() {
+            failures.push(format!("{k}: {} values, fixture {}", g.len(), w.len()));
+            continue;
+        }
+        let mut key_worst = 0.0f64;
+        for (i, (&a, &b)) in g.iter().zip(&w).enumerate() {
+            let diff = (a - b).abs();
+            r.total += 1;
+            if a.to_bits() == b.to_bits() {
+                r.identical += 1;
+            }
+            key_worst = key_worst.max(diff / b.abs().max(ATOL));
+            if diff.is_nan() || diff > ATOL + RTOL * b.abs() {
+                failures.push(format!("{k}[{i}]: got {a}, fixture {b} (diff {diff:e})"));
+            }
+        }
+        r.worst = r.worst.max(key_worst);
+        r.per_key.push(format!("{k}: {key_worst:.1e}"));
+    }
+    if got.exact.len() != want.exact.len() || got.approx.len() != want.approx.len() {
+        failures.push("the fixture and the computation list different keys".into());
+    }
+    r
+}
+
+fn fixture() -> Fingerprint {
+    serde_json::from_str(FIXTURE).expect("fixture is valid JSON")
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+#[test]
+fn native_matches_fixture() {
+    let got = compute();
+    if std::env::var_os("CROWDGRAD_BLESS").is_some() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/parity.json");
+        let json = serde_json::to_string_pretty(&got).expect("serialisable") + "\n";
+        std::fs::write(path, json).expect("write fixture");
+        return;
+    }
+    let report = compare(&got, &fixture());
+    println!("native vs fixture: {report}");
+    assert!(report.failures.is_empty(), "{}", report.failures.join("\n"));
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+#[test]
+fn compare_flags_differences() {
+    let mut want = compute();
+    let got = compute();
+    assert!(compare(&got, &want).failures.is_empty());
+    want.exact.insert("rng.next_u64".into(), "0".into());
+    if let Some(v) = want.approx.get_mut("tiny.grad") {
+        let x: f64 = v[3].parse().unwrap();
+        v[3] = format!("{:?}", x * 1.01 + 1e-3);
+    }
+    let failures = compare(&got, &want).failures;
+    assert_eq!(failures.len(), 2, "{failures:?}");
+}
+
+#[cfg(target_arch = "wasm32")]
+#[wasm_bindgen_test::wasm_bindgen_test]
+fn wasm_matches_fixture() {
+    let got = compute();
+    let report = compare(&got, &fixture());
+    wasm_bindgen_test::console_log!("wasm vs native fixture: {report}");
+    assert!(report.failures.is_empty(), "{}", report.failures.join("\n"));
+}
