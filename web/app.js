@@ -1,0 +1,245 @@
+// The page: a volunteer panel driving one Web Worker (web/worker.js, which hosts the Rust
+// BrowserWorker), and a live dashboard fed by the server's status stream (/api/events).
+// No training logic lives here: the numbers shown come from the worker's progress reports and
+// the server's status.
+import uPlot from './vendor/uPlot.esm.js';
+
+const $ = (id) => document.getElementById(id);
+const fmtInt = new Intl.NumberFormat('en');
+const num = (v) => (v == null ? '–' : fmtInt.format(Math.round(v)));
+const fixed = (v, d) => (v == null || !Number.isFinite(v) ? '–' : v.toFixed(d));
+const pct = (v) => (v == null ? '–' : `${(100 * v).toFixed(2)}%`);
+
+// ---------------------------------------------------------------- volunteer panel
+
+const volunteer = {
+  worker: null,
+  paused: false,
+  progress: null,
+  hiddenSince: null,
+  hiddenMs: 0,
+};
+
+function send(cmd, value) {
+  if (volunteer.worker) volunteer.worker.postMessage({ cmd, value });
+}
+
+function startContributing() {
+  const button = $('contribute');
+  button.disabled = true;
+  button.textContent = 'Contributing';
+  button.setAttribute('aria-pressed', 'true');
+  $('pause').hidden = false;
+  const w = new Worker(new URL('./worker.js', import.meta.url), { type: 'module' });
+  volunteer.worker = w;
+  w.onmessage = (e) => {
+    const msg = e.data;
+    if (msg.type === 'progress') renderProgress(msg.progress);
+    else if (msg.type === 'error') showError(msg.message);
+  };
+  w.onerror = (e) => {
+    e.preventDefault();
+    showError(`The worker failed to load: ${e.message || 'unknown error'}`);
+  };
+  send('throttle', Number($('throttle').value));
+  send('start');
+}
+
+function togglePause() {
+  volunteer.paused = !volunteer.paused;
+  send(volunteer.paused ? 'pause' : 'resume');
+  const b = $('pause');
+  b.textContent = volunteer.paused ? 'Resume' : 'Pause';
+  b.setAttribute('aria-pressed', String(volunteer.paused));
+}
+
+function showError(text) {
+  const el = $('my-error');
+  el.hidden = !text;
+  el.textContent = text || '';
+}
+
+function renderProgress(p) {
+  volunteer.progress = p;
+  const state = $('my-state');
+  let label = p.state;
+  if (p.state === 'reconnecting' && p.retry_in_ms != null) {
+    label = `reconnecting (retry in ${(p.retry_in_ms / 1000).toFixed(1)} s)`;
+  }
+  state.textContent = label;
+  state.dataset.state = p.state;
+  $('my-id').textContent = p.worker_id == null ? '–' : String(p.worker_id);
+  $('my-samples').textContent = num(p.samples);
+  $('my-steps').textContent = num(p.steps);
+  $('my-accepted').textContent = num(p.pushes_accepted);
+  $('my-rejected').textContent = num(p.pushes_rejected);
+  $('my-rate').textContent = num(p.samples_per_sec);
+  $('my-loss').textContent = p.steps > 0 ? fixed(p.ema_loss, 4) : '–';
+  $('my-step').textContent = p.step_ms == null ? '–' : `${p.step_ms.toFixed(1)} ms`;
+  $('my-reconnects').textContent = num(p.reconnects);
+  const problem = p.state === 'reconnecting' ? p.error : null;
+  showError(problem ? `Lost the server: ${problem}. Retrying automatically.` : '');
+  document.title = p.steps > 0 ? `crowdgrad · ${num(p.samples)} samples` : 'crowdgrad';
+  markMyWorker();
+}
+
+function renderVisibility() {
+  const note = $('visibility');
+  if (!volunteer.worker) {
+    note.hidden = true;
+    return;
+  }
+  if (document.visibilityState === 'hidden') {
+    volunteer.hiddenSince = performance.now();
+    note.hidden = false;
+    note.textContent = 'This tab is hidden. Training continues in the Web Worker, '
+      + 'though the browser may slow background tabs.';
+  } else {
+    if (volunteer.hiddenSince != null) {
+      volunteer.hiddenMs += performance.now() - volunteer.hiddenSince;
+      volunteer.hiddenSince = null;
+    }
+    const s = Math.round(volunteer.hiddenMs / 1000);
+    note.hidden = s === 0;
+    note.textContent = `This tab was hidden for ${s} s in total; the Web Worker kept training meanwhile.`;
+  }
+}
+
+$('contribute').addEventListener('click', startContributing);
+$('pause').addEventListener('click', togglePause);
+$('throttle').addEventListener('change', (e) => send('throttle', Number(e.target.value)));
+document.addEventListener('visibilitychange', renderVisibility);
+
+// ---------------------------------------------------------------- dashboard
+
+let chart = null;
+
+function makeChart() {
+  const box = $('chart');
+  const width = Math.max(280, box.clientWidth);
+  const opts = {
+    width,
+    height: 260,
+    scales: { x: { time: false }, acc: { range: [0, 1] }, loss: { auto: true } },
+    axes: [
+      { label: 'seconds', stroke: '#555' },
+      { scale: 'acc', label: 'accuracy', stroke: '#1f6f43', values: (u, vs) => vs.map((v) => `${Math.round(v * 100)}%`) },
+      { scale: 'loss', label: 'loss', side: 1, grid: { show: false }, stroke: '#a3441f' },
+    ],
+    series: [
+      { label: 'time (s)' },
+      { label: 'test accuracy', scale: 'acc', stroke: '#1f6f43', width: 2, value: (u, v) => pct(v) },
+      { label: 'test loss', scale: 'loss', stroke: '#a3441f', width: 2, value: (u, v) => fixed(v, 4) },
+    ],
+    legend: { live: true },
+  };
+  chart = new uPlot(opts, [[], [], []], box);
+  new ResizeObserver(() => {
+    const w = Math.max(280, box.clientWidth);
+    if (chart && Math.abs(chart.width - w) > 2) chart.setSize({ width: w, height: 260 });
+  }).observe(box);
+}
+
+function cell(text, cls) {
+  const td = document.createElement('td');
+  td.textContent = text;
+  if (cls) td.className = cls;
+  return td;
+}
+
+function renderWorkers(workers) {
+  const body = $('workers');
+  // Online workers first, then by id.
+  const rows = [...workers].sort((a, b) => (b.connected - a.connected) || (a.id - b.id));
+  body.replaceChildren(...rows.map((w) => {
+    const tr = document.createElement('tr');
+    tr.dataset.connected = String(!!w.connected);
+    tr.dataset.kind = w.client;
+    tr.dataset.id = String(w.id);
+    const label = w.name ? `${w.id} (${w.name})` : String(w.id);
+    tr.append(
+      cell(label),
+      cell(w.client, `kind kind-${w.client}`),
+      cell(w.connected ? `yes (${w.shards_connected})` : 'no'),
+      cell(num(w.samples), 'num'),
+      cell(`${num(w.pushes_applied)} / ${num(w.pushes_rejected)}`, 'num'),
+      cell(`${fixed(w.staleness_mean, 1)} / ${num(w.staleness_max)}`, 'num'),
+      cell(`${fixed(w.last_seen_s, 1)} s ago`, 'num'),
+    );
+    return tr;
+  }));
+  markMyWorker();
+}
+
+function markMyWorker() {
+  const mine = volunteer.progress && volunteer.progress.worker_id;
+  for (const tr of $('workers').children) {
+    const me = mine != null && tr.dataset.id === String(mine);
+    tr.classList.toggle('me', me);
+    if (me) tr.title = 'this tab';
+    else tr.removeAttribute('title');
+  }
+}
+
+function renderShards(shards) {
+  $('shards').replaceChildren(...shards.map((s) => {
+    const tr = document.createElement('tr');
+    tr.append(
+      cell(String(s.id)),
+      cell(`${num(s.range.start)}–${num(s.range.end)}`),
+      cell(num(s.version), 'num'),
+      cell(`${num(s.pushes_applied)} / ${num(s.pushes_rejected)}`, 'num'),
+      cell(num(s.pulls), 'num'),
+      cell(`${fixed(s.staleness_mean, 1)} / ${num(s.staleness_max)}`, 'num'),
+    );
+    return tr;
+  }));
+}
+
+function renderStatus(st) {
+  const opt = st.optimizer || {};
+  const rule = opt.rule && opt.rule.kind ? opt.rule.kind : (typeof opt.rule === 'string' ? opt.rule : '');
+  const model = typeof st.model === 'string' ? st.model : JSON.stringify(st.model);
+  const dataset = st.dataset && st.dataset.name ? st.dataset.name : (st.dataset || '');
+  $('run-info').textContent = [
+    `run ${st.run_id}`, model, dataset && `on ${dataset}`, st.consistency,
+    st.batch_size && `batch ${st.batch_size}`, rule && `${rule}${opt.lr ? ` lr ${opt.lr}` : ''}`,
+    `up ${Math.round(st.uptime_s || 0)} s`,
+  ].filter(Boolean).join(' · ');
+  const ev = st.eval;
+  $('kpi-accuracy').textContent = ev ? pct(ev.accuracy) : '–';
+  $('kpi-loss').textContent = ev ? fixed(ev.loss, 4) : '–';
+  const t = st.totals || {};
+  $('kpi-rate').textContent = num(t.samples_per_sec);
+  $('kpi-workers').textContent = num(st.workers_connected);
+  $('kpi-samples').textContent = num(t.samples);
+  $('kpi-pushes').textContent = `${num(t.pushes_applied)} / ${num(t.pushes_rejected)}`;
+  renderWorkers(st.workers || []);
+  renderShards(st.shards || []);
+  const h = st.eval_history || [];
+  if (chart) chart.setData([h.map((e) => e.time_s), h.map((e) => e.accuracy), h.map((e) => e.loss)]);
+}
+
+function setLive(live) {
+  const el = $('live');
+  el.dataset.live = String(live);
+  el.textContent = live ? 'live' : 'reconnecting…';
+}
+
+function connectEvents() {
+  const es = new EventSource('/api/events');
+  es.addEventListener('status', (e) => {
+    setLive(true);
+    try {
+      renderStatus(JSON.parse(e.data));
+    } catch (err) {
+      console.warn('crowdgrad: bad status event', err);
+    }
+  });
+  es.onopen = () => setLive(true);
+  // EventSource reconnects by itself (e.g. across a server restart).
+  es.onerror = () => setLive(false);
+}
+
+makeChart();
+connectEvents();
