@@ -10,6 +10,8 @@
 //!   [`progress::ConnState`].
 //! - [`endpoint`]: server URLs from the base URL and the paths in the join reply.
 //! - [`error`]: the crate's [`Error`].
+//! - [`loopback`]: an in-memory parameter server ([`loopback::Loopback`]) for tests and the
+//!   native step-time example.
 //! - `browser` (wasm32 only): `BrowserWorker`, the object `web/worker.js` builds. It joins with
 //!   `fetch`, downloads its data partition through the Cache API, opens one WebSocket per shard,
 //!   feeds the core worker and pushes its frames, and rejoins with exponential backoff when the
@@ -21,6 +23,7 @@
 
 pub mod endpoint;
 pub mod error;
+pub mod loopback;
 pub mod pace;
 pub mod progress;
 

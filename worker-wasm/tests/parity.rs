@@ -22,17 +22,16 @@
 //!   differently on another machine even though on the reference machine they match bit for
 //!   bit. The largest relative difference seen is printed by both tests.
 
-use crowdgrad_core::data::{encode_idx, BatchSampler, Dataset};
+use crowdgrad_core::data::{BatchSampler, Dataset};
 use crowdgrad_core::model::{Model, ModelSpec};
 use crowdgrad_core::optim::{self, OptState, OptimizerConfig, Rule};
-use crowdgrad_core::partition::{partition, KeyRange};
 use crowdgrad_core::rng::Rng;
-use crowdgrad_core::spec::{DataInfo, JoinResponse, PartitionInfo, RunSpec, ShardInfo};
-use crowdgrad_core::wire::{self, ClientKind, Message, Welcome, PROTOCOL_VERSION};
+use crowdgrad_core::wire::{self, ClientKind, Message};
 use crowdgrad_core::worker::Worker;
+use crowdgrad_worker_wasm::loopback::{synthetic_idx, synthetic_run, Loopback};
 use ndarray::Array2;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 
 #[cfg(target_arch = "wasm32")]
 wasm_bindgen_test::wasm_bindgen_test_configure!(run_in_dedicated_worker);
@@ -79,25 +78,6 @@ fn l2(values: &[f32]) -> f64 {
 
 fn sum(values: &[f32]) -> f64 {
     values.iter().map(|&v| f64::from(v)).sum()
-}
-
-/// A synthetic MNIST-shaped dataset (28x28 bytes, 10 classes) as IDX files, so the test needs no
-/// download.
-fn synthetic_idx(n: usize, seed: u64) -> (Vec<u8>, Vec<u8>) {
-    let mut r = Rng::new(seed);
-    let pixels: Vec<u8> = (0..n * 784)
-        .map(|_| {
-            // Mostly dark like MNIST, some bright strokes.
-            let v = r.next_u64();
-            if v & 3 == 0 {
-                (v >> 8) as u8
-            } else {
-                0
-            }
-        })
-        .collect();
-    let labels: Vec<u8> = (0..n).map(|_| r.below(10) as u8).collect();
-    (encode_idx(&[n, 28, 28], &pixels), encode_idx(&[n], &labels))
 }
 
 impl Fingerprint {
@@ -212,68 +192,17 @@ fn compute() -> Fingerprint {
     fp
 }
 
-/// Runs the sans-IO worker against an in-memory two-shard server for a few steps.
+/// Runs the sans-IO worker against the in-memory two-shard [`Loopback`] for a few steps.
 fn worker_session(fp: &mut Fingerprint) {
-    let spec = ModelSpec::parse("mlp:32", 784, 10).expect("spec");
-    let model = Model::new(spec.clone()).expect("model");
-    let ranges: Vec<KeyRange> = partition(model.param_len(), 2).expect("ranges");
     let cfg = OptimizerConfig {
         rule: Rule::Sgd,
         lr: 0.1,
         weight_decay: 0.0,
         clip_norm: Some(5.0),
     };
-    let join = JoinResponse {
-        protocol: PROTOCOL_VERSION,
-        worker_id: 3,
-        run: RunSpec {
-            run_id: "parity".into(),
-            model: spec,
-            optimizer: cfg,
-            batch_size: 16,
-            seed: 42,
-            consistency: "async".into(),
-            shards: ranges
-                .iter()
-                .enumerate()
-                .map(|(i, &range)| ShardInfo {
-                    id: i as u32,
-                    path: format!("/ws/shard/{i}"),
-                    range,
-                })
-                .collect(),
-            dataset: DataInfo {
-                name: "synthetic".into(),
-                image_dims: vec![28, 28],
-                classes: 10,
-                train_len: 64,
-                test_len: 0,
-            },
-        },
-        partition: PartitionInfo {
-            index: 0,
-            count: 1,
-            examples: 64,
-            images: "/images".into(),
-            labels: "/labels".into(),
-        },
-    };
-    let (img, lab) = synthetic_idx(64, 21);
-    let data = Dataset::from_idx(&img, &lab).expect("valid IDX");
+    let (join, data) = synthetic_run("mlp:32", 2, cfg, 16, 64, 21).expect("run");
+    let mut shards = Loopback::new(&join, 42).expect("shards");
     let mut worker = Worker::new(join, data, ClientKind::Browser, Some(4)).expect("worker");
-
-    // The fake shards.
-    let init = model.init_params(42);
-    let mut params: Vec<Vec<f32>> = ranges
-        .iter()
-        .map(|r| init[r.start..r.end].to_vec())
-        .collect();
-    let mut states: Vec<OptState> = ranges
-        .iter()
-        .map(|r| OptState::new(&cfg.rule, r.len()))
-        .collect();
-    let mut versions = [0u64; 2];
-    let mut replies: VecDeque<(usize, Vec<u8>)> = VecDeque::new();
     let mut headers = Vec::new();
     let mut hellos = Vec::new();
     let mut push_l2 = Vec::new();
@@ -282,51 +211,18 @@ fn worker_session(fp: &mut Fingerprint) {
         worker.connected(shard);
     }
     for _round in 0..100 {
-        while let Some(out) = worker.poll_transmit() {
-            headers.extend_from_slice(&out.frame[..wire::HEADER_LEN]);
-            let msg = wire::decode(&out.frame, 1 << 24).expect("valid frame");
-            let s = out.shard;
-            let reply = match msg {
-                Message::Hello { request_id, .. } => {
-                    hellos.extend_from_slice(&out.frame);
-                    wire::encode(&Message::Welcome {
-                        request_id,
-                        shard: s as u32,
-                        welcome: Welcome {
-                            protocol: PROTOCOL_VERSION,
-                            range: ranges[s],
-                            version: versions[s],
-                        },
-                    })
+        shards
+            .exchange(&mut worker, |_, frame, msg| {
+                headers.extend_from_slice(&frame[..wire::HEADER_LEN]);
+                match msg {
+                    Message::Hello { .. } => hellos.extend_from_slice(frame),
+                    Message::Push { grad, .. } => {
+                        push_l2.push(l2(&grad.iter().collect::<Vec<f32>>()));
+                    }
+                    _ => {}
                 }
-                Message::Pull { request_id, .. } => {
-                    wire::encode_params(request_id, s as u32, versions[s], &params[s])
-                }
-                Message::Push {
-                    request_id,
-                    base_version,
-                    grad,
-                    ..
-                } => {
-                    let mut g = vec![0.0f32; grad.len()];
-                    grad.copy_into(&mut g).expect("finite");
-                    push_l2.push(l2(&g));
-                    optim::step(&cfg, &mut states[s], &mut params[s], &g, 1.0);
-                    versions[s] += 1;
-                    wire::encode(&Message::Ack {
-                        request_id,
-                        shard: s as u32,
-                        version: versions[s],
-                        staleness: (versions[s] - 1 - base_version) as u32,
-                    })
-                }
-                other => panic!("unexpected frame from the worker: {other:?}"),
-            };
-            replies.push_back((s, reply));
-        }
-        while let Some((s, bytes)) = replies.pop_front() {
-            worker.receive(s, &bytes).expect("valid reply");
-        }
+            })
+            .expect("valid exchange");
         if worker.ready() {
             losses.push(worker.step().expect("step").loss);
         } else if worker.is_done() {
@@ -334,8 +230,8 @@ fn worker_session(fp: &mut Fingerprint) {
         }
     }
     let st = worker.stats();
-    fp.exact.insert(
-        "worker.counts".into(),
+    fp.put_exact(
+        "worker.counts",
         format!(
             "steps={} samples={} sent={} accepted={} rejected={} lost={}",
             st.steps,
@@ -346,11 +242,11 @@ fn worker_session(fp: &mut Fingerprint) {
             st.pushes_lost
         ),
     );
-    fp.exact.insert("worker.headers".into(), fnv(headers));
-    fp.exact.insert("worker.hellos".into(), fnv(hellos));
+    fp.put_exact("worker.headers", fnv(headers));
+    fp.put_exact("worker.hellos", fnv(hellos));
     fp.put_approx("worker.losses", losses);
     fp.put_approx("worker.push_l2", push_l2);
-    let all: Vec<f32> = params.concat();
+    let all = shards.params();
     fp.put_approx("worker.final_params.l2_sum", [l2(&all), sum(&all)]);
 }
 
