@@ -210,29 +210,20 @@ pub async fn work(opts: WorkOptions, shutdown: impl Future<Output = ()>) -> Resu
         }
         sessions += 1;
         let steps_before = stats.steps;
-        let session = async {
-            let joined = join(&http, opts.name.clone()).await?;
-            ids.push(joined.worker_id);
-            let data = match cache.get(&joined.partition.images) {
-                Some(d) => d.clone(),
-                None => {
-                    let images = get(format!("{http}{}", joined.partition.images)).await?;
-                    let labels = get(format!("{http}{}", joined.partition.labels)).await?;
-                    let d = Dataset::from_idx(&images, &labels)?;
-                    cache.insert(joined.partition.images.clone(), d.clone());
-                    d
-                }
-            };
-            let mut worker = Worker::new(joined, data, ClientKind::Native, opts.steps)?;
-            worker.carry_stats(stats.clone());
-            let end = drive(&mut worker, &ws, deadline, &mut progress, started).await;
-            stats = worker.stats().clone();
-            Ok::<End, Error>(end)
-        };
-        let end = tokio::select! {
-            r = session => r.unwrap_or_else(|e| End::Lost(e.to_string())),
-            _ = &mut shutdown => break,
-        };
+        let end = session(
+            &opts,
+            &http,
+            &ws,
+            &mut ids,
+            &mut cache,
+            &mut stats,
+            deadline,
+            &mut progress,
+            started,
+            shutdown.as_mut(),
+        )
+        .await
+        .unwrap_or_else(|e| End::Lost(e.to_string()));
         match end {
             End::Done => break,
             End::Lost(why) => {
@@ -271,6 +262,46 @@ pub async fn work(opts: WorkOptions, shutdown: impl Future<Output = ()>) -> Resu
     })
 }
 
+/// One join + connect + train cycle. Returns `Done` when asked to stop or out of steps/time.
+#[allow(clippy::too_many_arguments)]
+async fn session(
+    opts: &WorkOptions,
+    http: &str,
+    ws: &str,
+    ids: &mut Vec<u64>,
+    cache: &mut HashMap<String, Dataset>,
+    stats: &mut WorkerStats,
+    deadline: Option<Instant>,
+    progress: &mut Progress,
+    started: Instant,
+    mut shutdown: std::pin::Pin<&mut impl Future<Output = ()>>,
+) -> Result<End> {
+    let prepare = async {
+        let joined = join(http, opts.name.clone()).await?;
+        ids.push(joined.worker_id);
+        let data = match cache.get(&joined.partition.images) {
+            Some(d) => d.clone(),
+            None => {
+                let images = get(format!("{http}{}", joined.partition.images)).await?;
+                let labels = get(format!("{http}{}", joined.partition.labels)).await?;
+                let d = Dataset::from_idx(&images, &labels)?;
+                cache.insert(joined.partition.images.clone(), d.clone());
+                d
+            }
+        };
+        Ok::<_, Error>((joined, data))
+    };
+    let (joined, data) = tokio::select! {
+        r = prepare => r?,
+        _ = &mut shutdown => return Ok(End::Done),
+    };
+    let mut worker = Worker::new(joined, data, ClientKind::Native, opts.steps)?;
+    worker.carry_stats(stats.clone());
+    let end = drive(&mut worker, ws, deadline, progress, started, shutdown).await;
+    *stats = worker.stats().clone();
+    Ok(end)
+}
+
 enum Event {
     Frame(usize, Vec<u8>),
     Closed(usize, String),
@@ -282,6 +313,7 @@ async fn drive(
     deadline: Option<Instant>,
     progress: &mut Progress,
     started: Instant,
+    mut shutdown: std::pin::Pin<&mut impl Future<Output = ()>>,
 ) -> End {
     let shards: Vec<String> = worker
         .join_info()
@@ -354,12 +386,14 @@ async fn drive(
             progress.update(id, worker.stats(), started, false);
             continue;
         }
-        let ev = match deadline {
-            Some(d) => match tokio::time::timeout_at(d.into(), ev_rx.recv()).await {
-                Ok(ev) => ev,
-                Err(_) => break End::Done,
-            },
-            None => ev_rx.recv().await,
+        let until = deadline.map_or_else(
+            || tokio::time::Instant::now() + Duration::from_secs(86_400),
+            Into::into,
+        );
+        let ev = tokio::select! {
+            ev = ev_rx.recv() => ev,
+            _ = tokio::time::sleep_until(until) => break End::Done,
+            _ = &mut shutdown => break End::Done,
         };
         match ev {
             Some(Event::Frame(i, bytes)) => {
@@ -407,7 +441,10 @@ impl WorkerThread {
         let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let (kill, kill_rx) = tokio::sync::oneshot::channel::<()>();
         let handle = std::thread::spawn(move || {
-            let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+            let rt = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
                 Ok(rt) => rt,
                 Err(e) => return Some(Err(Error::io("building a runtime", e))),
             };

@@ -40,10 +40,18 @@ async fn bad_join_requests_get_clear_errors() {
     assert!(String::from_utf8_lossy(&body).contains("bad join request"));
     let mut req = JoinRequest::new(ClientKind::Browser);
     req.protocol = 77;
-    let (c, body) = post(format!("{url}/api/join"), serde_json::to_vec(&req).expect("json")).await;
+    let (c, body) = post(
+        format!("{url}/api/join"),
+        serde_json::to_vec(&req).expect("json"),
+    )
+    .await;
     assert_eq!(c, 400);
     assert!(String::from_utf8_lossy(&body).contains("protocol 77"));
-    assert_eq!(status(&url).await["workers"].as_array().map(Vec::len), Some(0), "failed joins register nobody");
+    assert_eq!(
+        status(&url).await["workers"].as_array().map(Vec::len),
+        Some(0),
+        "failed joins register nobody"
+    );
     running.stop().await.expect("clean shutdown");
 }
 

@@ -3,7 +3,9 @@
 
 use crate::util::{config, connect, hello, join, recv, send, server, status};
 use crowdgrad::Running;
-use crowdgrad_core::wire::{self, ClientKind, ErrorCode, Hello, Message as Frame, HEADER_LEN, MAX_META_LEN};
+use crowdgrad_core::wire::{
+    self, ClientKind, ErrorCode, Hello, Message as Frame, HEADER_LEN, MAX_META_LEN,
+};
 use futures_util::SinkExt;
 use tokio_tungstenite::tungstenite::Message;
 
@@ -17,8 +19,19 @@ async fn still_serving(running: &Running, worker: u64) {
     let n = join_len(running).await;
     send(&mut ws, wire::encode_push(5, 0, version, 1, &vec![0.0; n])).await;
     let ack = recv(&mut ws).await.expect("ack");
-    assert!(matches!(decode(&ack), Frame::Ack { request_id: 5, .. }), "{:?}", decode(&ack));
-    send(&mut ws, wire::encode(&Frame::Pull { request_id: 6, shard: 0 })).await;
+    assert!(
+        matches!(decode(&ack), Frame::Ack { request_id: 5, .. }),
+        "{:?}",
+        decode(&ack)
+    );
+    send(
+        &mut ws,
+        wire::encode(&Frame::Pull {
+            request_id: 6,
+            shard: 0,
+        }),
+    )
+    .await;
     let p = recv(&mut ws).await.expect("params");
     assert!(matches!(decode(&p), Frame::Params { request_id: 6, values, .. } if values.len() == n));
 }
@@ -38,22 +51,41 @@ async fn rejected(handshake: bool, bad: Message, code: ErrorCode, request_id: u3
     let other = join(&url).await.worker_id;
     let before = status(&url).await;
     let (_, params_before) = crate::util::get(format!("{url}/api/params")).await;
-    let mut ws = if handshake { hello(&running, me, 0).await.0 } else { connect(&running, 0).await };
+    let mut ws = if handshake {
+        hello(&running, me, 0).await.0
+    } else {
+        connect(&running, 0).await
+    };
     ws.send(bad).await.expect("send");
-    let reply = recv(&mut ws).await.expect("an error frame before the close");
+    let reply = recv(&mut ws)
+        .await
+        .expect("an error frame before the close");
     match decode(&reply) {
-        Frame::Error { error, request_id: echoed, .. } => {
+        Frame::Error {
+            error,
+            request_id: echoed,
+            ..
+        } => {
             assert_eq!(error.code, code, "{}", error.message);
             assert!(!error.message.is_empty());
             assert_eq!(echoed, request_id);
         }
         other => panic!("expected an Error frame, got {other:?}"),
     }
-    assert!(recv(&mut ws).await.is_none(), "the connection is closed after a fatal error");
+    assert!(
+        recv(&mut ws).await.is_none(),
+        "the connection is closed after a fatal error"
+    );
     let after = status(&url).await;
-    assert_eq!(after["shards"][0]["version"], before["shards"][0]["version"]);
+    assert_eq!(
+        after["shards"][0]["version"],
+        before["shards"][0]["version"]
+    );
     let (_, params_after) = crate::util::get(format!("{url}/api/params")).await;
-    assert!(params_before == params_after, "a rejected frame changed the parameters");
+    assert!(
+        params_before == params_after,
+        "a rejected frame changed the parameters"
+    );
     assert_eq!(after["shards"][0]["rejected_by_reason"][code.name()], 1);
     still_serving(&running, other).await;
     running.stop().await.expect("clean shutdown");
@@ -84,17 +116,32 @@ async fn frame_shorter_than_a_header() {
 #[tokio::test]
 async fn oversized_frame() {
     let n = SHARD0 + MAX_META_LEN / 4 + HEADER_LEN;
-    rejected(true, bin(wire::encode_push(9, 0, 0, 32, &vec![0.0; n])), ErrorCode::Oversize, 9).await;
+    rejected(
+        true,
+        bin(wire::encode_push(9, 0, 0, 32, &vec![0.0; n])),
+        ErrorCode::Oversize,
+        9,
+    )
+    .await;
 }
 
 #[tokio::test]
 async fn wrong_length_push() {
-    rejected(true, bin(wire::encode_push(9, 0, 0, 32, &vec![0.0; SHARD0 - 1])), ErrorCode::WrongLength, 9).await;
+    rejected(
+        true,
+        bin(wire::encode_push(9, 0, 0, 32, &vec![0.0; SHARD0 - 1])),
+        ErrorCode::WrongLength,
+        9,
+    )
+    .await;
 }
 
 #[tokio::test]
 async fn unknown_kind() {
-    let mut f = wire::encode(&Frame::Pull { request_id: 9, shard: 0 });
+    let mut f = wire::encode(&Frame::Pull {
+        request_id: 9,
+        shard: 0,
+    });
     f[3] = 99;
     rejected(true, bin(f), ErrorCode::UnknownKind, 9).await;
 }
@@ -111,7 +158,11 @@ async fn wrong_protocol_version_in_hello() {
     let f = wire::encode(&Frame::Hello {
         request_id: 4,
         shard: 0,
-        hello: Hello { protocol: 99, worker_id: 1, client: ClientKind::Native },
+        hello: Hello {
+            protocol: 99,
+            worker_id: 1,
+            client: ClientKind::Native,
+        },
     });
     rejected(false, bin(f), ErrorCode::ProtocolVersion, 4).await;
 }
@@ -120,19 +171,37 @@ async fn wrong_protocol_version_in_hello() {
 async fn nan_in_a_push() {
     let mut g = vec![0.01f32; SHARD0];
     g[1234] = f32::NAN;
-    rejected(true, bin(wire::encode_push(9, 0, 0, 32, &g)), ErrorCode::NotFinite, 9).await;
+    rejected(
+        true,
+        bin(wire::encode_push(9, 0, 0, 32, &g)),
+        ErrorCode::NotFinite,
+        9,
+    )
+    .await;
 }
 
 #[tokio::test]
 async fn infinity_in_a_push() {
     let mut g = vec![0.01f32; SHARD0];
     g[SHARD0 - 1] = f32::NEG_INFINITY;
-    rejected(true, bin(wire::encode_push(9, 0, 0, 32, &g)), ErrorCode::NotFinite, 9).await;
+    rejected(
+        true,
+        bin(wire::encode_push(9, 0, 0, 32, &g)),
+        ErrorCode::NotFinite,
+        9,
+    )
+    .await;
 }
 
 #[tokio::test]
 async fn push_from_the_future() {
-    rejected(true, bin(wire::encode_push(9, 0, 1000, 32, &vec![0.0; SHARD0])), ErrorCode::FutureVersion, 9).await;
+    rejected(
+        true,
+        bin(wire::encode_push(9, 0, 1000, 32, &vec![0.0; SHARD0])),
+        ErrorCode::FutureVersion,
+        9,
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -145,19 +214,35 @@ async fn unknown_worker_id() {
     let f = wire::encode(&Frame::Hello {
         request_id: 3,
         shard: 0,
-        hello: Hello { protocol: 1, worker_id: 424_242, client: ClientKind::Native },
+        hello: Hello {
+            protocol: 1,
+            worker_id: 424_242,
+            client: ClientKind::Native,
+        },
     });
     rejected(false, bin(f), ErrorCode::UnknownWorker, 3).await;
 }
 
 #[tokio::test]
 async fn frame_for_another_shard() {
-    rejected(true, bin(wire::encode_push(9, 1, 0, 32, &vec![0.0; SHARD0])), ErrorCode::WrongShard, 9).await;
+    rejected(
+        true,
+        bin(wire::encode_push(9, 1, 0, 32, &vec![0.0; SHARD0])),
+        ErrorCode::WrongShard,
+        9,
+    )
+    .await;
 }
 
 #[tokio::test]
 async fn text_message() {
-    rejected(true, Message::Text("{\"pull\":1}".into()), ErrorCode::Malformed, 0).await;
+    rejected(
+        true,
+        Message::Text("{\"pull\":1}".into()),
+        ErrorCode::Malformed,
+        0,
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -184,13 +269,24 @@ async fn staleness_is_recorded_and_a_bounded_policy_rejects_without_closing() {
     for (req, expect_staleness) in [(1u32, 0u32), (2, 1)] {
         send(&mut ws, wire::encode_push(req, 0, v0, 32, &g)).await;
         let ack = recv(&mut ws).await.expect("ack");
-        assert!(matches!(decode(&ack), Frame::Ack { staleness, .. } if staleness == expect_staleness));
+        assert!(
+            matches!(decode(&ack), Frame::Ack { staleness, .. } if staleness == expect_staleness)
+        );
     }
     // Staleness 2 > 1: rejected, but the connection stays open.
     send(&mut ws, wire::encode_push(3, 0, v0, 32, &g)).await;
     let err = recv(&mut ws).await.expect("error");
-    assert!(matches!(decode(&err), Frame::Error { request_id: 3, error, .. } if error.code == ErrorCode::TooStale));
-    send(&mut ws, wire::encode(&Frame::Pull { request_id: 4, shard: 0 })).await;
+    assert!(
+        matches!(decode(&err), Frame::Error { request_id: 3, error, .. } if error.code == ErrorCode::TooStale)
+    );
+    send(
+        &mut ws,
+        wire::encode(&Frame::Pull {
+            request_id: 4,
+            shard: 0,
+        }),
+    )
+    .await;
     let p = recv(&mut ws).await.expect("still open");
     assert!(matches!(decode(&p), Frame::Params { version: 2, .. }));
     let s = status(&url).await;

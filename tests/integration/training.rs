@@ -21,11 +21,20 @@ async fn two_shards_three_workers_reach_95_percent_and_survive_a_killed_worker()
     let b = worker(&url, "b");
     let c = worker(&url, "c");
     wait_for(&url, Duration::from_secs(30), "3 workers training", |s| {
-        s["workers_connected"] == 3 && s["workers"].as_array().is_some_and(|w| w.iter().all(|w| w["samples"].as_u64() > Some(0)))
+        s["workers_connected"] == 3
+            && s["workers"]
+                .as_array()
+                .is_some_and(|w| w.iter().all(|w| w["samples"].as_u64() > Some(0)))
     })
     .await;
     c.kill();
-    let after_kill = wait_for(&url, Duration::from_secs(10), "the killed worker to drop out", |s| s["workers_connected"] == 2).await;
+    let after_kill = wait_for(
+        &url,
+        Duration::from_secs(10),
+        "the killed worker to drop out",
+        |s| s["workers_connected"] == 2,
+    )
+    .await;
     let applied = after_kill["totals"]["pushes_applied"].as_u64().unwrap_or(0);
     // The two survivors keep training...
     wait_for(&url, Duration::from_secs(20), "training to continue", |s| {
@@ -33,7 +42,10 @@ async fn two_shards_three_workers_reach_95_percent_and_survive_a_killed_worker()
     })
     .await;
     // ...to 95% test accuracy.
-    let done = wait_for(&url, Duration::from_secs(90), "95% test accuracy", |s| s["eval"]["accuracy"].as_f64().unwrap_or(0.0) >= 0.95).await;
+    let done = wait_for(&url, Duration::from_secs(90), "95% test accuracy", |s| {
+        s["eval"]["accuracy"].as_f64().unwrap_or(0.0) >= 0.95
+    })
+    .await;
     assert_eq!(done["shards"].as_array().map(Vec::len), Some(2));
     let sa = a.stop().expect("worker a");
     let sb = b.stop().expect("worker b");
@@ -43,7 +55,10 @@ async fn two_shards_three_workers_reach_95_percent_and_survive_a_killed_worker()
         assert_eq!(s.sessions, 1, "{s:?}");
     }
     let end = status(&url).await;
-    assert_eq!(end["totals"]["pushes_rejected"], 0, "killing a worker must not look like a bad push");
+    assert_eq!(
+        end["totals"]["pushes_rejected"], 0,
+        "killing a worker must not look like a bad push"
+    );
     assert_eq!(end["workers"].as_array().map(Vec::len), Some(3));
     running.stop().await.expect("clean shutdown");
 }
@@ -56,7 +71,10 @@ async fn train_and_read_params(shards: usize, steps: u64) -> (Vec<u8>, serde_jso
     let url = running.url();
     let mut o = WorkOptions::new(&url);
     o.steps = Some(steps);
-    let summary = tokio::task::spawn_blocking(move || WorkerThread::spawn(o).join()).await.expect("join").expect("worker");
+    let summary = tokio::task::spawn_blocking(move || WorkerThread::spawn(o).join())
+        .await
+        .expect("join")
+        .expect("worker");
     assert_eq!(summary.stats.steps, steps);
     assert_eq!(summary.stats.pushes_accepted, steps * shards as u64);
     let (code, params) = get(format!("{url}/api/params")).await;

@@ -24,8 +24,10 @@ pub fn mnist_dir() -> PathBuf {
 /// Real MNIST, fetched (SHA-256 verified) on first use and parsed once per test binary.
 pub fn mnist() -> TrainTest {
     static DATA: OnceLock<TrainTest> = OnceLock::new();
-    DATA.get_or_init(|| crowdgrad::data::ensure(&mnist_dir(), "mnist", true).expect("MNIST is available"))
-        .clone()
+    DATA.get_or_init(|| {
+        crowdgrad::data::ensure(&mnist_dir(), "mnist", true).expect("MNIST is available")
+    })
+    .clone()
 }
 
 /// Server defaults with evaluation every half second.
@@ -46,10 +48,20 @@ pub async fn server(cfg: ServeConfig) -> Running {
 /// GET a URL, returning status and body.
 pub async fn get(url: String) -> (u16, Vec<u8>) {
     tokio::task::spawn_blocking(move || {
-        let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .build()
+            .into();
         let mut r = agent.get(&url).call().expect("request");
         let status = r.status().as_u16();
-        (status, r.body_mut().with_config().limit(1 << 30).read_to_vec().expect("body"))
+        (
+            status,
+            r.body_mut()
+                .with_config()
+                .limit(1 << 30)
+                .read_to_vec()
+                .expect("body"),
+        )
     })
     .await
     .expect("join")
@@ -58,8 +70,15 @@ pub async fn get(url: String) -> (u16, Vec<u8>) {
 /// POST raw bytes as JSON, returning status and body.
 pub async fn post(url: String, body: Vec<u8>) -> (u16, Vec<u8>) {
     tokio::task::spawn_blocking(move || {
-        let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
-        let mut r = agent.post(&url).header("content-type", "application/json").send(&body[..]).expect("request");
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .build()
+            .into();
+        let mut r = agent
+            .post(&url)
+            .header("content-type", "application/json")
+            .send(&body[..])
+            .expect("request");
         let status = r.status().as_u16();
         (status, r.body_mut().read_to_vec().expect("body"))
     })
@@ -85,7 +104,10 @@ pub async fn join(base: &str) -> JoinResponse {
 /// Opens shard `shard`'s socket.
 pub async fn connect(running: &Running, shard: u32) -> Ws {
     let url = format!("ws://{}/ws/shard/{shard}", running.addr);
-    tokio_tungstenite::connect_async(url.as_str()).await.expect("connect").0
+    tokio_tungstenite::connect_async(url.as_str())
+        .await
+        .expect("connect")
+        .0
 }
 
 /// Sends a binary frame.
@@ -96,7 +118,10 @@ pub async fn send(ws: &mut Ws, frame: Vec<u8>) {
 /// Next binary frame, or `None` when the socket closed; panics after 10 s.
 pub async fn recv(ws: &mut Ws) -> Option<Vec<u8>> {
     loop {
-        match tokio::time::timeout(Duration::from_secs(10), ws.next()).await.expect("reply within 10 s") {
+        match tokio::time::timeout(Duration::from_secs(10), ws.next())
+            .await
+            .expect("reply within 10 s")
+        {
             Some(Ok(Message::Binary(b))) => return Some(b.into()),
             Some(Ok(Message::Close(_))) | None | Some(Err(_)) => return None,
             Some(Ok(_)) => continue,
@@ -110,7 +135,11 @@ pub async fn hello(running: &Running, worker_id: u64, shard: u32) -> (Ws, u64) {
     let h = wire::encode(&Frame::Hello {
         request_id: 1,
         shard,
-        hello: Hello { protocol: PROTOCOL_VERSION, worker_id, client: ClientKind::Native },
+        hello: Hello {
+            protocol: PROTOCOL_VERSION,
+            worker_id,
+            client: ClientKind::Native,
+        },
     });
     send(&mut ws, h).await;
     let reply = recv(&mut ws).await.expect("welcome");
@@ -121,14 +150,22 @@ pub async fn hello(running: &Running, worker_id: u64, shard: u32) -> (Ws, u64) {
 }
 
 /// Polls `cond` on the status every 100 ms until it holds; panics after `timeout`.
-pub async fn wait_for(base: &str, timeout: Duration, what: &str, cond: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+pub async fn wait_for(
+    base: &str,
+    timeout: Duration,
+    what: &str,
+    cond: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
     let start = std::time::Instant::now();
     loop {
         let s = status(base).await;
         if cond(&s) {
             return s;
         }
-        assert!(start.elapsed() < timeout, "timed out after {timeout:?} waiting for {what}; last status: {s}");
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}; last status: {s}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
