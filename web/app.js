@@ -18,6 +18,9 @@ const volunteer = {
   progress: null,
   hiddenSince: null,
   hiddenMs: 0,
+  // performance.now() (ms since navigation start) of the click and of the first accepted push.
+  clickedAt: null,
+  firstPushAt: null,
 };
 
 function send(cmd, value) {
@@ -25,6 +28,7 @@ function send(cmd, value) {
 }
 
 function startContributing() {
+  volunteer.clickedAt = performance.now();
   const button = $('contribute');
   button.disabled = true;
   button.textContent = 'Contributing';
@@ -61,6 +65,7 @@ function showError(text) {
 
 function renderProgress(p) {
   volunteer.progress = p;
+  if (volunteer.firstPushAt == null && p.pushes_accepted > 0) volunteer.firstPushAt = performance.now();
   const state = $('my-state');
   let label = p.state;
   if (p.state === 'reconnecting' && p.retry_in_ms != null) {
@@ -75,7 +80,8 @@ function renderProgress(p) {
   $('my-rejected').textContent = num(p.pushes_rejected);
   $('my-rate').textContent = num(p.samples_per_sec);
   $('my-loss').textContent = p.steps > 0 ? fixed(p.ema_loss, 4) : '–';
-  $('my-step').textContent = p.step_ms == null ? '–' : `${p.step_ms.toFixed(1)} ms`;
+  $('my-step').textContent = p.step_ms == null ? '–'
+    : `${p.step_ms.toFixed(1)} ms` + (p.wait_ms == null ? '' : ` + ${p.wait_ms.toFixed(1)} ms waiting`);
   $('my-reconnects').textContent = num(p.reconnects);
   const problem = p.state === 'reconnecting' ? p.error : null;
   showError(problem ? `Lost the server: ${problem}. Retrying automatically.` : '');
@@ -243,3 +249,6 @@ function connectEvents() {
 
 makeChart();
 connectEvents();
+
+// A handle for debugging from the console (and for the browser test to read figures).
+window.crowdgrad = { volunteer };

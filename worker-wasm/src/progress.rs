@@ -61,6 +61,10 @@ pub struct Progress {
     pub shards: usize,
     /// Shard sockets currently open.
     pub shards_connected: usize,
+    /// Index of this worker's data partition (of `partition_count`).
+    pub partition_index: Option<usize>,
+    /// Number of partitions the training set is cut into.
+    pub partition_count: Option<usize>,
     /// Examples in this worker's data partition.
     pub partition_examples: Option<usize>,
     /// Whether the partition came from the Cache API (no download).
@@ -76,6 +80,9 @@ pub struct Progress {
     pub step_ms: Option<f64>,
     /// Time of the latest step, in ms.
     pub step_ms_last: Option<f64>,
+    /// Moving average of the wait between steps for parameters to arrive (network and server
+    /// time, the part of a step's period that is not computing), in ms.
+    pub wait_ms: Option<f64>,
     /// CPU limit in percent.
     pub throttle_percent: u32,
     /// Paused by the volunteer.

@@ -39,6 +39,7 @@ pub(crate) async fn run(sh: Rc<Shared>) {
         carried: WorkerStats::default(),
         next_link: 1,
         step_ms: Ema::default(),
+        wait_ms: Ema::default(),
         rate: RateMeter::new(5_000.0),
         last_report: f64::NEG_INFINITY,
     };
@@ -91,6 +92,7 @@ struct Driver {
     carried: WorkerStats,
     next_link: u64,
     step_ms: Ema,
+    wait_ms: Ema,
     rate: RateMeter,
     last_report: f64,
 }
@@ -168,6 +170,7 @@ impl Driver {
             p.stats = worker.map_or_else(|| self.carried.clone(), |w| w.stats().clone());
             p.samples_per_sec = self.rate.rate(now);
             p.step_ms = self.step_ms.get();
+            p.wait_ms = self.wait_ms.get();
             p.uptime_ms = now - self.started;
             if p.first_push_ms.is_none() && p.stats.pushes_accepted > 0 {
                 p.first_push_ms = Some(now - self.started);
@@ -211,6 +214,8 @@ impl Driver {
             p.model = Some(join.run.model.to_string());
             p.batch_size = Some(join.run.batch_size);
             p.shards = join.run.shards.len();
+            p.partition_index = Some(join.partition.index);
+            p.partition_count = Some(join.partition.count);
             p.partition_examples = Some(join.partition.examples);
             p.error = None;
         }
@@ -333,7 +338,9 @@ impl Driver {
 
             // 3. A step, when every shard's parameters are in.
             if worker.ready() {
-                if !training {
+                // The first step after connecting waited for the handshake, not for a pull.
+                let first = !training;
+                if first {
                     training = true;
                     self.set_state(ConnState::Training, Some(worker));
                 }
@@ -356,6 +363,9 @@ impl Driver {
                 link.flush(worker)?;
                 let dt = t1 - t0;
                 self.step_ms.update(dt, STEP_EMA_ALPHA);
+                if !first {
+                    self.wait_ms.update(idle, STEP_EMA_ALPHA);
+                }
                 self.sh.progress.borrow_mut().step_ms_last = Some(dt);
                 self.rate.record(t1, worker.stats().samples);
                 self.report(Some(worker), false);
