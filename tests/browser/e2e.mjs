@@ -1,0 +1,449 @@
+#!/usr/bin/env node
+// Browser end-to-end test: the real page in real headless Chromium (playwright-core driving
+// /usr/bin/chromium, never a downloaded browser) against the release server on real MNIST.
+//
+//   node tests/browser/e2e.mjs      (after `cargo xtask build-web` and a release build;
+//                                    `cargo xtask test` runs it last)
+//
+// 1. Two tabs click Contribute, one native worker joins: test accuracy passes 0.90, both tabs
+//    show accepted pushes, the dashboard lists 3 workers, no console errors; screenshot saved
+//    to target/browser/dashboard.png.
+// 2. One tab closes mid-training: the server stays healthy, the others keep training.
+// 3. The server restarts on the same port: the remaining tab rejoins and trains on, no click.
+// Figures for the docs are printed at the end. Everything binds 127.0.0.1, every wait is
+// bounded, child processes are killed on exit, and the last line is `N passed, M failed`.
+//
+// Environment: CROWDGRAD_BIN (server binary, default target/release/crowdgrad), CHROMIUM
+// (default /usr/bin/chromium), E2E_TIMEOUT_S (overall bound, default 900).
+
+import { spawn } from 'node:child_process';
+import fs from 'node:fs';
+import net from 'node:net';
+import os from 'node:os';
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
+import zlib from 'node:zlib';
+import { chromium } from 'playwright-core';
+
+const ROOT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '../..');
+const TARGET = process.env.CARGO_TARGET_DIR || path.join(ROOT, 'target');
+const SERVER = process.env.CROWDGRAD_BIN || path.join(TARGET, 'release/crowdgrad');
+const STEP_TIME = path.join(TARGET, 'release/examples/step_time');
+const CHROMIUM = process.env.CHROMIUM || '/usr/bin/chromium';
+const WEB = path.join(ROOT, 'web');
+const DATA = path.join(ROOT, 'data/mnist');
+const OUT = path.join(TARGET, 'browser');
+const LIMIT_S = Number(process.env.E2E_TIMEOUT_S || 900);
+const CHROMIUM_ARGS = [
+  '--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
+  '--disable-background-networking', '--disable-component-update', '--disable-sync',
+];
+// Errors the browser itself logs while the server is down on purpose (phase 3).
+const EXPECTED_WHILE_DOWN = /ERR_CONNECTION_REFUSED|ERR_CONNECTION_RESET|ERR_EMPTY_RESPONSE|ERR_INCOMPLETE_CHUNKED_ENCODING|WebSocket connection to .* failed|WebSocket is closed before the connection is established/;
+
+const started = Date.now();
+const since = () => `${((Date.now() - started) / 1000).toFixed(1)}s`;
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+const log = (msg) => console.log(`[${since()}] ${msg}`);
+
+// ------------------------------------------------------------------ results and cleanup
+
+const results = [];
+const figures = {};
+
+function check(name, ok, detail = '') {
+  results.push({ name, ok: !!ok });
+  console.log(`${ok ? 'ok  ' : 'FAIL'} ${name}${detail ? ` (${detail})` : ''}`);
+  return !!ok;
+}
+
+const children = new Set();
+let context = null;
+let userDataDir = null;
+
+function killChildren() {
+  for (const c of children) {
+    try { c.kill('SIGKILL'); } catch { /* already gone */ }
+  }
+  children.clear();
+}
+
+async function cleanup() {
+  if (context) {
+    const c = context;
+    context = null;
+    await Promise.race([c.close().catch(() => {}), sleep(10_000)]);
+  }
+  killChildren();
+  if (userDataDir) fs.rmSync(userDataDir, { recursive: true, force: true });
+}
+
+function finish(code) {
+  const passed = results.filter((r) => r.ok).length;
+  const failed = results.length - passed;
+  console.log(`${passed} passed, ${failed} failed`);
+  process.exit(failed > 0 || code !== 0 ? 1 : 0);
+}
+
+process.on('exit', killChildren);
+for (const sig of ['SIGINT', 'SIGTERM']) {
+  process.on(sig, () => { killChildren(); process.exit(130); });
+}
+const watchdog = setTimeout(async () => {
+  check(`whole test within ${LIMIT_S} s`, false, 'overall time limit hit');
+  await cleanup();
+  finish(1);
+}, LIMIT_S * 1000);
+watchdog.unref();
+
+// ------------------------------------------------------------------ helpers
+
+async function waitFor(what, fn, timeoutMs, intervalMs = 250) {
+  const end = Date.now() + timeoutMs;
+  let last = null;
+  while (Date.now() < end) {
+    try {
+      const v = await fn();
+      if (v) return v;
+    } catch (e) {
+      last = e;
+    }
+    await sleep(intervalMs);
+  }
+  throw new Error(`timed out after ${timeoutMs / 1000} s waiting for ${what}${last ? ` (last error: ${last.message})` : ''}`);
+}
+
+function freePort() {
+  return new Promise((resolve, reject) => {
+    const s = net.createServer();
+    s.unref();
+    s.on('error', reject);
+    s.listen(0, '127.0.0.1', () => {
+      const { port } = s.address();
+      s.close(() => resolve(port));
+    });
+  });
+}
+
+function spawnLogged(name, cmd, args) {
+  const file = path.join(OUT, `${name}.log`);
+  const fd = fs.openSync(file, 'w');
+  const child = spawn(cmd, args, { cwd: ROOT, stdio: ['ignore', fd, fd] });
+  fs.closeSync(fd);
+  children.add(child);
+  child.exited = new Promise((r) => child.on('exit', (code, signal) => {
+    children.delete(child);
+    r({ code, signal });
+  }));
+  child.logFile = file;
+  return child;
+}
+
+async function stopChild(child, what) {
+  if (child.exitCode !== null || child.signalCode !== null) return;
+  child.kill('SIGTERM');
+  const r = await Promise.race([child.exited, sleep(10_000).then(() => null)]);
+  if (!r) {
+    log(`${what} ignored SIGTERM for 10 s; killing it`);
+    child.kill('SIGKILL');
+    await child.exited;
+  }
+}
+
+async function getStatus(base) {
+  const r = await fetch(`${base}/api/status`, { signal: AbortSignal.timeout(3_000) });
+  if (!r.ok) throw new Error(`/api/status answered ${r.status}`);
+  return r.json();
+}
+
+async function startServer(port, tag) {
+  const base = `http://127.0.0.1:${port}`;
+  const child = spawnLogged(`server-${tag}`, SERVER,
+    ['serve', '--addr', `127.0.0.1:${port}`, '--data-dir', DATA, '--web-dir', WEB]);
+  child.on('exit', (code, signal) => log(`server ${tag} exited (${signal || code})`));
+  // Generous: on a first run the server fetches MNIST itself.
+  await waitFor(`server ${tag} to answer /api/status`, async () => {
+    if (child.exitCode !== null) throw new Error(`server exited with ${child.exitCode}; see ${child.logFile}`);
+    return getStatus(base);
+  }, 180_000, 200);
+  log(`server ${tag} up at ${base}`);
+  return child;
+}
+
+const digits = (text) => Number(String(text || '').replace(/[^0-9]/g, '') || 0);
+
+async function tabProgress(page) {
+  return page.evaluate(() => (window.crowdgrad && window.crowdgrad.volunteer.progress) || null);
+}
+
+async function shownAccepted(page) {
+  return digits(await page.locator('#my-accepted').textContent());
+}
+
+function gzipSize(file) {
+  return zlib.gzipSync(fs.readFileSync(file), { level: 9 }).length;
+}
+
+const kib = (n) => `${(n / 1024).toFixed(1)} KiB`;
+
+// ------------------------------------------------------------------ the test
+
+const consoleErrors = [];
+let phase = 'load';
+
+function watch(page, tab) {
+  const record = (text, uncaught = false) => consoleErrors.push({ tab, phase, text, uncaught });
+  page.on('console', (m) => { if (m.type() === 'error') record(m.text()); });
+  page.on('pageerror', (e) => record(`uncaught: ${e.message}`, true));
+  page.on('worker', (w) => w.on('console', (m) => { if (m.type() === 'error') record(`worker: ${m.text()}`); }));
+}
+
+function errorsIn(phases) {
+  return consoleErrors.filter((e) => phases.includes(e.phase));
+}
+
+async function main() {
+  fs.mkdirSync(OUT, { recursive: true });
+  for (const [what, file] of [['server binary', SERVER], ['Chromium', CHROMIUM],
+    ['wasm bundle (cargo xtask build-web)', path.join(WEB, 'pkg/crowdgrad_worker_wasm_bg.wasm')],
+    ['uPlot (cargo xtask build-web)', path.join(WEB, 'vendor/uPlot.esm.js')]]) {
+    if (!fs.existsSync(file)) throw new Error(`${what} missing: ${file}`);
+  }
+
+  // Bundle size: what a volunteer downloads for the worker.
+  const wasmFile = path.join(WEB, 'pkg/crowdgrad_worker_wasm_bg.wasm');
+  const glueFile = path.join(WEB, 'pkg/crowdgrad_worker_wasm.js');
+  figures['wasm bundle (raw / gzip -9)'] = `${kib(fs.statSync(wasmFile).size)} / ${kib(gzipSize(wasmFile))}`;
+  figures['JS glue (raw / gzip -9)'] = `${kib(fs.statSync(glueFile).size)} / ${kib(gzipSize(glueFile))}`;
+
+  const port = await freePort();
+  const base = `http://127.0.0.1:${port}`;
+  let server = await startServer(port, 1);
+
+  userDataDir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-e2e-'));
+  context = await chromium.launchPersistentContext(userDataDir, {
+    executablePath: CHROMIUM,
+    headless: true,
+    args: CHROMIUM_ARGS,
+    viewport: { width: 1280, height: 1000 },
+  });
+  const tabs = [];
+  for (const name of ['A', 'B']) {
+    const page = name === 'A' && context.pages()[0] ? context.pages()[0] : await context.newPage();
+    watch(page, name);
+    const t0 = Date.now();
+    await page.goto(`${base}/`, { waitUntil: 'load', timeout: 30_000 });
+    const loadMs = Date.now() - t0;
+    await page.getByRole('button', { name: 'Contribute' }).click({ timeout: 10_000 });
+    tabs.push({ name, page, t0, loadMs });
+    log(`tab ${name} loaded in ${loadMs} ms and clicked Contribute`);
+  }
+
+  // ---------------------------------------------------------------- phase 1: train together
+  phase = 'train';
+  for (const tab of tabs) {
+    await waitFor(`tab ${tab.name}'s first accepted push`, async () => (await shownAccepted(tab.page)) > 0, 60_000, 50);
+    // Timed in the page: ms since navigation start of the click and of the first push.
+    const t = await tab.page.evaluate(() => ({
+      clicked: window.crowdgrad.volunteer.clickedAt,
+      first: window.crowdgrad.volunteer.firstPushAt,
+    }));
+    const p = await tabProgress(tab.page);
+    figures[`tab ${tab.name}: navigation start to first accepted push`] =
+      `${Math.round(t.first)} ms (load event ${tab.loadMs} ms; click to first push ${Math.round(t.first - t.clicked)} ms, `
+      + `of which wasm worker start to first push ${Math.round(p.first_push_ms)} ms; partition ${kib(p.data_bytes)}, `
+      + `${p.data_from_cache ? 'from the Cache API' : 'downloaded'})`;
+  }
+  const native = spawnLogged('native-worker', SERVER,
+    ['work', '--server', base, '--seconds', '300', '--quiet', '--name', 'e2e-native']);
+  log('native worker started');
+
+  const trainStart = Date.now();
+  const st = await waitFor('test accuracy above 0.90', async () => {
+    const s = await getStatus(base);
+    return s.eval && s.eval.accuracy > 0.90 ? s : null;
+  }, 300_000, 500);
+  figures['time from native start to test accuracy > 0.90'] =
+    `${((Date.now() - trainStart) / 1000).toFixed(1)} s (accuracy ${st.eval.accuracy.toFixed(4)} after ${st.eval.samples} samples)`;
+  check('test accuracy > 0.90 on /api/status', st.eval.accuracy > 0.90, `accuracy ${st.eval.accuracy.toFixed(4)}`);
+
+  for (const tab of tabs) {
+    const shown = await shownAccepted(tab.page);
+    check(`tab ${tab.name} shows accepted pushes`, shown > 0, `${shown} accepted`);
+  }
+  const [tabA, tabB] = tabs;
+  let listed = [];
+  try {
+    listed = await waitFor('the dashboard to list 3 workers online', async () => {
+      const rows = await tabA.page.$$eval('#workers tr[data-connected="true"]', (trs) => trs.map((tr) => tr.dataset.kind));
+      return rows.length === 3 ? rows : null;
+    }, 15_000);
+  } catch (e) {
+    log(e.message);
+  }
+  const kinds = [...listed].sort().join(', ');
+  check('dashboard lists 3 workers online (2 browser, 1 native)', kinds === 'browser, browser, native', kinds || 'none');
+  const accuracyShown = await tabA.page.locator('#kpi-accuracy').textContent();
+  check('dashboard shows the test accuracy', /\d+\.\d+%/.test(accuracyShown), accuracyShown);
+  const chartPoints = await tabA.page.evaluate(() => document.querySelectorAll('#chart canvas').length);
+  check('dashboard draws the uPlot chart', chartPoints > 0);
+
+  for (const tab of tabs) {
+    const p = await tabProgress(tab.page);
+    figures[`tab ${tab.name} while 2 tabs + 1 native share 2 cores`] =
+      `${p.samples_per_sec.toFixed(0)} samples/s; step() ${p.step_ms.toFixed(2)} ms + ${p.wait_ms.toFixed(2)} ms waiting for parameters`;
+  }
+  const shot = path.join(OUT, 'dashboard.png');
+  await tabA.page.screenshot({ path: shot, fullPage: true });
+  log(`screenshot saved to ${shot}`);
+  // A phone-sized view: nothing may stick out sideways (tables scroll inside their box).
+  await tabA.page.setViewportSize({ width: 390, height: 844 });
+  await sleep(300);
+  const overflow = await tabA.page.evaluate(() => document.documentElement.scrollWidth - window.innerWidth);
+  await tabA.page.screenshot({ path: path.join(OUT, 'phone.png'), fullPage: true });
+  check('page fits a 390 px wide phone screen', overflow <= 0, `${overflow} px overflow`);
+  await tabA.page.setViewportSize({ width: 1280, height: 1000 });
+  const early = errorsIn(['load', 'train']);
+  check('no console errors while loading and training', early.length === 0,
+    early.map((e) => `${e.tab}: ${e.text}`).join(' | '));
+
+  // ---------------------------------------------------------------- phase 2: close a tab
+  phase = 'close-tab';
+  const acceptedA = await shownAccepted(tabA.page);
+  const nativeSamples = (s) => (s.workers.find((w) => w.client === 'native' && w.connected) || { samples: 0 }).samples;
+  const before = await getStatus(base);
+  await tabB.page.close();
+  log('tab B closed');
+  let online = null;
+  try {
+    online = await waitFor('the server to count 2 workers online', async () => {
+      const s = await getStatus(base);
+      return s.workers_connected === 2 ? s : null;
+    }, 20_000);
+  } catch (e) {
+    log(e.message);
+  }
+  check('server stays healthy and drops the closed tab', online && server.exitCode === null,
+    online ? '2 workers online' : 'still counting the closed tab');
+  let keptA = false;
+  try {
+    keptA = await waitFor('tab A to keep pushing', async () => (await shownAccepted(tabA.page)) > acceptedA + 20, 20_000);
+  } catch (e) {
+    log(e.message);
+  }
+  check('tab A keeps training after tab B closed', keptA);
+  let keptNative = false;
+  try {
+    keptNative = await waitFor('the native worker to keep pushing', async () =>
+      nativeSamples(await getStatus(base)) > nativeSamples(before), 20_000);
+  } catch (e) {
+    log(e.message);
+  }
+  check('native worker keeps training after tab B closed', keptNative);
+  const after = await getStatus(base);
+  check('shard versions keep rising', after.shards.every((s, i) => s.version > before.shards[i].version));
+
+  // ---------------------------------------------------------------- phase 3: restart the server
+  await stopChild(native, 'native worker');
+  log('native worker stopped (tab A trains alone from here)');
+  await sleep(4_000);
+  const solo = await tabProgress(tabA.page);
+  figures['one tab alone (server on the same 2 cores)'] =
+    `${solo.samples_per_sec.toFixed(0)} samples/s; step() ${solo.step_ms.toFixed(2)} ms + ${solo.wait_ms.toFixed(2)} ms waiting for parameters`;
+  figures['browser step() (wasm, SIMD128), one tab alone'] = `${solo.step_ms.toFixed(3)} ms`;
+
+  phase = 'restart';
+  const partitionBefore = solo.partition_index;
+  const acceptedBefore = (await tabProgress(tabA.page)).pushes_accepted;
+  await stopChild(server, 'server');
+  let noticed = null;
+  try {
+    noticed = await waitFor('tab A to notice the server is gone', async () => {
+      const p = await tabProgress(tabA.page);
+      return p.state === 'reconnecting' ? p : null;
+    }, 15_000, 100);
+  } catch (e) {
+    log(e.message);
+  }
+  check('tab A notices the server went away', noticed, noticed ? noticed.error : '');
+  const downAt = Date.now();
+  server = await startServer(port, 2);
+  let back = null;
+  try {
+    back = await waitFor('tab A to rejoin and push again', async () => {
+      const p = await tabProgress(tabA.page);
+      return p.state === 'training' && p.pushes_accepted > acceptedBefore + 20 ? p : null;
+    }, 60_000, 100);
+  } catch (e) {
+    log(e.message);
+  }
+  check('tab A rejoins the restarted server and keeps training, no click', back,
+    back ? `${back.pushes_accepted - acceptedBefore} more pushes accepted, ${back.reconnects} reconnect(s)` : '');
+  if (back) {
+    figures['server restart to tab A training again'] = `${((Date.now() - downAt) / 1000).toFixed(1)} s (server down and restarted, rejoin backoff included)`;
+    if (back.partition_index === partitionBefore) {
+      check('rejoined tab reads its partition from the Cache API', back.data_from_cache === true);
+    } else {
+      log(`tab A got partition ${back.partition_index} after the restart (had ${partitionBefore}): cache check not applicable`);
+    }
+    const s2 = await getStatus(base);
+    const mine = s2.workers.find((w) => w.id === back.worker_id);
+    check('the restarted server lists tab A as a connected browser worker',
+      mine && mine.connected && mine.client === 'browser', mine ? `worker ${mine.id}` : 'not listed');
+    const shownAfter = await shownAccepted(tabA.page);
+    check('tab A\'s page shows the carried-over push count', shownAfter >= acceptedBefore, `${shownAfter} accepted`);
+  }
+  await sleep(5_000);
+  const solo2 = await tabProgress(tabA.page);
+  figures['one tab alone after the restart'] =
+    `${solo2.samples_per_sec.toFixed(0)} samples/s; step() ${solo2.step_ms.toFixed(2)} ms + ${solo2.wait_ms.toFixed(2)} ms waiting`;
+  const late = errorsIn(['close-tab', 'restart']);
+  const unexpected = late.filter((e) => e.uncaught || !EXPECTED_WHILE_DOWN.test(e.text));
+  check('no unexpected console errors after the tab close and restart', unexpected.length === 0,
+    `${late.length - unexpected.length} expected network errors while the server was down` +
+    (unexpected.length ? `; unexpected: ${unexpected.map((e) => `${e.tab}: ${e.text}`).join(' | ')}` : ''));
+  check('server healthy at the end', (await getStatus(base)).workers_connected >= 1);
+
+  await stopChild(server, 'server');
+  await cleanup();
+
+  // Native step time for the same model and batch, with nothing else running.
+  const model = String(st.model || '');
+  const m = /^mlp ([\d-]+)$/.exec(model);
+  const modelFlag = m ? `mlp:${m[1].split('-').slice(1, -1).join(',')}` : (model.startsWith('softmax') ? 'softmax' : null);
+  if (fs.existsSync(STEP_TIME) && modelFlag) {
+    const out = await runCapture(STEP_TIME, ['--model', modelFlag, '--batch', String(st.batch_size), '--shards', String(st.shards.length)]);
+    const json = out.split('\n').find((l) => l.startsWith('{'));
+    if (json) {
+      const n = JSON.parse(json);
+      figures['native step() (same model and batch, nothing else running)'] = `${n.native_step_ms_mean.toFixed(3)} ms`;
+      figures['browser / native step() time'] = `${(solo.step_ms / n.native_step_ms_mean).toFixed(1)}x`;
+    }
+  } else {
+    figures['native step()'] = `n/a (build ${path.relative(ROOT, STEP_TIME)} with cargo test --release or cargo build --release --example step_time)`;
+  }
+  figures['model, batch'] = `${model}, ${st.batch_size}`;
+}
+
+function runCapture(cmd, args) {
+  return new Promise((resolve) => {
+    const child = spawn(cmd, args, { cwd: ROOT, stdio: ['ignore', 'pipe', 'inherit'] });
+    children.add(child);
+    let out = '';
+    child.stdout.on('data', (d) => { out += d; });
+    const timer = setTimeout(() => child.kill('SIGKILL'), 60_000);
+    child.on('exit', () => { clearTimeout(timer); children.delete(child); resolve(out); });
+  });
+}
+
+let code = 0;
+try {
+  await main();
+} catch (e) {
+  check('the test ran to completion', false, e.message);
+  code = 1;
+  await cleanup();
+}
+console.log('\nfigures:');
+for (const [k, v] of Object.entries(figures)) console.log(`  ${k}: ${v}`);
+finish(code);
