@@ -307,6 +307,52 @@ async function main() {
   check('no console errors while loading and training', early.length === 0,
     early.map((e) => `${e.tab}: ${e.text}`).join(' | '));
 
+  // ---------------------------------------------------------------- controls: pause, CPU limit
+  phase = 'controls';
+  await tabB.page.getByRole('button', { name: 'Pause' }).click();
+  let paused = null;
+  try {
+    paused = await waitFor('tab B to pause', async () => {
+      const p = await tabProgress(tabB.page);
+      return p.state === 'paused' ? p : null;
+    }, 10_000, 100);
+  } catch (e) {
+    log(e.message);
+  }
+  if (paused) {
+    await sleep(1_500);
+    const still = await tabProgress(tabB.page);
+    const listedB = (await getStatus(base)).workers.find((w) => w.id === paused.worker_id);
+    check('Pause stops tab B computing and closes its connections',
+      still.steps === paused.steps && listedB && !listedB.connected,
+      `${still.steps - paused.steps} steps while paused; server lists it ${listedB && listedB.connected ? 'online' : 'offline'}`);
+    await tabB.page.getByRole('button', { name: 'Resume' }).click();
+    let resumed = null;
+    try {
+      resumed = await waitFor('tab B to resume', async () => {
+        const p = await tabProgress(tabB.page);
+        return p.state === 'training' && p.steps > paused.steps ? p : null;
+      }, 15_000, 100);
+    } catch (e) {
+      log(e.message);
+    }
+    check('Resume reconnects tab B and it trains on', resumed,
+      resumed ? `worker ${resumed.worker_id}, ${resumed.steps - paused.steps} steps since` : '');
+  } else {
+    check('Pause stops tab B computing and closes its connections', false, 'never paused');
+  }
+  await tabA.page.selectOption('#throttle', '25');
+  await sleep(1_000);
+  const t0 = await tabProgress(tabA.page);
+  const w0 = Date.now();
+  await sleep(4_000);
+  const t1 = await tabProgress(tabA.page);
+  const duty = ((t1.steps - t0.steps) * t1.step_ms) / (Date.now() - w0);
+  check('a 25% CPU limit keeps tab A computing at most ~25% of the time',
+    t1.throttle_percent === 25 && duty <= 0.3, `computing ${(100 * duty).toFixed(1)}% of wall time`);
+  figures['tab A at a 25% CPU limit'] = `${t1.samples_per_sec.toFixed(0)} samples/s, computing ${(100 * duty).toFixed(1)}% of wall time`;
+  await tabA.page.selectOption('#throttle', '100');
+
   // ---------------------------------------------------------------- phase 2: close a tab
   phase = 'close-tab';
   const acceptedA = await shownAccepted(tabA.page);
@@ -397,6 +443,9 @@ async function main() {
   const solo2 = await tabProgress(tabA.page);
   figures['one tab alone after the restart'] =
     `${solo2.samples_per_sec.toFixed(0)} samples/s; step() ${solo2.step_ms.toFixed(2)} ms + ${solo2.wait_ms.toFixed(2)} ms waiting`;
+  const controls = errorsIn(['controls']);
+  check('no console errors while pausing, resuming and limiting the CPU', controls.length === 0,
+    controls.map((e) => `${e.tab}: ${e.text}`).join(' | '));
   const late = errorsIn(['close-tab', 'restart']);
   const unexpected = late.filter((e) => e.uncaught || !EXPECTED_WHILE_DOWN.test(e.text));
   check('no unexpected console errors after the tab close and restart', unexpected.length === 0,
