@@ -10,6 +10,8 @@
 //! - [`data`]: IDX parsing, [`data::Dataset`], [`data::BatchSampler`].
 //! - [`spec`]: the run spec and join messages.
 //! - [`worker`]: the sans-IO [`worker::Worker`] state machine.
+//! - [`shard`]: [`shard::ShardCore`] (the one apply path), consistency modes, staleness
+//!   policies and the SSP clock.
 //! - [`rng`]: the deterministic PRNG everything seeds from.
 
 pub mod data;
@@ -18,6 +20,7 @@ pub mod model;
 pub mod optim;
 pub mod partition;
 pub mod rng;
+pub mod shard;
 pub mod spec;
 pub mod wire;
 pub mod worker;

@@ -47,7 +47,7 @@ pub struct RunSpec {
     pub batch_size: usize,
     /// Seed for initial weights and each worker's batch order.
     pub seed: u64,
-    /// Consistency mode, e.g. `async`.
+    /// Consistency mode: `async`, `ssp:S` or `sync:K` (see [`crate::shard::Consistency`]).
     pub consistency: String,
     /// The shard map.
     pub shards: Vec<ShardInfo>,
@@ -64,6 +64,7 @@ impl RunSpec {
     pub fn validate(&self) -> Result<Slicer> {
         self.model.validate()?;
         self.optimizer.validate()?;
+        crate::shard::Consistency::parse(&self.consistency)?;
         if self.batch_size == 0 || self.batch_size > 65_536 {
             return Err(Error::Config(format!(
                 "batch size {} is out of range",

@@ -10,7 +10,8 @@
 //!      4    4 request_id echoed by the reply
 //!      8    4 shard      shard the frame is for / from
 //!     12    4 aux        per kind: Push = samples, Ack = staleness, Error = error code
-//!     16    8 version    per kind: Params = shard version, Push = base version, Ack = new version
+//!     16    8 version    per kind: Pull = min version, Params = shard version, Push = base
+//!                        version, Ack = new version
 //!     24    4 meta_len   bytes of JSON meta after the header
 //!     28    4 count      number of f32 values after the meta
 //! ```
@@ -405,6 +406,9 @@ pub enum Message<'a> {
         request_id: u32,
         /// Shard index.
         shard: u32,
+        /// Reply once the shard has reached this version (0: reply now). Only `sync:K` runs
+        /// wait; other modes ignore it.
+        min_version: u64,
     },
     /// The shard's parameters at `version`.
     Params {
@@ -496,7 +500,11 @@ pub fn decode(bytes: &[u8], limit: usize) -> Result<Message<'_>> {
             shard,
             welcome: meta(meta_bytes, h.kind)?,
         },
-        Kind::Pull => Message::Pull { request_id, shard },
+        Kind::Pull => Message::Pull {
+            request_id,
+            shard,
+            min_version: h.version,
+        },
         Kind::Params => Message::Params {
             request_id,
             shard,
@@ -626,9 +634,15 @@ pub fn encode(msg: &Message<'_>) -> Vec<u8> {
             &json(welcome),
             &[],
         ),
-        Message::Pull { request_id, shard } => {
-            frame(header(Kind::Pull, *request_id, *shard, 0, 0), &[], &[])
-        }
+        Message::Pull {
+            request_id,
+            shard,
+            min_version,
+        } => frame(
+            header(Kind::Pull, *request_id, *shard, 0, *min_version),
+            &[],
+            &[],
+        ),
         Message::Params {
             request_id,
             shard,
@@ -703,6 +717,7 @@ mod tests {
             Message::Pull {
                 request_id: 9,
                 shard: 0,
+                min_version: 3,
             },
             Message::Params {
                 request_id: 9,
@@ -794,6 +809,7 @@ mod tests {
         let mut pull = encode(&Message::Pull {
             request_id: 1,
             shard: 0,
+            min_version: 0,
         });
         pull[28] = 1;
         pull.extend_from_slice(&[0; 4]);

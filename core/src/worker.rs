@@ -16,6 +16,7 @@ use crate::error::{Error, Result};
 use crate::model::{Model, Workspace};
 use crate::optim::clip_by_global_norm;
 use crate::partition::Slicer;
+use crate::shard::Consistency;
 use crate::spec::JoinResponse;
 use crate::wire::{
     self, ClientKind, ErrorCode, Hello, Message, HEADER_LEN, MAX_META_LEN, PROTOCOL_VERSION,
@@ -82,6 +83,8 @@ struct ShardSlot {
     pull: Option<u32>,
     /// Pushes awaiting an answer.
     in_flight: u32,
+    /// Version the next pull asks for (sync mode: one past the version pushed to).
+    min_version: u64,
 }
 
 /// What one [`Worker::step`] did.
@@ -115,6 +118,8 @@ pub struct Worker {
     next_request: u32,
     frame_limit: usize,
     max_steps: Option<u64>,
+    /// `sync:K` run: pull the next version, not the current one.
+    sync: bool,
     stats: WorkerStats,
 }
 
@@ -173,6 +178,7 @@ impl Worker {
                     fresh: false,
                     pull: None,
                     in_flight: 0,
+                    min_version: 0,
                 };
                 slicer.ranges().len()
             ],
@@ -180,6 +186,10 @@ impl Worker {
             next_request: 1,
             frame_limit: HEADER_LEN + MAX_META_LEN + 4 * largest,
             max_steps,
+            sync: matches!(
+                Consistency::parse(&join.run.consistency)?,
+                Consistency::Sync { .. }
+            ),
             stats: WorkerStats::default(),
             data,
             model,
@@ -247,6 +257,7 @@ impl Worker {
                 fresh: false,
                 pull: None,
                 in_flight: 0,
+                min_version: 0,
             };
         }
         self.outbox.retain(|o| o.shard != shard);
@@ -363,6 +374,7 @@ impl Worker {
                 let frame = wire::encode(&Message::Pull {
                     request_id,
                     shard: shard as u32,
+                    min_version: self.shards[shard].min_version,
                 });
                 self.outbox.push_back(Outgoing { shard, frame });
             }
@@ -416,6 +428,9 @@ impl Worker {
             hi = hi.max(slot.version);
             slot.fresh = false;
             slot.in_flight += 1;
+            if self.sync {
+                slot.min_version = slot.version + 1;
+            }
             let frame = wire::encode_push(
                 request_id,
                 shard as u32,

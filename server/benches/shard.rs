@@ -2,11 +2,12 @@
 //! publish), per optimizer. Run: `cargo bench -p crowdgrad --bench shard`.
 
 use criterion::{criterion_main, Criterion, Throughput};
-use crowdgrad::config::StalenessPolicy;
-use crowdgrad::shard::Shard;
+use crowdgrad::shard::{Shard, ShardOptions};
 use crowdgrad_core::optim::{OptimizerConfig, Rule};
 use crowdgrad_core::partition::KeyRange;
+use crowdgrad_core::shard::{Consistency, StalenessPolicy};
 use crowdgrad_core::wire;
+use std::time::Duration;
 
 const N: usize = 101_770;
 
@@ -18,24 +19,24 @@ fn apply(c: &mut Criterion) {
     let mut g = c.benchmark_group("shard_apply");
     g.throughput(Throughput::Elements(N as u64));
     for name in ["sgd", "momentum", "adagrad", "rmsprop", "adam"] {
-        let cfg = OptimizerConfig {
-            rule: Rule::from_name(name).expect("rule"),
-            lr: 1e-3,
-            weight_decay: 0.0,
-            clip_norm: None,
+        let opts = ShardOptions {
+            optimizer: OptimizerConfig {
+                rule: Rule::from_name(name).expect("rule"),
+                lr: 1e-3,
+                weight_decay: 0.0,
+                clip_norm: None,
+            },
+            staleness: StalenessPolicy::default(),
+            consistency: Consistency::Async,
+            heartbeat: Duration::from_secs(5),
+            sync_timeout: Duration::from_secs(1),
         };
-        let (shard, _writer) = Shard::start(
-            0,
-            KeyRange { start: 0, end: N },
-            vec![0.1; N],
-            cfg,
-            StalenessPolicy::AcceptAll,
-        );
+        let (shard, _writer) = Shard::start(0, KeyRange { start: 0, end: N }, vec![0.1; N], opts);
         let grad = vec![1e-3f32; N];
         g.bench_function(name, |b| {
             b.iter(|| {
                 let frame = wire::encode_push(1, 0, shard.version(), 32, &grad);
-                rt.block_on(shard.push(frame.into()))
+                rt.block_on(shard.push(None, frame.into()))
             })
         });
     }

@@ -251,6 +251,7 @@ pub async fn roundtrip(data: TrainTest, params: usize, iters: usize) -> Result<R
             .await
             .map_err(|e| Error::WebSocket(e.to_string()))?;
         let pull = wire::encode(&Frame::Pull {
+            min_version: 0,
             request_id: 3,
             shard: 0,
         });

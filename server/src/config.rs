@@ -5,18 +5,10 @@ use crate::error::{Error, Result};
 use clap::Args;
 use crowdgrad_core::model::ModelSpec;
 use crowdgrad_core::optim::{OptimizerConfig, Rule};
+use crowdgrad_core::shard::{Consistency, StalenessPolicy};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
-
-/// What a push's staleness does to it.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum StalenessPolicy {
-    /// Apply every push (Hogwild / Downpour; TensorFlow's async PS).
-    AcceptAll,
-    /// Reject pushes whose staleness exceeds the bound.
-    DropBeyond(u64),
-}
 
 /// Flags of `crowdgrad serve`.
 #[derive(Debug, Clone, Args)]
@@ -58,9 +50,20 @@ pub struct ServeArgs {
     /// N mod partitions.
     #[arg(long, default_value_t = 6)]
     pub partitions: usize,
-    /// Reject async pushes staler than this many updates (default: accept all).
-    #[arg(long)]
-    pub max_staleness: Option<u64>,
+    /// Consistency mode: `async` (apply on receipt), `ssp:S` (stale-synchronous, bound S) or
+    /// `sync:K` (average K fresh gradients per update, drop late ones).
+    #[arg(long, default_value = "async")]
+    pub consistency: String,
+    /// Staleness policy for async/SSP pushes: `accept`, or a comma list of `drop:N` (reject
+    /// staler than N), `scale` (lr / staleness), `dc:LAMBDA` (DC-ASGD delay compensation).
+    #[arg(long, default_value = "accept")]
+    pub staleness: String,
+    /// Seconds without a frame after which a worker drops out of the SSP clock.
+    #[arg(long, default_value_t = 5.0)]
+    pub heartbeat_timeout: f64,
+    /// sync:K: seconds a waiting pull waits before the partial aggregate is applied.
+    #[arg(long, default_value_t = 2.0)]
+    pub sync_timeout: f64,
     /// Dataset name shown to workers.
     #[arg(long, default_value = "mnist")]
     pub dataset: String,
@@ -100,8 +103,14 @@ pub struct ServeConfig {
     pub eval_every: Duration,
     /// Number of data partitions.
     pub partitions: usize,
-    /// Staleness policy for async pushes.
+    /// Consistency mode.
+    pub consistency: Consistency,
+    /// Staleness policy for async/SSP pushes.
     pub staleness: StalenessPolicy,
+    /// SSP heartbeat timeout.
+    pub heartbeat_timeout: Duration,
+    /// sync:K straggler timeout.
+    pub sync_timeout: Duration,
     /// Dataset name.
     pub dataset: String,
     /// Data directory.
@@ -168,6 +177,15 @@ impl ServeArgs {
                 self.partitions
             ));
         }
+        let seconds = |flag: &str, v: f64| {
+            if v.is_finite() && (0.01..=3600.0).contains(&v) {
+                Ok(Duration::from_secs_f64(v))
+            } else {
+                Err(Error::Config(format!(
+                    "{flag} {v} must be between 0.01 and 3600 seconds"
+                )))
+            }
+        };
         if self.max_workers == 0 || self.max_connections == 0 {
             return bad("--max-workers and --max-connections must be positive".into());
         }
@@ -183,10 +201,10 @@ impl ServeArgs {
             seed: self.seed,
             eval_every: Duration::from_secs_f64(self.eval_every),
             partitions: self.partitions,
-            staleness: match self.max_staleness {
-                Some(s) => StalenessPolicy::DropBeyond(s),
-                None => StalenessPolicy::AcceptAll,
-            },
+            consistency: Consistency::parse(&self.consistency)?,
+            staleness: StalenessPolicy::parse(&self.staleness)?,
+            heartbeat_timeout: seconds("--heartbeat-timeout", self.heartbeat_timeout)?,
+            sync_timeout: seconds("--sync-timeout", self.sync_timeout)?,
             dataset: self.dataset,
             data_dir: self.data_dir,
             fetch: !self.no_fetch,

@@ -3,16 +3,18 @@
 //! adapts axum's socket to it.
 //!
 //! Frames of one connection are handled strictly in order: a push is applied (or rejected)
-//! before the next frame is read, so a worker's pull right after its push sees that push. Pulls
-//! never wait for other workers' pushes.
+//! before the next frame is read, so a worker's pull right after its push sees that push. In
+//! `async` mode pulls never wait for other workers' pushes; `ssp`/`sync` pulls wait as their
+//! mode demands (see [`crate::shard`]).
 //!
 //! Any malformed or illegal frame gets an `Error` frame naming the problem, then the connection
 //! is closed; the shard is unchanged and other connections carry on. Policy rejections (a push
-//! that is too stale) get an `Error` frame and the connection stays open.
+//! that is too stale or late) get an `Error` frame and the connection stays open.
 
 use crate::registry::Registry;
-use crate::shard::{Outcome, Shard};
+use crate::shard::Shard;
 use bytes::Bytes;
+use crowdgrad_core::shard::Outcome;
 use crowdgrad_core::wire::{self, Bye, ErrorCode, Message, Welcome, PROTOCOL_VERSION};
 use futures_util::{Sink, SinkExt, Stream, StreamExt};
 use tokio::sync::watch;
@@ -42,9 +44,18 @@ enum Step {
     Close(String),
 }
 
+/// Per-connection state and context.
+struct Conn<'a, Si> {
+    tx: Si,
+    shard: &'a Shard,
+    registry: &'a Registry,
+    worker: Option<u64>,
+    limit: usize,
+}
+
 /// Serves one connection until it closes, fails or the server shuts down.
 pub async fn serve<Si, St>(
-    mut tx: Si,
+    tx: Si,
     mut rx: St,
     shard: Shard,
     registry: Registry,
@@ -53,16 +64,19 @@ pub async fn serve<Si, St>(
     Si: Sink<Outbound> + Unpin,
     St: Stream<Item = Inbound> + Unpin,
 {
-    let mut worker: Option<u64> = None;
-    let limit = shard.frame_limit();
+    let mut c = Conn {
+        tx,
+        shard: &shard,
+        registry: &registry,
+        worker: None,
+        limit: shard.frame_limit(),
+    };
     loop {
         let inbound = tokio::select! {
             biased;
             changed = shutdown.changed() => {
                 if changed.is_err() || *shutdown.borrow() {
-                    let bye = wire::encode(&Message::Bye { shard: shard.id(), bye: Bye { reason: "server shutting down".into() } });
-                    let _ = tx.send(Outbound::Frame(bye)).await;
-                    let _ = tx.send(Outbound::Close("server shutting down".into())).await;
+                    c.goodbye().await;
                     break;
                 }
                 continue;
@@ -72,271 +86,229 @@ pub async fn serve<Si, St>(
         let step = match inbound {
             Inbound::Closed => break,
             Inbound::Text => {
-                fail(
-                    &mut tx,
-                    &registry,
-                    &shard,
-                    worker,
+                c.fail(
                     0,
                     ErrorCode::Malformed,
                     "text messages are not part of the protocol; send binary frames".into(),
                 )
                 .await
             }
-            Inbound::Frame(bytes) => {
-                frame(&mut tx, &shard, &registry, &mut worker, bytes, limit).await
-            }
+            Inbound::Frame(bytes) => c.frame(bytes, &mut shutdown).await,
         };
         if let Step::Close(reason) = step {
-            let _ = tx.send(Outbound::Close(reason)).await;
+            if *shutdown.borrow() {
+                c.goodbye().await;
+            } else {
+                let _ = c.tx.send(Outbound::Close(reason)).await;
+            }
             break;
         }
     }
-    if let Some(id) = worker {
+    if let Some(id) = c.worker {
         registry.connection(id, false);
+        shard.worker_left(id);
     }
 }
 
-async fn send<Si: Sink<Outbound> + Unpin>(tx: &mut Si, frame: Vec<u8>) -> Step {
-    match tx.send(Outbound::Frame(frame)).await {
-        Ok(()) => Step::Continue,
-        Err(_) => Step::Close("send failed".into()),
+impl<Si: Sink<Outbound> + Unpin> Conn<'_, Si> {
+    async fn goodbye(&mut self) {
+        let bye = wire::encode(&Message::Bye {
+            shard: self.shard.id(),
+            bye: Bye {
+                reason: "server shutting down".into(),
+            },
+        });
+        let _ = self.tx.send(Outbound::Frame(bye)).await;
+        let _ = self
+            .tx
+            .send(Outbound::Close("server shutting down".into()))
+            .await;
     }
-}
 
-#[allow(clippy::too_many_arguments)]
-async fn fail<Si: Sink<Outbound> + Unpin>(
-    tx: &mut Si,
-    registry: &Registry,
-    shard: &Shard,
-    worker: Option<u64>,
-    request_id: u32,
-    code: ErrorCode,
-    message: String,
-) -> Step {
-    registry.pushed(
-        shard.id(),
-        worker,
-        &Outcome::Rejected {
+    async fn send(&mut self, frame: Vec<u8>) -> Step {
+        match self.tx.send(Outbound::Frame(frame)).await {
+            Ok(()) => Step::Continue,
+            Err(_) => Step::Close("send failed".into()),
+        }
+    }
+
+    /// Records the rejection, sends the error frame, and closes if the code is fatal.
+    async fn fail(&mut self, request_id: u32, code: ErrorCode, message: String) -> Step {
+        let rejected = Outcome::Rejected {
             code,
             message: message.clone(),
-        },
-    );
-    let sent = send(
-        tx,
-        wire::encode_error(request_id, shard.id(), code, message.clone()),
-    )
-    .await;
-    if code.is_fatal() {
-        Step::Close(format!("{}: {message}", code.name()))
-    } else {
-        sent
-    }
-}
-
-async fn frame<Si: Sink<Outbound> + Unpin>(
-    tx: &mut Si,
-    shard: &Shard,
-    registry: &Registry,
-    worker: &mut Option<u64>,
-    bytes: Bytes,
-    limit: usize,
-) -> Step {
-    let msg = match wire::decode(&bytes, limit) {
-        Ok(m) => m,
-        Err(e) => {
-            // Echo the request id when the header got that far.
-            let request_id = if bytes.len() >= 8 {
-                u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]])
-            } else {
-                0
-            };
-            return fail(
-                tx,
-                registry,
-                shard,
-                *worker,
+        };
+        self.registry
+            .pushed(self.shard.id(), self.worker, &rejected, 0);
+        let sent = self
+            .send(wire::encode_error(
                 request_id,
-                ErrorCode::from(&e),
-                e.to_string(),
-            )
+                self.shard.id(),
+                code,
+                message.clone(),
+            ))
             .await;
+        if code.is_fatal() {
+            Step::Close(format!("{}: {message}", code.name()))
+        } else {
+            sent
         }
-    };
-    let (request_id, addressed) = match &msg {
-        Message::Hello {
-            request_id, shard, ..
-        }
-        | Message::Pull { request_id, shard }
-        | Message::Push {
-            request_id, shard, ..
-        }
-        | Message::Welcome {
-            request_id, shard, ..
-        }
-        | Message::Params {
-            request_id, shard, ..
-        }
-        | Message::Ack {
-            request_id, shard, ..
-        }
-        | Message::Error {
-            request_id, shard, ..
-        } => (*request_id, *shard),
-        Message::Bye { shard, .. } => (0, *shard),
-    };
-    if addressed != shard.id() {
-        let m = format!(
-            "frame addressed to shard {addressed} arrived at shard {}",
-            shard.id()
-        );
-        return fail(
-            tx,
-            registry,
-            shard,
-            *worker,
-            request_id,
-            ErrorCode::WrongShard,
-            m,
-        )
-        .await;
     }
-    match msg {
-        Message::Hello { hello, .. } => {
-            if worker.is_some() {
-                return fail(
-                    tx,
-                    registry,
-                    shard,
-                    *worker,
-                    request_id,
-                    ErrorCode::Protocol,
-                    "second Hello on one connection".into(),
-                )
-                .await;
+
+    async fn frame(&mut self, bytes: Bytes, shutdown: &mut watch::Receiver<bool>) -> Step {
+        let shard = self.shard;
+        let msg = match wire::decode(&bytes, self.limit) {
+            Ok(m) => m,
+            Err(e) => {
+                // Echo the request id when the header got that far.
+                let request_id = match bytes.get(4..8) {
+                    Some(b) => u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+                    None => 0,
+                };
+                return self
+                    .fail(request_id, ErrorCode::from(&e), e.to_string())
+                    .await;
             }
-            if hello.protocol != PROTOCOL_VERSION {
-                let m = format!(
-                    "worker speaks protocol {}, this server speaks {PROTOCOL_VERSION}",
-                    hello.protocol
-                );
-                return fail(
-                    tx,
-                    registry,
-                    shard,
-                    None,
-                    request_id,
-                    ErrorCode::ProtocolVersion,
-                    m,
-                )
-                .await;
+        };
+        let (request_id, addressed) = match &msg {
+            Message::Hello {
+                request_id, shard, ..
             }
-            if !registry.knows(hello.worker_id) {
-                let m = format!(
-                    "worker id {} is unknown; POST /api/join first",
-                    hello.worker_id
-                );
-                return fail(
-                    tx,
-                    registry,
-                    shard,
-                    None,
-                    request_id,
-                    ErrorCode::UnknownWorker,
-                    m,
-                )
-                .await;
+            | Message::Pull {
+                request_id, shard, ..
             }
-            *worker = Some(hello.worker_id);
-            registry.connection(hello.worker_id, true);
-            let welcome = Welcome {
-                protocol: PROTOCOL_VERSION,
-                range: shard.range(),
-                version: shard.version(),
-            };
-            send(
-                tx,
-                wire::encode(&Message::Welcome {
+            | Message::Push {
+                request_id, shard, ..
+            }
+            | Message::Welcome {
+                request_id, shard, ..
+            }
+            | Message::Params {
+                request_id, shard, ..
+            }
+            | Message::Ack {
+                request_id, shard, ..
+            }
+            | Message::Error {
+                request_id, shard, ..
+            } => (*request_id, *shard),
+            Message::Bye { shard, .. } => (0, *shard),
+        };
+        if addressed != shard.id() {
+            let m = format!(
+                "frame addressed to shard {addressed} arrived at shard {}",
+                shard.id()
+            );
+            return self.fail(request_id, ErrorCode::WrongShard, m).await;
+        }
+        if let Some(w) = self.worker {
+            shard.heard_from(w);
+        }
+        match msg {
+            Message::Hello { hello, .. } => {
+                if self.worker.is_some() {
+                    return self
+                        .fail(
+                            request_id,
+                            ErrorCode::Protocol,
+                            "second Hello on one connection".into(),
+                        )
+                        .await;
+                }
+                if hello.protocol != PROTOCOL_VERSION {
+                    let m = format!(
+                        "worker speaks protocol {}, this server speaks {PROTOCOL_VERSION}",
+                        hello.protocol
+                    );
+                    return self.fail(request_id, ErrorCode::ProtocolVersion, m).await;
+                }
+                if !self.registry.knows(hello.worker_id) {
+                    let m = format!(
+                        "worker id {} is unknown; POST /api/join first",
+                        hello.worker_id
+                    );
+                    return self.fail(request_id, ErrorCode::UnknownWorker, m).await;
+                }
+                self.worker = Some(hello.worker_id);
+                self.registry.connection(hello.worker_id, true);
+                shard.worker_joined(hello.worker_id);
+                let welcome = Welcome {
+                    protocol: PROTOCOL_VERSION,
+                    range: shard.range(),
+                    version: shard.version(),
+                };
+                self.send(wire::encode(&Message::Welcome {
                     request_id,
                     shard: shard.id(),
                     welcome,
-                }),
-            )
-            .await
-        }
-        _ if worker.is_none() => {
-            fail(
-                tx,
-                registry,
-                shard,
-                None,
-                request_id,
-                ErrorCode::Protocol,
-                "the first frame must be Hello".into(),
-            )
-            .await
-        }
-        Message::Pull { .. } => {
-            let snap = shard.snapshot();
-            registry.pulled(shard.id(), *worker);
-            send(
-                tx,
-                wire::encode_params(request_id, shard.id(), snap.version, &snap.values),
-            )
-            .await
-        }
-        Message::Push { grad, .. } => {
-            if grad.len() != shard.range().len() {
-                let m = format!(
-                    "push of {} values to a shard of {}",
-                    grad.len(),
-                    shard.range().len()
-                );
-                return fail(
-                    tx,
-                    registry,
-                    shard,
-                    *worker,
+                }))
+                .await
+            }
+            _ if self.worker.is_none() => {
+                self.fail(
                     request_id,
-                    ErrorCode::WrongLength,
-                    m,
+                    ErrorCode::Protocol,
+                    "the first frame must be Hello".into(),
                 )
-                .await;
+                .await
             }
-            let outcome = shard.push(bytes).await;
-            match outcome {
-                Outcome::Applied {
-                    version, staleness, ..
-                } => {
-                    registry.pushed(shard.id(), *worker, &outcome);
-                    let ack = Message::Ack {
-                        request_id,
-                        shard: shard.id(),
-                        version,
-                        staleness: staleness.min(u64::from(u32::MAX)) as u32,
-                    };
-                    send(tx, wire::encode(&ack)).await
-                }
-                Outcome::Rejected { code, message } => {
-                    fail(tx, registry, shard, *worker, request_id, code, message).await
-                }
+            Message::Pull { min_version, .. } => {
+                // Only ssp/sync runs wait here; the wait gives way to shutdown.
+                let read = tokio::select! {
+                    r = shard.read(self.worker, min_version) => r,
+                    _ = shutdown.changed() => return Step::Close("server shutting down".into()),
+                };
+                self.registry.pulled(shard.id(), self.worker, &read);
+                let snap = &read.snapshot;
+                self.send(wire::encode_params(
+                    request_id,
+                    shard.id(),
+                    snap.version,
+                    &snap.values,
+                ))
+                .await
             }
-        }
-        Message::Bye { .. } => Step::Close("worker said bye".into()),
-        Message::Welcome { .. }
-        | Message::Params { .. }
-        | Message::Ack { .. }
-        | Message::Error { .. } => {
-            fail(
-                tx,
-                registry,
-                shard,
-                *worker,
-                request_id,
-                ErrorCode::Protocol,
-                "a worker sent a shard-side message".into(),
-            )
-            .await
+            Message::Push { grad, samples, .. } => {
+                if grad.len() != shard.range().len() {
+                    let m = format!(
+                        "push of {} values to a shard of {}",
+                        grad.len(),
+                        shard.range().len()
+                    );
+                    return self.fail(request_id, ErrorCode::WrongLength, m).await;
+                }
+                let outcome = shard.push(self.worker, bytes.clone()).await;
+                let (version, staleness) = match &outcome {
+                    Outcome::Applied {
+                        version, staleness, ..
+                    } => (*version, *staleness),
+                    Outcome::Buffered { version, .. } => (*version, 0),
+                    Outcome::Rejected { code, message } => {
+                        return self.fail(request_id, *code, message.clone()).await;
+                    }
+                };
+                self.registry
+                    .pushed(shard.id(), self.worker, &outcome, samples);
+                let ack = Message::Ack {
+                    request_id,
+                    shard: shard.id(),
+                    version,
+                    staleness: staleness.min(u64::from(u32::MAX)) as u32,
+                };
+                self.send(wire::encode(&ack)).await
+            }
+            Message::Bye { .. } => Step::Close("worker said bye".into()),
+            Message::Welcome { .. }
+            | Message::Params { .. }
+            | Message::Ack { .. }
+            | Message::Error { .. } => {
+                self.fail(
+                    request_id,
+                    ErrorCode::Protocol,
+                    "a worker sent a shard-side message".into(),
+                )
+                .await
+            }
         }
     }
 }
@@ -344,27 +316,29 @@ async fn frame<Si: Sink<Outbound> + Unpin>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::StalenessPolicy;
+    use crate::shard::ShardOptions;
     use crowdgrad_core::optim::{OptimizerConfig, Rule};
     use crowdgrad_core::partition::KeyRange;
+    use crowdgrad_core::shard::{Consistency, StalenessPolicy};
     use crowdgrad_core::wire::{ClientKind, Hello};
     use futures_channel::mpsc;
+    use std::time::Duration;
 
     #[tokio::test]
     async fn channel_driven_session() {
-        let cfg = OptimizerConfig {
-            rule: Rule::Sgd,
-            lr: 1.0,
-            weight_decay: 0.0,
-            clip_norm: None,
+        let opts = ShardOptions {
+            optimizer: OptimizerConfig {
+                rule: Rule::Sgd,
+                lr: 1.0,
+                weight_decay: 0.0,
+                clip_norm: None,
+            },
+            staleness: StalenessPolicy::default(),
+            consistency: Consistency::Async,
+            heartbeat: Duration::from_secs(5),
+            sync_timeout: Duration::from_secs(1),
         };
-        let (shard, _writer) = Shard::start(
-            1,
-            KeyRange { start: 4, end: 6 },
-            vec![0.0; 2],
-            cfg,
-            StalenessPolicy::AcceptAll,
-        );
+        let (shard, _writer) = Shard::start(1, KeyRange { start: 4, end: 6 }, vec![0.0; 2], opts);
         let registry = Registry::new(2, 10);
         let (id, _) = registry.join(ClientKind::Native, None, 1).unwrap();
         let (in_tx, in_rx) = mpsc::unbounded();
@@ -397,6 +371,7 @@ mod tests {
                 wire::encode(&Message::Pull {
                     request_id: 9,
                     shard: 1,
+                    min_version: 0,
                 })
                 .into(),
             ))
@@ -444,7 +419,7 @@ mod tests {
         );
         assert!(matches!(out_rx.next().await, Some(Outbound::Close(_))));
         task.await.unwrap();
-        assert_eq!(shard.snapshot().values, vec![-1.0, 1.0]);
+        assert_eq!(*shard.snapshot().values, vec![-1.0, 1.0]);
         let (workers, _, _) = registry.view();
         assert_eq!(workers[0].shards_connected, 0);
         assert_eq!(

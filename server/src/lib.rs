@@ -63,13 +63,14 @@ pub async fn run(
     let mut shards = Vec::new();
     let mut writers = Vec::new();
     for (i, r) in ranges.iter().enumerate() {
-        let (s, w) = Shard::start(
-            i as u32,
-            *r,
-            initial[r.start..r.end].to_vec(),
-            cfg.optimizer,
-            cfg.staleness,
-        );
+        let opts = shard::ShardOptions {
+            optimizer: cfg.optimizer,
+            staleness: cfg.staleness,
+            consistency: cfg.consistency,
+            heartbeat: cfg.heartbeat_timeout,
+            sync_timeout: cfg.sync_timeout,
+        };
+        let (s, w) = Shard::start(i as u32, *r, initial[r.start..r.end].to_vec(), opts);
         shards.push(s);
         writers.push(w);
     }
@@ -91,7 +92,7 @@ pub async fn run(
         optimizer: cfg.optimizer,
         batch_size: cfg.batch_size,
         seed: cfg.seed,
-        consistency: "async".into(),
+        consistency: cfg.consistency.to_string(),
         shards: ranges
             .iter()
             .enumerate()

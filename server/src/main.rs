@@ -21,7 +21,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Run the parameter server (page at http://127.0.0.1:8080 by default).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Run a native worker against a server.
     Work {
         /// The server's base address.

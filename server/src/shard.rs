@@ -1,25 +1,33 @@
-//! A parameter shard: one contiguous key range of the flat vector.
+//! A parameter shard: one contiguous key range of the flat vector, served over WebSockets.
 //!
 //! Read semantics (documented in docs/protocol.md): the shard's state is an immutable
 //! [`Snapshot`] (version + values) behind an `ArcSwap`. A pull loads the current snapshot
-//! lock-free and encodes it; it never waits for an update. Every update is applied by the shard's
-//! single writer thread to a *copy* of the current snapshot, which is then published atomically.
-//! So a pull observes the shard between two applied pushes, never a half-applied push, and a push
-//! is applied whole or not at all (it is validated completely before the copy is touched).
+//! lock-free and encodes it; in `async` mode it never waits for an update. Every update is
+//! computed by the shard's single writer thread into a *new* vector by
+//! [`crowdgrad_core::shard::ShardCore`] (the same apply path the simulator uses), then
+//! published atomically. So a pull observes the shard between two applied pushes, never a
+//! half-applied push, and a push is applied whole or not at all (it is validated completely
+//! before anything is touched).
 //!
 //! The writer is an actor fed by a bounded channel (ps-lite's single receive thread per server);
-//! it owns the optimizer state, so the update rule needs no lock. Old snapshots are recycled
-//! once no reader holds them, so a steady state allocates nothing per push.
+//! it owns the optimizer state, so the update rule needs no lock.
+//!
+//! Consistency modes add waiting on the read side only: `ssp:S` holds a pull while the reader is
+//! more than S clock ticks ahead of the slowest active worker ([`SspClock`]); `sync:K` holds a
+//! pull that asks for a version the shard has not reached until K fresh gradients were averaged
+//! and applied (or fewer, when fewer workers are left or they took too long: never a deadlock).
 
-use crate::config::StalenessPolicy;
 use arc_swap::ArcSwap;
 use bytes::Bytes;
-use crowdgrad_core::optim::{self, OptState, OptimizerConfig};
+use crowdgrad_core::optim::OptimizerConfig;
 use crowdgrad_core::partition::KeyRange;
+use crowdgrad_core::shard::{Consistency, Outcome, ShardCore, SspClock, StalenessPolicy};
 use crowdgrad_core::wire::{self, ErrorCode, Message};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use tokio::sync::{mpsc, oneshot};
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, oneshot, watch, Notify};
 
 /// An immutable view of a shard's values at one version.
 #[derive(Debug, Clone)]
@@ -27,40 +35,29 @@ pub struct Snapshot {
     /// Number of updates applied to reach these values.
     pub version: u64,
     /// The values of the shard's key range.
-    pub values: Vec<f32>,
+    pub values: Arc<Vec<f32>>,
 }
 
-/// What happened to a push.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Outcome {
-    /// Applied; the shard is now at `version`.
-    Applied {
-        /// Version after the update.
-        version: u64,
-        /// Updates between the push's base version and the one it was applied on.
-        staleness: u64,
-        /// Examples the gradient came from.
-        samples: u32,
+enum Command {
+    Push {
+        frame: Bytes,
+        reply: oneshot::Sender<Outcome>,
     },
-    /// Not applied.
-    Rejected {
-        /// Why.
-        code: ErrorCode,
-        /// Human-readable detail.
-        message: String,
-    },
-}
-
-struct Apply {
-    frame: Bytes,
-    reply: oneshot::Sender<Outcome>,
+    Flush,
 }
 
 struct Inner {
     id: u32,
     range: KeyRange,
+    consistency: Consistency,
     current: ArcSwap<Snapshot>,
-    tx: mpsc::Sender<Apply>,
+    version: watch::Receiver<u64>,
+    tx: mpsc::Sender<Command>,
+    clock: Mutex<SspClock>,
+    clock_moved: Notify,
+    workers: AtomicUsize,
+    epoch: Instant,
+    sync_timeout: Duration,
 }
 
 /// Cheap-to-clone handle to one shard (like mini-redis' `Db`).
@@ -90,8 +87,23 @@ impl Writer {
     }
 }
 
-/// Largest number of pushes queued for one shard's writer.
+/// Largest number of commands queued for one shard's writer.
 pub const QUEUE: usize = 64;
+
+/// How a shard is run.
+#[derive(Debug, Clone, Copy)]
+pub struct ShardOptions {
+    /// The update rule.
+    pub optimizer: OptimizerConfig,
+    /// Staleness policy for async/SSP pushes.
+    pub staleness: StalenessPolicy,
+    /// Consistency mode.
+    pub consistency: Consistency,
+    /// SSP: a worker not heard from for this long drops out of the clock.
+    pub heartbeat: Duration,
+    /// sync: a waiting pull forces the partial aggregate through after this long.
+    pub sync_timeout: Duration,
+}
 
 impl Shard {
     /// Starts shard `id` over `range` with `initial` values and its writer thread.
@@ -102,24 +114,36 @@ impl Shard {
         id: u32,
         range: KeyRange,
         initial: Vec<f32>,
-        optimizer: OptimizerConfig,
-        staleness: StalenessPolicy,
+        opts: ShardOptions,
     ) -> (Self, Writer) {
         assert_eq!(initial.len(), range.len());
         let (tx, rx) = mpsc::channel(QUEUE);
+        let core = ShardCore::new(initial, opts.optimizer, opts.staleness, opts.consistency);
+        let (version_tx, version_rx) = watch::channel(0);
+        let bound = match opts.consistency {
+            Consistency::Ssp { bound } => bound,
+            _ => u64::MAX / 2,
+        };
         let inner = Arc::new(Inner {
             id,
             range,
+            consistency: opts.consistency,
             current: ArcSwap::from_pointee(Snapshot {
                 version: 0,
-                values: initial,
+                values: core.values().clone(),
             }),
+            version: version_rx,
             tx,
+            clock: Mutex::new(SspClock::new(bound, opts.heartbeat.as_secs_f64())),
+            clock_moved: Notify::new(),
+            workers: AtomicUsize::new(0),
+            epoch: Instant::now(),
+            sync_timeout: opts.sync_timeout,
         });
         let writer_inner = Arc::downgrade(&inner);
         let handle = std::thread::Builder::new()
             .name(format!("shard-{id}"))
-            .spawn(move || writer(writer_inner, rx, optimizer, staleness, range))
+            .spawn(move || writer(writer_inner, rx, core, version_tx))
             .expect("spawn shard writer thread");
         (Self { inner }, Writer(handle))
     }
@@ -134,14 +158,19 @@ impl Shard {
         self.inner.range
     }
 
+    /// Consistency mode.
+    pub fn consistency(&self) -> Consistency {
+        self.inner.consistency
+    }
+
     /// Current version.
     pub fn version(&self) -> u64 {
         self.inner.current.load().version
     }
 
     /// The current snapshot (lock-free; never waits for an update).
-    pub fn snapshot(&self) -> Arc<Snapshot> {
-        self.inner.current.load_full()
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot::clone(&self.inner.current.load())
     }
 
     /// Largest frame this shard accepts: a full push plus meta.
@@ -149,67 +178,180 @@ impl Shard {
         wire::HEADER_LEN + wire::MAX_META_LEN + 4 * self.inner.range.len()
     }
 
-    /// Queues a push frame (already checked to be a `Push` for this shard) for the writer and
-    /// waits for its outcome. Waits only for queue space and the apply itself.
-    pub async fn push(&self, frame: Bytes) -> Outcome {
-        let (reply, rx) = oneshot::channel();
-        if self.inner.tx.send(Apply { frame, reply }).await.is_err() {
-            return Outcome::Rejected {
-                code: ErrorCode::ShuttingDown,
-                message: "shard writer has stopped".into(),
-            };
+    fn now(&self) -> f64 {
+        self.inner.epoch.elapsed().as_secs_f64()
+    }
+
+    fn clock(&self) -> MutexGuard<'_, SspClock> {
+        self.inner.clock.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A worker said hello on this shard.
+    pub fn worker_joined(&self, worker: u64) {
+        self.inner.workers.fetch_add(1, Ordering::Relaxed);
+        let now = self.now();
+        self.clock().join(worker, now);
+        self.inner.clock_moved.notify_waiters();
+    }
+
+    /// A worker's connection to this shard closed.
+    pub fn worker_left(&self, worker: u64) {
+        self.inner.workers.fetch_sub(1, Ordering::Relaxed);
+        self.clock().leave(worker);
+        self.inner.clock_moved.notify_waiters();
+        if matches!(self.inner.consistency, Consistency::Sync { .. }) {
+            let _ = self.inner.tx.try_send(Command::Flush);
         }
-        rx.await.unwrap_or(Outcome::Rejected {
+    }
+
+    /// A frame arrived from `worker` (its heartbeat).
+    pub fn heard_from(&self, worker: u64) {
+        let now = self.now();
+        self.clock().seen(worker, now);
+    }
+
+    /// Queues a push frame (already checked to be a `Push` of the right length for this shard)
+    /// for the writer and waits for its outcome.
+    pub async fn push(&self, worker: Option<u64>, frame: Bytes) -> Outcome {
+        let (reply, rx) = oneshot::channel();
+        let stopped = || Outcome::Rejected {
             code: ErrorCode::ShuttingDown,
             message: "shard writer has stopped".into(),
-        })
+        };
+        if self
+            .inner
+            .tx
+            .send(Command::Push { frame, reply })
+            .await
+            .is_err()
+        {
+            return stopped();
+        }
+        let outcome = rx.await.unwrap_or_else(|_| stopped());
+        match &outcome {
+            Outcome::Applied { .. } | Outcome::Buffered { .. } => {
+                if let Some(w) = worker {
+                    let now = self.now();
+                    self.clock().tick(w, now);
+                    self.inner.clock_moved.notify_waiters();
+                }
+            }
+            Outcome::Rejected { .. } => {}
+        }
+        if let Outcome::Buffered { pending, .. } = outcome {
+            // Fewer workers connected than K: do not wait for gradients that cannot come.
+            if pending >= self.inner.workers.load(Ordering::Relaxed) {
+                let _ = self.inner.tx.send(Command::Flush).await;
+            }
+        }
+        outcome
     }
+
+    /// Waits until `worker` may read under the consistency mode (SSP bound; in sync mode, until
+    /// the shard reaches `min_version`), then returns the snapshot to send with the reader's and
+    /// the slowest active clock at read time.
+    pub async fn read(&self, worker: Option<u64>, min_version: u64) -> Read {
+        match self.inner.consistency {
+            Consistency::Async => {}
+            Consistency::Ssp { .. } => {
+                if let Some(w) = worker {
+                    loop {
+                        let notified = self.inner.clock_moved.notified();
+                        let (ok, expiry) = {
+                            let now = self.now();
+                            let mut c = self.clock();
+                            c.seen(w, now);
+                            (
+                                c.may_read(w, now),
+                                c.next_expiry(now).map(|t| (t - now).max(0.0)),
+                            )
+                        };
+                        if ok {
+                            break;
+                        }
+                        let wait = Duration::from_secs_f64(expiry.unwrap_or(1.0).min(1.0) + 0.001);
+                        let _ = tokio::time::timeout(wait, notified).await;
+                    }
+                }
+            }
+            Consistency::Sync { .. } => {
+                let mut version = self.inner.version.clone();
+                loop {
+                    if *version.borrow_and_update() >= min_version {
+                        break;
+                    }
+                    match tokio::time::timeout(self.inner.sync_timeout, version.changed()).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(_)) => break,
+                        // Stragglers: apply what was gathered so far (backup workers).
+                        Err(_) => {
+                            let _ = self.inner.tx.send(Command::Flush).await;
+                        }
+                    }
+                }
+            }
+        }
+        let snapshot = self.snapshot();
+        let (clock, min_clock) = match (worker, self.inner.consistency) {
+            (Some(w), Consistency::Ssp { .. }) => {
+                let now = self.now();
+                self.clock().read_view(w, now)
+            }
+            _ => (None, None),
+        };
+        Read {
+            snapshot,
+            clock,
+            min_clock,
+        }
+    }
+}
+
+/// A read: the snapshot and, in SSP mode, the clocks it was allowed under.
+#[derive(Debug, Clone)]
+pub struct Read {
+    /// What was read.
+    pub snapshot: Snapshot,
+    /// The reader's SSP clock.
+    pub clock: Option<u64>,
+    /// The slowest active SSP clock.
+    pub min_clock: Option<u64>,
 }
 
 fn writer(
     inner: std::sync::Weak<Inner>,
-    mut rx: mpsc::Receiver<Apply>,
-    cfg: OptimizerConfig,
-    policy: StalenessPolicy,
-    range: KeyRange,
+    mut rx: mpsc::Receiver<Command>,
+    mut core: ShardCore,
+    version: watch::Sender<u64>,
 ) {
-    let mut state = OptState::new(&cfg.rule, range.len());
-    let mut scratch = vec![0.0f32; range.len()];
-    let mut spare: Option<Arc<Snapshot>> = None;
+    let mut scratch = vec![0.0f32; core.len()];
     // `blocking_recv` returns None once every Shard handle (and so every sender) is dropped,
     // after the queue is drained: queued updates are always finished.
-    while let Some(Apply { frame, reply }) = rx.blocking_recv() {
+    while let Some(cmd) = rx.blocking_recv() {
         let Some(inner) = inner.upgrade() else { break };
-        let outcome = apply_one(
-            &inner,
-            &frame,
-            &cfg,
-            policy,
-            &mut state,
-            &mut scratch,
-            &mut spare,
-        );
-        let _ = reply.send(outcome);
+        let (outcome, reply) = match cmd {
+            Command::Push { frame, reply } => (push(&mut core, &frame, &mut scratch), Some(reply)),
+            Command::Flush => (core.flush(), None),
+        };
+        if let Some(Outcome::Applied { version: v, .. }) = &outcome {
+            inner.current.store(Arc::new(Snapshot {
+                version: *v,
+                values: core.values().clone(),
+            }));
+            version.send_replace(*v);
+        }
+        if let (Some(reply), Some(outcome)) = (reply, outcome) {
+            let _ = reply.send(outcome);
+        }
     }
 }
 
-fn apply_one(
-    inner: &Inner,
-    frame: &[u8],
-    cfg: &OptimizerConfig,
-    policy: StalenessPolicy,
-    state: &mut OptState,
-    scratch: &mut [f32],
-    spare: &mut Option<Arc<Snapshot>>,
-) -> Outcome {
-    let reject = |code: ErrorCode, message: String| Outcome::Rejected { code, message };
-    let (base_version, samples, grad) = match wire::decode(frame, usize::MAX) {
+fn push(core: &mut ShardCore, frame: &[u8], scratch: &mut [f32]) -> Option<Outcome> {
+    let reject = |code: ErrorCode, message: String| Some(Outcome::Rejected { code, message });
+    let (base_version, grad) = match wire::decode(frame, usize::MAX) {
         Ok(Message::Push {
-            base_version,
-            samples,
-            grad,
-            ..
-        }) => (base_version, samples, grad),
+            base_version, grad, ..
+        }) => (base_version, grad),
         Ok(_) => return reject(ErrorCode::Protocol, "not a push".into()),
         Err(e) => return reject(ErrorCode::from(&e), e.to_string()),
     };
@@ -217,40 +359,7 @@ fn apply_one(
     if let Err(e) = grad.copy_into(scratch) {
         return reject(ErrorCode::from(&e), e.to_string());
     }
-    let current = inner.current.load_full();
-    if base_version > current.version {
-        return reject(
-            ErrorCode::FutureVersion,
-            format!(
-                "push computed from version {base_version}, but shard {} is at {}",
-                inner.id, current.version
-            ),
-        );
-    }
-    let staleness = current.version - base_version;
-    if let StalenessPolicy::DropBeyond(max) = policy {
-        if staleness > max {
-            return reject(
-                ErrorCode::TooStale,
-                format!("staleness {staleness} exceeds the maximum {max}"),
-            );
-        }
-    }
-    // Reuse the previous snapshot's buffer when no reader holds it any more; `make_mut` copies
-    // it into a fresh allocation only when one still does.
-    let mut next = spare.take().unwrap_or_else(|| current.clone());
-    let n = Arc::make_mut(&mut next);
-    n.values.copy_from_slice(&current.values);
-    optim::step(cfg, state, &mut n.values, scratch, 1.0);
-    n.version = current.version + 1;
-    let version = n.version;
-    inner.current.store(next);
-    *spare = Some(current);
-    Outcome::Applied {
-        version,
-        staleness,
-        samples,
-    }
+    Some(core.push(base_version, scratch))
 }
 
 #[cfg(test)]
@@ -258,37 +367,38 @@ mod tests {
     use super::*;
     use crowdgrad_core::optim::Rule;
 
-    fn cfg() -> OptimizerConfig {
-        OptimizerConfig {
-            rule: Rule::Sgd,
-            lr: 0.5,
-            weight_decay: 0.0,
-            clip_norm: None,
+    fn opts(staleness: StalenessPolicy) -> ShardOptions {
+        ShardOptions {
+            optimizer: OptimizerConfig {
+                rule: Rule::Sgd,
+                lr: 0.5,
+                weight_decay: 0.0,
+                clip_norm: None,
+            },
+            staleness,
+            consistency: Consistency::Async,
+            heartbeat: Duration::from_secs(5),
+            sync_timeout: Duration::from_secs(1),
         }
     }
 
     #[tokio::test]
     async fn push_applies_whole_or_not_at_all() {
         let range = KeyRange { start: 0, end: 3 };
-        let (shard, writer) = Shard::start(
-            0,
-            range,
-            vec![1.0; 3],
-            cfg(),
-            StalenessPolicy::DropBeyond(1),
-        );
+        let policy = StalenessPolicy::parse("drop:1").unwrap();
+        let (shard, writer) = Shard::start(0, range, vec![1.0; 3], opts(policy));
         let ok = shard
-            .push(wire::encode_push(1, 0, 0, 4, &[1.0, 2.0, 3.0]).into())
+            .push(None, wire::encode_push(1, 0, 0, 4, &[1.0, 2.0, 3.0]).into())
             .await;
-        assert_eq!(
+        assert!(matches!(
             ok,
             Outcome::Applied {
                 version: 1,
                 staleness: 0,
-                samples: 4
+                ..
             }
-        );
-        assert_eq!(shard.snapshot().values, vec![0.5, 0.0, -0.5]);
+        ));
+        assert_eq!(*shard.snapshot().values, vec![0.5, 0.0, -0.5]);
         let before = shard.snapshot();
         for bad in [
             wire::encode_push(2, 0, 1, 4, &[1.0, f32::NAN, 3.0]),
@@ -296,19 +406,18 @@ mod tests {
             wire::encode_push(4, 0, 9, 4, &[1.0, 2.0, 3.0]),
         ] {
             assert!(matches!(
-                shard.push(bad.into()).await,
+                shard.push(None, bad.into()).await,
                 Outcome::Rejected { .. }
             ));
         }
-        // Staleness 2 > 1 after two more applies.
         shard
-            .push(wire::encode_push(5, 0, 1, 4, &[0.0; 3]).into())
+            .push(None, wire::encode_push(5, 0, 1, 4, &[0.0; 3]).into())
             .await;
         shard
-            .push(wire::encode_push(6, 0, 2, 4, &[0.0; 3]).into())
+            .push(None, wire::encode_push(6, 0, 2, 4, &[0.0; 3]).into())
             .await;
         let stale = shard
-            .push(wire::encode_push(7, 0, 1, 4, &[1.0; 3]).into())
+            .push(None, wire::encode_push(7, 0, 1, 4, &[1.0; 3]).into())
             .await;
         assert!(matches!(
             stale,
@@ -319,12 +428,32 @@ mod tests {
         ));
         assert_eq!(shard.version(), 3);
         assert_eq!(
-            before.values,
+            *before.values,
             vec![0.5, 0.0, -0.5],
             "a held snapshot never changes"
         );
-        assert_eq!(shard.snapshot().values, vec![0.5, 0.0, -0.5]);
-        drop(shard);
+        assert_eq!(*shard.snapshot().values, vec![0.5, 0.0, -0.5]);
+        drop((shard, before));
         writer.join();
+    }
+
+    #[tokio::test]
+    async fn sync_pull_waits_for_the_aggregate_and_never_deadlocks() {
+        let mut o = opts(StalenessPolicy::default());
+        o.consistency = Consistency::Sync { k: 2 };
+        o.sync_timeout = Duration::from_millis(100);
+        let (shard, _w) = Shard::start(0, KeyRange { start: 0, end: 1 }, vec![0.0], o);
+        shard.worker_joined(1);
+        shard.worker_joined(2);
+        let out = shard
+            .push(Some(1), wire::encode_push(1, 0, 0, 1, &[1.0]).into())
+            .await;
+        assert!(matches!(out, Outcome::Buffered { pending: 1, .. }));
+        // Worker 2 never pushes: the waiting pull forces the partial mean after the timeout.
+        let t = Instant::now();
+        let r = shard.read(Some(1), 1).await;
+        assert_eq!(r.snapshot.version, 1);
+        assert!(t.elapsed() >= Duration::from_millis(100));
+        assert_eq!(*r.snapshot.values, vec![-0.5]);
     }
 }

@@ -29,6 +29,7 @@ async fn still_serving(running: &Running, worker: u64) {
         wire::encode(&Frame::Pull {
             request_id: 6,
             shard: 0,
+            min_version: 0,
         }),
     )
     .await;
@@ -141,6 +142,7 @@ async fn unknown_kind() {
     let mut f = wire::encode(&Frame::Pull {
         request_id: 9,
         shard: 0,
+        min_version: 0,
     });
     f[3] = 99;
     rejected(true, bin(f), ErrorCode::UnknownKind, 9).await;
@@ -260,7 +262,7 @@ async fn graceful_shutdown_says_bye_and_closes() {
 #[tokio::test]
 async fn staleness_is_recorded_and_a_bounded_policy_rejects_without_closing() {
     let mut cfg = config();
-    cfg.staleness = crowdgrad::config::StalenessPolicy::DropBeyond(1);
+    cfg.staleness = crowdgrad_core::shard::StalenessPolicy::parse("drop:1").expect("policy");
     let running = server(cfg).await;
     let url = running.url();
     let me = join(&url).await.worker_id;
@@ -284,6 +286,7 @@ async fn staleness_is_recorded_and_a_bounded_policy_rejects_without_closing() {
         wire::encode(&Frame::Pull {
             request_id: 4,
             shard: 0,
+            min_version: 0,
         }),
     )
     .await;

@@ -1,0 +1,688 @@
+//! The shard's update logic: one implementation shared by the server's writer thread and the
+//! simulator (`crowdgrad sim`), so both apply gradients by the very same path.
+//!
+//! - [`ShardCore`]: version, values, optimizer state, the staleness policy for async pushes and
+//!   the aggregation buffer of synchronous mode.
+//! - [`Consistency`]: `async` (apply on receipt), `ssp:S` (stale-synchronous parallel; gating
+//!   happens at read time with [`SspClock`]) and `sync:K` (aggregate K fresh gradients, apply
+//!   their mean once, drop late ones).
+//! - [`StalenessPolicy`]: accept all; drop beyond a bound; scale the learning rate by
+//!   1/staleness (Zhang et al., IJCAI 2016); delay compensation (DC-ASGD, Zheng et al., ICML
+//!   2017). Combinable.
+//!
+//! Values live in an `Arc<Vec<f32>>` that is never mutated once published: an update writes a
+//! new vector (recycling the previous one when no reader holds it), so readers holding the old
+//! one see a whole version, never a half-applied update.
+
+use crate::error::{Error, Result};
+use crate::optim::{self, OptState, OptimizerConfig};
+use crate::wire::ErrorCode;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, VecDeque};
+use std::fmt;
+use std::sync::Arc;
+
+/// How a run keeps workers consistent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "mode", rename_all = "snake_case")]
+pub enum Consistency {
+    /// Apply every push on receipt (Hogwild / Downpour / TensorFlow's async PS).
+    Async,
+    /// Stale-synchronous parallel: a worker may be at most `bound` clock ticks ahead of the
+    /// slowest active worker.
+    Ssp {
+        /// The staleness bound S.
+        bound: u64,
+    },
+    /// Synchronous with backup workers: aggregate `k` gradients computed from the current
+    /// version, apply their mean once, drop late ones.
+    Sync {
+        /// Gradients per update (TensorFlow's `replicas_to_aggregate`).
+        k: usize,
+    },
+}
+
+impl Consistency {
+    /// Parses `async`, `ssp:S` or `sync:K`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] on anything else, or K = 0.
+    pub fn parse(text: &str) -> Result<Self> {
+        let t = text.trim();
+        let num = |s: &str| {
+            s.parse::<u64>()
+                .map_err(|_| Error::Config(format!("bad number in consistency mode {t:?}")))
+        };
+        if t == "async" {
+            Ok(Consistency::Async)
+        } else if let Some(s) = t.strip_prefix("ssp:") {
+            Ok(Consistency::Ssp { bound: num(s)? })
+        } else if let Some(k) = t.strip_prefix("sync:") {
+            match num(k)? {
+                0 => Err(Error::Config("sync:K needs K >= 1".into())),
+                k if k > 65_536 => Err(Error::Config("sync:K needs K <= 65536".into())),
+                k => Ok(Consistency::Sync { k: k as usize }),
+            }
+        } else {
+            Err(Error::Config(format!(
+                "unknown consistency mode {t:?}: use async, ssp:S or sync:K"
+            )))
+        }
+    }
+}
+
+impl fmt::Display for Consistency {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Consistency::Async => write!(f, "async"),
+            Consistency::Ssp { bound } => write!(f, "ssp:{bound}"),
+            Consistency::Sync { k } => write!(f, "sync:{k}"),
+        }
+    }
+}
+
+/// What staleness does to an async (or SSP) push. The parts combine: a push is first checked
+/// against `max_staleness`, then compensated, then applied with the scaled learning rate.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct StalenessPolicy {
+    /// Reject pushes staler than this.
+    pub max_staleness: Option<u64>,
+    /// Multiply the learning rate by `1 / max(1, staleness)`.
+    pub scale_lr: bool,
+    /// DC-ASGD: add `lambda * g * g * (w_now - w_read)` to the gradient.
+    pub dc_lambda: Option<f32>,
+}
+
+/// How many past versions a shard keeps for delay compensation.
+pub const DC_HISTORY: usize = 64;
+
+impl StalenessPolicy {
+    /// Parses `accept`, or a comma list of `drop:N`, `scale`, `dc:LAMBDA`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] on anything else.
+    pub fn parse(text: &str) -> Result<Self> {
+        let mut p = StalenessPolicy::default();
+        for part in text.split(',').map(str::trim) {
+            if part == "accept" {
+                continue;
+            } else if part == "scale" {
+                p.scale_lr = true;
+            } else if let Some(n) = part.strip_prefix("drop:") {
+                p.max_staleness = Some(
+                    n.parse()
+                        .map_err(|_| Error::Config(format!("bad bound in {part:?}")))?,
+                );
+            } else if let Some(l) = part.strip_prefix("dc:") {
+                let l: f32 = l
+                    .parse()
+                    .map_err(|_| Error::Config(format!("bad lambda in {part:?}")))?;
+                if !(l.is_finite() && l >= 0.0) {
+                    return Err(Error::Config(format!("DC lambda must be >= 0 in {part:?}")));
+                }
+                p.dc_lambda = Some(l);
+            } else {
+                return Err(Error::Config(format!(
+                    "unknown staleness policy {part:?}: use accept, drop:N, scale, dc:LAMBDA (comma-separated)"
+                )));
+            }
+        }
+        Ok(p)
+    }
+}
+
+impl fmt::Display for StalenessPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut parts = Vec::new();
+        if let Some(n) = self.max_staleness {
+            parts.push(format!("drop:{n}"));
+        }
+        if self.scale_lr {
+            parts.push("scale".into());
+        }
+        if let Some(l) = self.dc_lambda {
+            parts.push(format!("dc:{l}"));
+        }
+        if parts.is_empty() {
+            parts.push("accept".into());
+        }
+        write!(f, "{}", parts.join(","))
+    }
+}
+
+/// What a push did to the shard.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// An update was applied; the shard is now at `version`.
+    Applied {
+        /// Version after the update.
+        version: u64,
+        /// Updates between the push's base version and the version it was applied to.
+        staleness: u64,
+        /// Learning-rate multiplier used.
+        lr_scale: f32,
+    },
+    /// Sync mode: the gradient was buffered for the next aggregate update.
+    Buffered {
+        /// The (unchanged) shard version.
+        version: u64,
+        /// Gradients now buffered.
+        pending: usize,
+    },
+    /// Not applied; the shard is unchanged.
+    Rejected {
+        /// Why.
+        code: ErrorCode,
+        /// Detail.
+        message: String,
+    },
+}
+
+/// A shard's state and update logic.
+#[derive(Debug)]
+pub struct ShardCore {
+    version: u64,
+    values: Arc<Vec<f32>>,
+    spare: Option<Arc<Vec<f32>>>,
+    state: OptState,
+    cfg: OptimizerConfig,
+    policy: StalenessPolicy,
+    consistency: Consistency,
+    /// Sync mode: sum of buffered gradients and how many.
+    sum: Vec<f32>,
+    pending: usize,
+    /// DC-ASGD: values of recent versions.
+    history: VecDeque<(u64, Arc<Vec<f32>>)>,
+    scratch: Vec<f32>,
+}
+
+impl ShardCore {
+    /// A shard holding `values` at version 0.
+    pub fn new(
+        values: Vec<f32>,
+        cfg: OptimizerConfig,
+        policy: StalenessPolicy,
+        consistency: Consistency,
+    ) -> Self {
+        let n = values.len();
+        Self {
+            version: 0,
+            values: Arc::new(values),
+            spare: None,
+            state: OptState::new(&cfg.rule, n),
+            cfg,
+            policy,
+            consistency,
+            sum: if matches!(consistency, Consistency::Sync { .. }) {
+                vec![0.0; n]
+            } else {
+                Vec::new()
+            },
+            pending: 0,
+            history: VecDeque::new(),
+            scratch: Vec::new(),
+        }
+    }
+
+    /// Current version (number of updates applied).
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// Current values (shared, immutable).
+    pub fn values(&self) -> &Arc<Vec<f32>> {
+        &self.values
+    }
+
+    /// Number of parameters.
+    pub fn len(&self) -> usize {
+        self.values.len()
+    }
+
+    /// True for an empty shard.
+    pub fn is_empty(&self) -> bool {
+        self.values.is_empty()
+    }
+
+    /// Sync mode: gradients waiting for the next aggregate update.
+    pub fn pending(&self) -> usize {
+        self.pending
+    }
+
+    /// The consistency mode.
+    pub fn consistency(&self) -> Consistency {
+        self.consistency
+    }
+
+    /// Handles one push of `grad` (already checked finite and of the right length) computed
+    /// from `base_version`.
+    ///
+    /// # Panics
+    /// If `grad` has the wrong length (callers validate input first).
+    pub fn push(&mut self, base_version: u64, grad: &[f32]) -> Outcome {
+        assert_eq!(grad.len(), self.values.len(), "validated gradient length");
+        if base_version > self.version {
+            return Outcome::Rejected {
+                code: ErrorCode::FutureVersion,
+                message: format!(
+                    "push computed from version {base_version}, but the shard is at {}",
+                    self.version
+                ),
+            };
+        }
+        let staleness = self.version - base_version;
+        match self.consistency {
+            Consistency::Sync { k } => {
+                if staleness > 0 {
+                    return Outcome::Rejected {
+                        code: ErrorCode::TooStale,
+                        message: format!(
+                            "late gradient from version {base_version}; the shard is at {}",
+                            self.version
+                        ),
+                    };
+                }
+                for (s, g) in self.sum.iter_mut().zip(grad) {
+                    *s += g;
+                }
+                self.pending += 1;
+                if self.pending >= k {
+                    return self.apply_mean();
+                }
+                Outcome::Buffered {
+                    version: self.version,
+                    pending: self.pending,
+                }
+            }
+            Consistency::Async | Consistency::Ssp { .. } => {
+                if let Some(max) = self.policy.max_staleness {
+                    if staleness > max {
+                        return Outcome::Rejected {
+                            code: ErrorCode::TooStale,
+                            message: format!("staleness {staleness} exceeds the maximum {max}"),
+                        };
+                    }
+                }
+                let lr_scale = if self.policy.scale_lr {
+                    1.0 / staleness.max(1) as f32
+                } else {
+                    1.0
+                };
+                match self.policy.dc_lambda {
+                    Some(lambda) if staleness > 0 => {
+                        let read = self
+                            .history
+                            .iter()
+                            .find(|(v, _)| *v == base_version)
+                            .map(|(_, w)| w.clone());
+                        let mut g = std::mem::take(&mut self.scratch);
+                        g.clear();
+                        match read {
+                            Some(read) => g.extend(
+                                grad.iter()
+                                    .zip(self.values.iter())
+                                    .zip(read.iter())
+                                    .map(|((&g, &now), &then)| g + lambda * g * g * (now - then)),
+                            ),
+                            // Older than the kept history: apply uncompensated.
+                            None => g.extend_from_slice(grad),
+                        }
+                        self.update(&g, lr_scale);
+                        self.scratch = g;
+                    }
+                    _ => self.update(grad, lr_scale),
+                }
+                Outcome::Applied {
+                    version: self.version,
+                    staleness,
+                    lr_scale,
+                }
+            }
+        }
+    }
+
+    /// Sync mode: applies the mean of the buffered gradients now (when fewer than K workers are
+    /// left, or they took too long). Returns `None` when nothing is buffered.
+    pub fn flush(&mut self) -> Option<Outcome> {
+        (self.pending > 0).then(|| self.apply_mean())
+    }
+
+    fn apply_mean(&mut self) -> Outcome {
+        let inv = 1.0 / self.pending as f32;
+        let mut sum = std::mem::take(&mut self.sum);
+        sum.iter_mut().for_each(|s| *s *= inv);
+        self.update(&sum, 1.0);
+        sum.iter_mut().for_each(|s| *s = 0.0);
+        self.sum = sum;
+        self.pending = 0;
+        Outcome::Applied {
+            version: self.version,
+            staleness: 0,
+            lr_scale: 1.0,
+        }
+    }
+
+    fn update(&mut self, grad: &[f32], lr_scale: f32) {
+        // Reuse the previous buffer when nobody holds it; `make_mut` copies only when shared.
+        let mut next = self.spare.take().unwrap_or_else(|| self.values.clone());
+        let n = Arc::make_mut(&mut next);
+        n.copy_from_slice(&self.values);
+        optim::step(&self.cfg, &mut self.state, n, grad, lr_scale);
+        let previous = std::mem::replace(&mut self.values, next);
+        self.version += 1;
+        if self.policy.dc_lambda.is_some() {
+            self.history.push_back((self.version - 1, previous));
+            if self.history.len() > DC_HISTORY {
+                self.history.pop_front();
+            }
+        } else {
+            self.spare = Some(previous);
+        }
+    }
+}
+
+/// The SSP clock of one shard: each worker's clock is the number of its pushes applied; a
+/// worker may read only while its clock is at most `bound` ahead of the slowest *active*
+/// worker. A worker is active while connected and heard from within the heartbeat timeout, so
+/// a silent or departed worker never blocks the rest for long. Times are seconds on any clock
+/// the caller chooses (sans-IO: the server passes wall time, the simulator simulated time).
+#[derive(Debug, Clone)]
+pub struct SspClock {
+    bound: u64,
+    heartbeat: f64,
+    workers: BTreeMap<u64, Tick>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Tick {
+    clock: u64,
+    last_seen: f64,
+}
+
+impl SspClock {
+    /// A clock with staleness bound `bound` and heartbeat timeout `heartbeat` seconds.
+    pub fn new(bound: u64, heartbeat: f64) -> Self {
+        Self {
+            bound,
+            heartbeat,
+            workers: BTreeMap::new(),
+        }
+    }
+
+    /// The bound S.
+    pub fn bound(&self) -> u64 {
+        self.bound
+    }
+
+    /// A worker connects. It starts at the slowest active clock, so a newcomer neither waits
+    /// for nor holds back the others; a returning worker keeps its clock.
+    pub fn join(&mut self, worker: u64, now: f64) {
+        let start = self.min_active(now).unwrap_or(0);
+        let t = self.workers.entry(worker).or_insert(Tick {
+            clock: start,
+            last_seen: now,
+        });
+        t.last_seen = now;
+    }
+
+    /// A worker disconnected: it no longer holds anyone back.
+    pub fn leave(&mut self, worker: u64) {
+        self.workers.remove(&worker);
+    }
+
+    /// A worker was heard from.
+    pub fn seen(&mut self, worker: u64, now: f64) {
+        if let Some(t) = self.workers.get_mut(&worker) {
+            t.last_seen = now;
+        }
+    }
+
+    /// A push of `worker` was applied: its clock advances.
+    pub fn tick(&mut self, worker: u64, now: f64) {
+        if let Some(t) = self.workers.get_mut(&worker) {
+            t.clock += 1;
+            t.last_seen = now;
+        }
+    }
+
+    /// `worker`'s clock.
+    pub fn clock(&self, worker: u64) -> Option<u64> {
+        self.workers.get(&worker).map(|t| t.clock)
+    }
+
+    fn active(&self, now: f64) -> impl Iterator<Item = &Tick> {
+        self.workers
+            .values()
+            .filter(move |t| now - t.last_seen <= self.heartbeat)
+    }
+
+    /// Slowest clock among active workers.
+    pub fn min_active(&self, now: f64) -> Option<u64> {
+        self.active(now).map(|t| t.clock).min()
+    }
+
+    /// Whether `worker` may read now: its clock is at most the bound ahead of every active
+    /// worker's. A worker that is not registered (not connected) is never held back.
+    pub fn may_read(&self, worker: u64, now: f64) -> bool {
+        match (self.clock(worker), self.min_active(now)) {
+            (Some(c), Some(m)) => c <= m + self.bound,
+            _ => true,
+        }
+    }
+
+    /// The slowest active clock and the reader's clock, for the read log.
+    pub fn read_view(&self, worker: u64, now: f64) -> (Option<u64>, Option<u64>) {
+        (self.clock(worker), self.min_active(now))
+    }
+
+    /// The next time an active worker holding others back would time out (to re-check then).
+    pub fn next_expiry(&self, now: f64) -> Option<f64> {
+        self.active(now)
+            .map(|t| t.last_seen + self.heartbeat)
+            .reduce(f64::min)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::optim::Rule;
+
+    fn sgd(lr: f32) -> OptimizerConfig {
+        OptimizerConfig {
+            rule: Rule::Sgd,
+            lr,
+            weight_decay: 0.0,
+            clip_norm: None,
+        }
+    }
+
+    #[test]
+    fn parse_modes_and_policies() {
+        assert_eq!(Consistency::parse("async").unwrap(), Consistency::Async);
+        assert_eq!(
+            Consistency::parse("ssp:2").unwrap(),
+            Consistency::Ssp { bound: 2 }
+        );
+        assert_eq!(
+            Consistency::parse("sync:4").unwrap(),
+            Consistency::Sync { k: 4 }
+        );
+        for bad in ["sync:0", "ssp:x", "bsp", "sync:-1"] {
+            assert!(Consistency::parse(bad).is_err(), "{bad}");
+        }
+        let p = StalenessPolicy::parse("drop:8,scale,dc:0.04").unwrap();
+        assert_eq!(
+            p,
+            StalenessPolicy {
+                max_staleness: Some(8),
+                scale_lr: true,
+                dc_lambda: Some(0.04)
+            }
+        );
+        assert_eq!(p.to_string(), "drop:8,scale,dc:0.04");
+        assert_eq!(
+            StalenessPolicy::parse("accept").unwrap(),
+            StalenessPolicy::default()
+        );
+        for bad in ["drop", "dc:nan", "dc:-1", "fast"] {
+            assert!(StalenessPolicy::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn async_applies_on_receipt_and_counts_staleness() {
+        let mut s = ShardCore::new(
+            vec![1.0; 2],
+            sgd(0.5),
+            StalenessPolicy::default(),
+            Consistency::Async,
+        );
+        let held = s.values().clone();
+        assert!(matches!(
+            s.push(0, &[1.0, 1.0]),
+            Outcome::Applied {
+                version: 1,
+                staleness: 0,
+                ..
+            }
+        ));
+        assert!(matches!(
+            s.push(0, &[1.0, 1.0]),
+            Outcome::Applied {
+                version: 2,
+                staleness: 1,
+                ..
+            }
+        ));
+        assert_eq!(**s.values(), vec![0.0, 0.0]);
+        assert_eq!(*held, vec![1.0, 1.0], "published values never change");
+        assert!(matches!(
+            s.push(3, &[1.0, 1.0]),
+            Outcome::Rejected {
+                code: ErrorCode::FutureVersion,
+                ..
+            }
+        ));
+        assert_eq!(s.version(), 2);
+    }
+
+    #[test]
+    fn drop_policy_rejects_beyond_the_bound() {
+        let p = StalenessPolicy::parse("drop:1").unwrap();
+        let mut s = ShardCore::new(vec![0.0], sgd(1.0), p, Consistency::Async);
+        s.push(0, &[1.0]);
+        s.push(0, &[1.0]);
+        assert!(matches!(
+            s.push(0, &[1.0]),
+            Outcome::Rejected {
+                code: ErrorCode::TooStale,
+                ..
+            }
+        ));
+        assert_eq!(**s.values(), vec![-2.0]);
+    }
+
+    #[test]
+    fn staleness_five_with_scaling_moves_one_fifth_as_far() {
+        let p = StalenessPolicy::parse("scale").unwrap();
+        let mut s = ShardCore::new(vec![0.0], sgd(1.0), p, Consistency::Async);
+        for _ in 0..5 {
+            s.push(s.version(), &[0.0]);
+        }
+        let before = s.values()[0];
+        let out = s.push(0, &[1.0]);
+        assert!(
+            matches!(out, Outcome::Applied { staleness: 5, lr_scale, .. } if (lr_scale - 0.2).abs() < 1e-7)
+        );
+        assert!(((before - s.values()[0]) - 0.2).abs() < 1e-7);
+        // A fresh push moves the full distance.
+        let before = s.values()[0];
+        s.push(s.version(), &[1.0]);
+        assert!(((before - s.values()[0]) - 1.0).abs() < 1e-7);
+    }
+
+    #[test]
+    fn delay_compensation_by_hand() {
+        let p = StalenessPolicy::parse("dc:0.5").unwrap();
+        let mut s = ShardCore::new(vec![1.0], sgd(1.0), p, Consistency::Async);
+        s.push(0, &[0.5]); // w: 1.0 -> 0.5 (fresh, no compensation)
+        assert_eq!(s.values()[0], 0.5);
+        // Computed at version 0 (w = 1.0); now w = 0.5: g' = 2 + 0.5 * 4 * (0.5 - 1.0) = 1.
+        s.push(0, &[2.0]);
+        assert!(
+            (s.values()[0] - (0.5 - 1.0)).abs() < 1e-6,
+            "{}",
+            s.values()[0]
+        );
+    }
+
+    #[test]
+    fn sync_applies_one_mean_per_k_fresh_gradients_and_drops_late_ones() {
+        let mut s = ShardCore::new(
+            vec![0.0],
+            sgd(1.0),
+            StalenessPolicy::default(),
+            Consistency::Sync { k: 3 },
+        );
+        assert!(matches!(
+            s.push(0, &[1.0]),
+            Outcome::Buffered {
+                version: 0,
+                pending: 1
+            }
+        ));
+        assert!(matches!(
+            s.push(0, &[2.0]),
+            Outcome::Buffered { pending: 2, .. }
+        ));
+        assert_eq!(s.values()[0], 0.0, "nothing applied before K");
+        assert!(matches!(
+            s.push(0, &[6.0]),
+            Outcome::Applied { version: 1, .. }
+        ));
+        assert_eq!(s.values()[0], -3.0, "the mean (1 + 2 + 6) / 3 applied once");
+        assert!(matches!(
+            s.push(0, &[1.0]),
+            Outcome::Rejected {
+                code: ErrorCode::TooStale,
+                ..
+            }
+        ));
+        assert!(matches!(
+            s.push(1, &[4.0]),
+            Outcome::Buffered { pending: 1, .. }
+        ));
+        assert!(matches!(
+            s.flush(),
+            Some(Outcome::Applied { version: 2, .. })
+        ));
+        assert_eq!(s.values()[0], -7.0);
+        assert_eq!(s.flush(), None);
+    }
+
+    #[test]
+    fn ssp_clock_bounds_the_fastest_and_forgets_the_silent() {
+        let mut c = SspClock::new(2, 5.0);
+        c.join(1, 0.0);
+        c.join(2, 0.0);
+        for _ in 0..2 {
+            c.tick(1, 1.0);
+        }
+        assert!(c.may_read(1, 1.0), "2 ahead is allowed with S = 2");
+        c.tick(1, 1.0);
+        assert!(!c.may_read(1, 1.0), "3 ahead must wait");
+        assert!(c.may_read(2, 1.0));
+        // Worker 2 goes silent: after the heartbeat timeout it no longer holds worker 1 back.
+        assert_eq!(c.next_expiry(1.0), Some(5.0));
+        assert!(c.may_read(1, 6.5));
+        // A departed worker does not count either; a newcomer starts at the slowest clock.
+        c.seen(1, 7.0);
+        c.seen(2, 7.0);
+        assert!(!c.may_read(1, 7.0));
+        c.leave(2);
+        assert!(c.may_read(1, 7.0));
+        c.join(3, 7.0);
+        assert_eq!(c.clock(3), Some(3));
+    }
+}
