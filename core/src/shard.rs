@@ -161,6 +161,9 @@ pub enum Outcome {
         staleness: u64,
         /// Learning-rate multiplier used.
         lr_scale: f32,
+        /// Gradients merged into this update: 1 in async/SSP; in sync mode K, or fewer when
+        /// the aggregate was flushed early.
+        merged: usize,
     },
     /// Sync mode: the gradient was buffered for the next aggregate update.
     Buffered {
@@ -336,6 +339,7 @@ impl ShardCore {
                     version: self.version,
                     staleness,
                     lr_scale,
+                    merged: 1,
                 }
             }
         }
@@ -348,6 +352,7 @@ impl ShardCore {
     }
 
     fn apply_mean(&mut self) -> Outcome {
+        let merged = self.pending;
         let inv = 1.0 / self.pending as f32;
         let mut sum = std::mem::take(&mut self.sum);
         sum.iter_mut().for_each(|s| *s *= inv);
@@ -359,6 +364,7 @@ impl ShardCore {
             version: self.version,
             staleness: 0,
             lr_scale: 1.0,
+            merged,
         }
     }
 
@@ -639,7 +645,11 @@ mod tests {
         assert_eq!(s.values()[0], 0.0, "nothing applied before K");
         assert!(matches!(
             s.push(0, &[6.0]),
-            Outcome::Applied { version: 1, .. }
+            Outcome::Applied {
+                version: 1,
+                merged: 3,
+                ..
+            }
         ));
         assert_eq!(s.values()[0], -3.0, "the mean (1 + 2 + 6) / 3 applied once");
         assert!(matches!(
@@ -655,7 +665,11 @@ mod tests {
         ));
         assert!(matches!(
             s.flush(),
-            Some(Outcome::Applied { version: 2, .. })
+            Some(Outcome::Applied {
+                version: 2,
+                merged: 1,
+                ..
+            })
         ));
         assert_eq!(s.values()[0], -7.0);
         assert_eq!(s.flush(), None);

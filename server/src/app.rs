@@ -74,6 +74,8 @@ pub struct ShardStatus {
     pub range: KeyRange,
     /// Version (applied updates).
     pub version: u64,
+    /// Updates by the number of gradients they merged (sync: K, or fewer when flushed early).
+    pub updates_by_merged: std::collections::BTreeMap<usize, u64>,
     /// Counters.
     #[serde(flatten)]
     pub counters: Counters,
@@ -100,6 +102,10 @@ pub struct Status {
     pub params: usize,
     /// Consistency mode.
     pub consistency: String,
+    /// Staleness policy for async/SSP pushes.
+    pub staleness_policy: String,
+    /// Histogram of read skew (spread of shard versions read for one step), buckets 0..15, 16+.
+    pub read_skew_hist: Vec<u64>,
     /// Examples per gradient.
     pub batch_size: usize,
     /// Dataset name.
@@ -141,6 +147,8 @@ impl App {
             model: self.model.spec().to_string(),
             params: self.model.param_len(),
             consistency: self.spec.consistency.clone(),
+            staleness_policy: self.cfg.staleness.to_string(),
+            read_skew_hist: self.registry.read_skew_hist(),
             batch_size: self.spec.batch_size,
             dataset: self.spec.dataset.name.clone(),
             optimizer: self.spec.optimizer,
@@ -153,6 +161,7 @@ impl App {
                     id: s.id(),
                     range: s.range(),
                     version: s.version(),
+                    updates_by_merged: s.updates(),
                     counters,
                 })
                 .collect(),

@@ -28,6 +28,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/api/status", get(status))
         .route("/api/events", get(events))
         .route("/api/params", get(params))
+        .route("/api/reads", get(reads))
         .route("/api/data/{tag}/train/{index}/{file}", get(data))
         .route("/ws/shard/{id}", get(ws))
         .fallback_service(web)
@@ -108,6 +109,10 @@ async fn events(
         ))
     });
     Sse::new(stream).keep_alive(KeepAlive::default())
+}
+
+async fn reads(State(app): State<Arc<App>>) -> Response {
+    Json(app.registry.reads()).into_response()
 }
 
 async fn params(State(app): State<Arc<App>>) -> Response {

@@ -42,6 +42,9 @@ enum Cmd {
         /// Print the summary as JSON.
         #[arg(long)]
         json: bool,
+        /// Make every step take this many extra milliseconds (play a slow volunteer).
+        #[arg(long, default_value_t = 0)]
+        step_delay_ms: u64,
     },
     /// Datasets.
     Data {
@@ -158,8 +161,10 @@ fn main() -> anyhow::Result<()> {
             name,
             quiet,
             json,
+            step_delay_ms,
         } => {
             let mut opts = WorkOptions::new(server);
+            opts.step_delay = Duration::from_millis(step_delay_ms);
             opts.steps = steps;
             if let Some(s) = seconds {
                 anyhow::ensure!(s.is_finite() && s > 0.0, "--seconds must be positive");

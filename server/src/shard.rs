@@ -23,6 +23,7 @@ use crowdgrad_core::optim::OptimizerConfig;
 use crowdgrad_core::partition::KeyRange;
 use crowdgrad_core::shard::{Consistency, Outcome, ShardCore, SspClock, StalenessPolicy};
 use crowdgrad_core::wire::{self, ErrorCode, Message};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -58,6 +59,8 @@ struct Inner {
     workers: AtomicUsize,
     epoch: Instant,
     sync_timeout: Duration,
+    /// Updates applied, by how many gradients each merged (written by the writer only).
+    updates: Mutex<BTreeMap<usize, u64>>,
 }
 
 /// Cheap-to-clone handle to one shard (like mini-redis' `Db`).
@@ -139,6 +142,7 @@ impl Shard {
             workers: AtomicUsize::new(0),
             epoch: Instant::now(),
             sync_timeout: opts.sync_timeout,
+            updates: Mutex::new(BTreeMap::new()),
         });
         let writer_inner = Arc::downgrade(&inner);
         let handle = std::thread::Builder::new()
@@ -171,6 +175,16 @@ impl Shard {
     /// The current snapshot (lock-free; never waits for an update).
     pub fn snapshot(&self) -> Snapshot {
         Snapshot::clone(&self.inner.current.load())
+    }
+
+    /// Updates applied so far, keyed by how many gradients each merged (sync mode: K for a full
+    /// aggregate, fewer for an early flush; 1 in the other modes).
+    pub fn updates(&self) -> BTreeMap<usize, u64> {
+        self.inner
+            .updates
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Largest frame this shard accepts: a full push plus meta.
@@ -333,12 +347,21 @@ fn writer(
             Command::Push { frame, reply } => (push(&mut core, &frame, &mut scratch), Some(reply)),
             Command::Flush => (core.flush(), None),
         };
-        if let Some(Outcome::Applied { version: v, .. }) = &outcome {
+        if let Some(Outcome::Applied {
+            version: v, merged, ..
+        }) = &outcome
+        {
             inner.current.store(Arc::new(Snapshot {
                 version: *v,
                 values: core.values().clone(),
             }));
             version.send_replace(*v);
+            *inner
+                .updates
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .entry(*merged)
+                .or_default() += 1;
         }
         if let (Some(reply), Some(outcome)) = (reply, outcome) {
             let _ = reply.send(outcome);

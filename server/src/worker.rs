@@ -33,6 +33,8 @@ pub struct WorkOptions {
     pub progress: bool,
     /// Longest wait between reconnection attempts.
     pub max_backoff: Duration,
+    /// Extra time each gradient step takes (to play a slow volunteer in experiments).
+    pub step_delay: Duration,
 }
 
 impl WorkOptions {
@@ -45,6 +47,7 @@ impl WorkOptions {
             name: None,
             progress: false,
             max_backoff: Duration::from_secs(5),
+            step_delay: Duration::ZERO,
         }
     }
 }
@@ -297,7 +300,16 @@ async fn session(
     };
     let mut worker = Worker::new(joined, data, ClientKind::Native, opts.steps)?;
     worker.carry_stats(stats.clone());
-    let end = drive(&mut worker, ws, deadline, progress, started, shutdown).await;
+    let end = drive(
+        &mut worker,
+        ws,
+        deadline,
+        opts.step_delay,
+        progress,
+        started,
+        shutdown,
+    )
+    .await;
     *stats = worker.stats().clone();
     Ok(end)
 }
@@ -311,6 +323,7 @@ async fn drive(
     worker: &mut Worker,
     ws: &str,
     deadline: Option<Instant>,
+    step_delay: Duration,
     progress: &mut Progress,
     started: Instant,
     mut shutdown: std::pin::Pin<&mut impl Future<Output = ()>>,
@@ -384,6 +397,12 @@ async fn drive(
                 break End::Lost(e.to_string());
             }
             progress.update(id, worker.stats(), started, false);
+            if !step_delay.is_zero() {
+                tokio::select! {
+                    _ = tokio::time::sleep(step_delay) => {}
+                    _ = &mut shutdown => break End::Done,
+                }
+            }
             continue;
         }
         let until = deadline.map_or_else(
