@@ -83,6 +83,8 @@ function renderProgress(p) {
   $('my-step').textContent = p.step_ms == null ? '–'
     : `${p.step_ms.toFixed(1)} ms` + (p.wait_ms == null ? '' : ` + ${p.wait_ms.toFixed(1)} ms waiting`);
   $('my-reconnects').textContent = num(p.reconnects);
+  // The driver's own error (why the last session ended) or the shards' last word.
+  $('my-last-error').textContent = p.error || p.last_error || 'none';
   const problem = p.state === 'reconnecting' ? p.error : null;
   showError(problem ? `Lost the server: ${problem}. Retrying automatically.` : '');
   document.title = p.steps > 0 ? `crowdgrad · ${num(p.samples)} samples` : 'crowdgrad';

