@@ -362,12 +362,19 @@ impl<'a> F32Le<'a> {
                 got: self.len(),
             });
         }
-        let mut all_finite = true;
-        for (o, v) in out.iter_mut().zip(self.iter()) {
-            *o = v;
-            all_finite &= v.is_finite();
+        if cfg!(target_endian = "little") {
+            // The bytes are already the values: one memcpy, whatever the input's alignment.
+            bytemuck::cast_slice_mut::<f32, u8>(out).copy_from_slice(self.0);
+        } else {
+            for (o, v) in out.iter_mut().zip(self.iter()) {
+                *o = v;
+            }
         }
-        if !all_finite {
+        // Branch-free so it vectorises: a value is not finite iff its exponent bits are all set.
+        let any_bad = out
+            .iter()
+            .fold(0u32, |acc, v| acc | u32::from(v.to_bits() & 0x7f80_0000 == 0x7f80_0000));
+        if any_bad != 0 {
             let (index, &value) = out
                 .iter()
                 .enumerate()
