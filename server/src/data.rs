@@ -6,7 +6,7 @@
 //! and copied instead.
 
 use crate::error::{Error, Result};
-use crowdgrad_core::data::Dataset;
+use crowdgrad_core::data::{parse_idx_owned, Dataset};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -63,16 +63,25 @@ pub struct TrainTest {
 /// # Errors
 /// [`Error::Data`] when a file is missing or malformed, or train and test shapes differ.
 pub fn load_dir(dir: &Path) -> Result<TrainTest> {
-    let mut bytes = Vec::new();
+    let mut arrays = Vec::new();
     for name in FILES {
         let path = find(dir, name).ok_or_else(|| {
             Error::Data(format!("{} has no {name} (or {name}.gz)", dir.display()))
         })?;
-        bytes.push(read(&path)?);
+        // Parsed in place: peak memory stays near one copy of the data.
+        let array = parse_idx_owned(read(&path)?)
+            .map_err(|e| Error::Data(format!("{}: {e}", path.display())))?;
+        arrays.push(array);
     }
-    let train = Dataset::from_idx(&bytes[0], &bytes[1])
+    let mut arrays = arrays.into_iter();
+    let mut next = || {
+        arrays
+            .next()
+            .ok_or_else(|| Error::Data("missing file".into()))
+    };
+    let train = Dataset::from_arrays(next()?, next()?)
         .map_err(|e| Error::Data(format!("training set: {e}")))?;
-    let test = Dataset::from_idx(&bytes[2], &bytes[3])
+    let test = Dataset::from_arrays(next()?, next()?)
         .map_err(|e| Error::Data(format!("test set: {e}")))?;
     if train.image_dims != test.image_dims {
         return Err(Error::Data(format!(
