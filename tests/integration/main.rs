@@ -3,6 +3,7 @@
 //! One module per area (mini-redis' tests layout); `util` holds the shared helpers.
 
 mod consistency;
+mod data;
 mod http;
 mod protocol;
 mod training;
