@@ -12,10 +12,6 @@ use std::time::Duration;
 const N: usize = 101_770;
 
 fn apply(c: &mut Criterion) {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
     let mut g = c.benchmark_group("shard_apply");
     g.throughput(Throughput::Elements(N as u64));
     for name in ["sgd", "momentum", "adagrad", "rmsprop", "adam"] {
@@ -31,12 +27,12 @@ fn apply(c: &mut Criterion) {
             heartbeat: Duration::from_secs(5),
             sync_timeout: Duration::from_secs(1),
         };
-        let (shard, _writer) = Shard::start(0, KeyRange { start: 0, end: N }, vec![0.1; N], opts);
+        let shard = Shard::start(0, KeyRange { start: 0, end: N }, vec![0.1; N], opts);
         let grad = vec![1e-3f32; N];
         g.bench_function(name, |b| {
             b.iter(|| {
                 let frame = wire::encode_push(1, 0, shard.version(), 32, &grad);
-                rt.block_on(shard.push(None, frame.into()))
+                shard.push(None, &frame)
             })
         });
     }

@@ -277,7 +277,7 @@ impl<Si: Sink<Outbound> + Unpin> Conn<'_, Si> {
                     );
                     return self.fail(request_id, ErrorCode::WrongLength, m).await;
                 }
-                let outcome = shard.push(self.worker, bytes.clone()).await;
+                let outcome = shard.push(self.worker, &bytes);
                 let (version, staleness) = match &outcome {
                     Outcome::Applied {
                         version, staleness, ..
@@ -338,7 +338,7 @@ mod tests {
             heartbeat: Duration::from_secs(5),
             sync_timeout: Duration::from_secs(1),
         };
-        let (shard, _writer) = Shard::start(1, KeyRange { start: 4, end: 6 }, vec![0.0; 2], opts);
+        let shard = Shard::start(1, KeyRange { start: 4, end: 6 }, vec![0.0; 2], opts);
         let registry = Registry::new(2, 10);
         let (id, _) = registry.join(ClientKind::Native, None, 1).unwrap();
         let (in_tx, in_rx) = mpsc::unbounded();

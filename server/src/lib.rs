@@ -21,6 +21,7 @@ pub mod handler;
 pub mod http;
 pub mod registry;
 pub mod shard;
+pub mod sim;
 pub mod worker;
 
 pub use error::{Error, Result};
@@ -61,7 +62,6 @@ pub async fn run(
     let ranges = partition(model.param_len(), cfg.shards)?;
     let initial = model.init_params(cfg.seed);
     let mut shards = Vec::new();
-    let mut writers = Vec::new();
     for (i, r) in ranges.iter().enumerate() {
         let opts = shard::ShardOptions {
             optimizer: cfg.optimizer,
@@ -70,9 +70,12 @@ pub async fn run(
             heartbeat: cfg.heartbeat_timeout,
             sync_timeout: cfg.sync_timeout,
         };
-        let (s, w) = Shard::start(i as u32, *r, initial[r.start..r.end].to_vec(), opts);
-        shards.push(s);
-        writers.push(w);
+        shards.push(Shard::start(
+            i as u32,
+            *r,
+            initial[r.start..r.end].to_vec(),
+            opts,
+        ));
     }
     drop(initial);
     let data_tag = {
@@ -144,14 +147,9 @@ pub async fn run(
     app.tracker.close();
     let _ = tokio::time::timeout(DRAIN, app.tracker.wait()).await;
     let _ = evaluator.await;
-    // Dropping the last shard handles lets each writer drain its queue and exit. If a
-    // connection outlived the drain period it still holds the app; the writers then end with it.
-    if let Ok(app) = Arc::try_unwrap(app) {
-        drop(app);
-        for w in writers {
-            let _ = tokio::task::spawn_blocking(move || w.join()).await;
-        }
-    }
+    // Updates are applied inside the connection tasks, so once those are done every in-flight
+    // push has been applied or rejected.
+    drop(app);
     drop(stop_tx);
     served
 }
