@@ -371,9 +371,9 @@ impl<'a> F32Le<'a> {
             }
         }
         // Branch-free so it vectorises: a value is not finite iff its exponent bits are all set.
-        let any_bad = out
-            .iter()
-            .fold(0u32, |acc, v| acc | u32::from(v.to_bits() & 0x7f80_0000 == 0x7f80_0000));
+        let any_bad = out.iter().fold(0u32, |acc, v| {
+            acc | u32::from(v.to_bits() & 0x7f80_0000 == 0x7f80_0000)
+        });
         if any_bad != 0 {
             let (index, &value) = out
                 .iter()
