@@ -67,6 +67,8 @@ pub struct Progress {
     pub partition_count: Option<usize>,
     /// Examples in this worker's data partition.
     pub partition_examples: Option<usize>,
+    /// URL path of the partition's images file (also its Cache API key, with the origin).
+    pub partition_images: Option<String>,
     /// Whether the partition came from the Cache API (no download).
     pub data_from_cache: Option<bool>,
     /// Bytes of IDX data loaded for the partition.

@@ -217,6 +217,7 @@ impl Driver {
             p.partition_index = Some(join.partition.index);
             p.partition_count = Some(join.partition.count);
             p.partition_examples = Some(join.partition.examples);
+            p.partition_images = Some(join.partition.images.clone());
             p.error = None;
         }
         self.set_state(ConnState::Downloading, None);
