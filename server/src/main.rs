@@ -22,6 +22,9 @@ struct Cli {
 enum Cmd {
     /// Run the parameter server (page at http://127.0.0.1:8080 by default).
     Serve(Box<ServeArgs>),
+    /// Simulate K workers against the real shard code on a simulated clock (classroom
+    /// experiments: CSV, plots and a summary under --out).
+    Sim(Box<crowdgrad::sim::SimArgs>),
     /// Run a native worker against a server.
     Work {
         /// The server's base address.
@@ -198,6 +201,7 @@ fn main() -> anyhow::Result<()> {
                 );
             }
         }
+        Cmd::Sim(args) => crowdgrad::sim::cli(&args)?,
         Cmd::Data {
             command: DataCmd::Fetch { dataset, from, dir },
         } => {

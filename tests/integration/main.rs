@@ -6,5 +6,6 @@ mod consistency;
 mod data;
 mod http;
 mod protocol;
+mod sim;
 mod training;
 mod util;

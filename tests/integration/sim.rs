@@ -1,0 +1,358 @@
+//! Issue 4: `crowdgrad sim`, the deterministic classroom simulator, on real MNIST. It drives
+//! core's `Worker` against simulated shards that apply through the real `ShardCore`.
+
+use crate::util::mnist;
+use crowdgrad::sim::{self, DropoutKind, Fault, SimConfig, SpeedDist};
+use crowdgrad_core::model::{Model, ModelSpec};
+use crowdgrad_core::partition::partition;
+use crowdgrad_core::shard::{Consistency, Outcome, ShardCore, StalenessPolicy};
+use crowdgrad_core::spec::{DataInfo, JoinResponse, PartitionInfo, RunSpec, ShardInfo};
+use crowdgrad_core::wire::{self, ClientKind, Message, Welcome, PROTOCOL_VERSION};
+use crowdgrad_core::worker::Worker;
+
+/// A small, quick config: `workers` workers, `samples` examples, evaluations on 500 examples.
+fn small(workers: usize, samples: u64) -> SimConfig {
+    SimConfig {
+        workers,
+        partitions: workers,
+        samples: Some(samples),
+        eval_every: 2_000,
+        eval_subset: 500,
+        ..SimConfig::default()
+    }
+}
+
+#[test]
+fn same_seed_gives_the_same_csv_bytes_and_another_seed_does_not() {
+    let data = mnist();
+    // Exercise every random draw: speeds, jitter, delays, dropouts, faulty workers.
+    let cfg = SimConfig {
+        shards: 2,
+        dropout_every: Some(2.0),
+        away: 0.5,
+        faulty: 0.25,
+        fault: Fault::Noise,
+        consistency: Consistency::Ssp { bound: 1 },
+        ..small(4, 6_000)
+    };
+    let a = sim::run(&cfg, &data).expect("run");
+    let b = sim::run(&cfg, &data).expect("run");
+    assert!(a.rows.len() >= 4, "{:?}", a.rows);
+    assert_eq!(a.csv(), b.csv(), "same seed, different CSV");
+    assert!(a.final_params == b.final_params);
+    let c = sim::run(
+        &SimConfig {
+            seed: cfg.seed + 1,
+            ..cfg.clone()
+        },
+        &data,
+    )
+    .expect("run");
+    assert_ne!(a.csv(), c.csv(), "another seed gave the same CSV");
+    assert!(a.csv().starts_with(sim::CSV_HEADER));
+}
+
+/// Issue 4: 16 simulated async workers with the staleness-aware learning rate reach 95%.
+#[test]
+fn sixteen_async_workers_with_scaled_lr_reach_95_percent() {
+    let data = mnist();
+    let mut cfg = SimConfig {
+        staleness: StalenessPolicy::parse("scale").expect("policy"),
+        eval_every: 50_000,
+        eval_subset: 1_000,
+        ..small(16, 320_000)
+    };
+    cfg.optimizer.lr = 0.4;
+    let r = sim::run(&cfg, &data).expect("run");
+    let last = r.last().expect("rows");
+    assert_eq!(
+        last.eval_examples,
+        data.test.len(),
+        "final row on the full test set"
+    );
+    assert!(
+        last.test_accuracy >= 0.95,
+        "final accuracy {:.4}; rows {:?}",
+        last.test_accuracy,
+        r.rows
+    );
+    assert!(
+        r.totals.mean_staleness() > 5.0,
+        "16 async workers should be stale: {:?}",
+        r.totals
+    );
+    assert_eq!(r.totals.rejected, 0);
+    assert!(!r.totals.stalled);
+}
+
+/// One simulated worker with no delay makes exactly the updates one gets by handing core's
+/// `Worker` its parameters and applying its gradients directly with `ShardCore` (no simulated
+/// network, no simulated shard handler): the sim applies through `ShardCore` and nothing else.
+#[test]
+fn one_worker_without_delay_equals_applying_its_gradients_through_shardcore() {
+    let data = mnist();
+    let steps = 40u64;
+    let cfg = SimConfig {
+        shards: 2,
+        delay: 0.0,
+        delay_jitter: 0.0,
+        jitter: 0.0,
+        speed: SpeedDist::Fixed,
+        ..small(1, steps * 32)
+    };
+    let r = sim::run(&cfg, &data).expect("run");
+    assert_eq!(r.totals.steps, steps);
+    assert_eq!(r.totals.shard_versions, vec![steps; 2]);
+    assert_eq!(r.last().map(|l| l.updates), Some(2 * steps));
+    assert_eq!(r.totals.staleness_max, 0, "a lone worker is never stale");
+
+    // The reference: the same worker (id 1, the whole training set), driven by hand.
+    let classes = data.train.classes();
+    let spec = ModelSpec::parse(&cfg.model, data.train.features, classes).expect("model");
+    let model = Model::new(spec.clone()).expect("model");
+    let ranges = partition(model.param_len(), cfg.shards).expect("ranges");
+    let init = model.init_params(cfg.seed);
+    let mut shards: Vec<ShardCore> = ranges
+        .iter()
+        .map(|r| {
+            ShardCore::new(
+                init[r.start..r.end].to_vec(),
+                cfg.optimizer,
+                cfg.staleness,
+                cfg.consistency,
+            )
+        })
+        .collect();
+    let run = RunSpec {
+        run_id: "reference".into(),
+        model: spec,
+        optimizer: cfg.optimizer,
+        batch_size: cfg.batch_size,
+        seed: cfg.seed,
+        consistency: cfg.consistency.to_string(),
+        shards: ranges
+            .iter()
+            .enumerate()
+            .map(|(i, r)| ShardInfo {
+                id: i as u32,
+                path: String::new(),
+                range: *r,
+            })
+            .collect(),
+        dataset: DataInfo {
+            name: "mnist".into(),
+            image_dims: data.train.image_dims.clone(),
+            classes,
+            train_len: data.train.len(),
+            test_len: data.test.len(),
+        },
+    };
+    let join = JoinResponse {
+        protocol: PROTOCOL_VERSION,
+        worker_id: 1,
+        run,
+        partition: PartitionInfo {
+            index: 0,
+            count: 1,
+            examples: data.train.len(),
+            images: String::new(),
+            labels: String::new(),
+        },
+    };
+    let mut w = Worker::new(join, data.train.clone(), ClientKind::Browser, None).expect("worker");
+    for (i, s) in shards.iter().enumerate() {
+        w.connected(i);
+        let welcome = wire::encode(&Message::Welcome {
+            request_id: 1,
+            shard: i as u32,
+            welcome: Welcome {
+                protocol: PROTOCOL_VERSION,
+                range: ranges[i],
+                version: s.version(),
+            },
+        });
+        w.receive(i, &welcome).expect("welcome");
+    }
+    let mut pushed = 0;
+    while pushed < steps * 2 {
+        while let Some(out) = w.poll_transmit() {
+            let shard = &mut shards[out.shard];
+            match wire::decode(&out.frame, usize::MAX).expect("frame") {
+                Message::Pull { request_id, .. } => {
+                    let p = wire::encode_params(
+                        request_id,
+                        out.shard as u32,
+                        shard.version(),
+                        shard.values(),
+                    );
+                    w.receive(out.shard, &p).expect("params");
+                }
+                Message::Push {
+                    base_version, grad, ..
+                } => {
+                    let g: Vec<f32> = grad.iter().collect();
+                    assert!(matches!(
+                        shard.push(base_version, &g),
+                        Outcome::Applied { staleness: 0, .. }
+                    ));
+                    pushed += 1;
+                }
+                _ => {}
+            }
+        }
+        if pushed < steps * 2 {
+            w.step().expect("step");
+        }
+    }
+    let reference: Vec<f32> = shards
+        .iter()
+        .flat_map(|s| s.values().iter().copied())
+        .collect();
+    assert!(
+        r.final_params == reference,
+        "the sim's parameters differ from applying the same gradients through ShardCore"
+    );
+}
+
+#[test]
+fn nan_pushes_from_faulty_workers_are_rejected_and_counted() {
+    let data = mnist();
+    let cfg = SimConfig {
+        faulty: 0.5,
+        fault: Fault::Nan,
+        shards: 2,
+        ..small(6, 12_000)
+    };
+    let r = sim::run(&cfg, &data).expect("run");
+    let faulty: Vec<_> = r.workers.iter().filter(|w| w.faulty).collect();
+    assert_eq!(faulty.len(), 3);
+    let not_finite = r.totals.rejected_by_reason.get("not_finite").copied();
+    assert!(r.totals.faulty_pushes > 0);
+    assert_eq!(
+        not_finite,
+        Some(r.totals.faulty_pushes),
+        "every NaN push must be rejected before ShardCore: {:?}",
+        r.totals
+    );
+    assert_eq!(r.totals.rejected, r.totals.faulty_pushes);
+    for w in &faulty {
+        assert_eq!(w.pushes_accepted, 0, "{w:?}");
+        assert!(w.sessions > 1, "a NaN push closes the connection: {w:?}");
+    }
+    for w in r.workers.iter().filter(|w| !w.faulty) {
+        assert!(w.pushes_accepted > 0 && w.pushes_rejected == 0, "{w:?}");
+    }
+    assert!(r.final_params.iter().all(|v| v.is_finite()));
+    assert!(r.final_accuracy() > 0.85, "{:?}", r.rows);
+}
+
+#[test]
+fn sync_applies_one_mean_per_k_fresh_gradients() {
+    let data = mnist();
+    for k in [4usize, 2] {
+        let cfg = SimConfig {
+            consistency: Consistency::Sync { k },
+            ..small(4, 8_000)
+        };
+        let r = sim::run(&cfg, &data).expect("run");
+        let t = &r.totals;
+        let updates = t.updates();
+        assert!(updates > 0);
+        assert_eq!(updates, t.accepted / k as u64, "k = {k}: {t:?}");
+        assert_eq!(
+            updates * k as u64 + t.shard_pending[0] as u64,
+            t.accepted,
+            "k = {k}: {t:?}"
+        );
+        assert_eq!(t.staleness_max, 0);
+        if k == 4 {
+            assert_eq!(t.rejected, 0, "4 workers, K = 4: nobody is late");
+        } else {
+            // K = 2 of 4: the two slower gradients of each round arrive late and are dropped.
+            assert_eq!(t.rejected_by_reason.get("too_stale"), Some(&t.rejected));
+            assert!(t.rejected > 0);
+        }
+    }
+}
+
+#[test]
+fn ssp_never_lets_a_worker_read_more_than_s_ahead() {
+    let data = mnist();
+    let bound = 2;
+    for dropout in [None, Some(3.0)] {
+        let cfg = SimConfig {
+            consistency: Consistency::Ssp { bound },
+            // Very different speeds, so the bound holds the fast workers back.
+            speed: SpeedDist::LogNormal { sigma: 1.0 },
+            dropout_every: dropout,
+            dropout_kind: DropoutKind::Pause,
+            away: 8.0,
+            log_reads: true,
+            ..small(6, 12_000)
+        };
+        let r = sim::run(&cfg, &data).expect("run");
+        assert!(!r.totals.stalled, "{:?}", r.totals);
+        assert!(r.reads.len() as u64 >= r.totals.steps);
+        let mut at_bound = 0;
+        for read in &r.reads {
+            let (Some(c), Some(m)) = (read.clock, read.min_clock) else {
+                continue;
+            };
+            assert!(c <= m + bound, "read more than {bound} ahead: {read:?}");
+            at_bound += usize::from(c == m + bound);
+        }
+        assert!(at_bound > 0, "the bound never mattered; test is vacuous");
+        if dropout.is_some() {
+            // Paused workers dropped out of the clock (heartbeat) rather than stopping
+            // everyone: training went on while some were away.
+            assert!(r.rows.iter().any(|row| row.workers_online < 6));
+            assert!(r.final_accuracy() > 0.8, "{:?}", r.rows);
+        }
+    }
+}
+
+#[test]
+fn sync_survives_workers_leaving_and_rejoining() {
+    let data = mnist();
+    for kind in [DropoutKind::Disconnect, DropoutKind::Pause] {
+        let cfg = SimConfig {
+            consistency: Consistency::Sync { k: 4 },
+            dropout_every: Some(2.0),
+            away: 1.5,
+            dropout_kind: kind,
+            ..small(4, 8_000)
+        };
+        let r = sim::run(&cfg, &data).expect("run");
+        assert!(!r.totals.stalled, "{kind:?}: {:?}", r.totals);
+        assert_eq!(r.totals.samples, 8_000);
+        assert!(r.workers.iter().all(|w| w.steps > 0));
+        // Partial aggregates (someone left) make more updates than accepted / K.
+        assert!(r.totals.updates() > r.totals.accepted / 4, "{:?}", r.totals);
+    }
+}
+
+#[test]
+fn bad_configs_are_errors_not_panics() {
+    let data = mnist();
+    for cfg in [
+        SimConfig {
+            workers: 0,
+            ..SimConfig::default()
+        },
+        SimConfig {
+            samples: None,
+            sim_seconds: None,
+            ..SimConfig::default()
+        },
+        SimConfig {
+            partitions: 70_000,
+            ..SimConfig::default()
+        },
+        SimConfig {
+            delay: f64::NAN,
+            ..SimConfig::default()
+        },
+    ] {
+        assert!(sim::run(&cfg, &data).is_err(), "{cfg:?}");
+    }
+}
