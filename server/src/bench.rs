@@ -88,9 +88,14 @@ pub fn e2e(
             "--addr",
             "127.0.0.1:0",
             "--no-fetch",
-            "--eval-every",
-            "0.25",
         ])
+        // Evaluate often enough to time the climb to 95%, unless the caller chose a period.
+        .args(
+            (!serve_args.iter().any(|a| a.starts_with("--eval-every")))
+                .then_some(["--eval-every", "0.25"])
+                .into_iter()
+                .flatten(),
+        )
         .arg("--data-dir")
         .arg(data_dir)
         .args(serve_args)
