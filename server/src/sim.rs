@@ -150,8 +150,8 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 2.0)]
     pub sync_timeout: f64,
     /// Run one simulation per value: PARAM=V1,V2,... with PARAM one of mode, workers, ssp,
-    /// staleness, lr, faulty, dropout-every, delay-ms, step-ms, batch-size. Separate values
-    /// with `;` when they contain commas (staleness=accept;drop:8,scale).
+    /// staleness, lr, faulty, fault, dropout-every, dropout-kind, delay-ms, step-ms, batch-size.
+    /// Separate values with `;` when they contain commas (staleness=accept;drop:8,scale).
     #[arg(long)]
     pub sweep: Option<String>,
     /// Print only the summary.
@@ -508,11 +508,34 @@ impl SimConfig {
         if param != "batch-size" {
             parts.push(format!("batch {}", self.batch_size));
         }
-        if param != "faulty" && self.faulty > 0.0 {
-            parts.push(format!("{:.0}% faulty", self.faulty * 100.0));
+        if self.faulty > 0.0 || param == "fault" {
+            let share = if param == "faulty" {
+                String::new()
+            } else {
+                format!("{:.1}% ", self.faulty * 100.0)
+            };
+            let kind = match (param, self.fault) {
+                ("fault", _) => String::new(),
+                (_, Fault::Nan) => " (nan)".into(),
+                (_, Fault::Noise) => " (noise)".into(),
+                (_, Fault::Scale(f)) => format!(" (scale:{f})"),
+            };
+            parts.push(format!("{share}faulty{kind}"));
         }
-        if param != "dropout-every" && self.dropout_every.is_some() {
-            parts.push("dropouts".into());
+        if let Some(every) = self.dropout_every {
+            let kind = match self.dropout_kind {
+                DropoutKind::Disconnect => "disconnect",
+                DropoutKind::Pause => "pause",
+            };
+            let mut d = String::from("dropouts");
+            if param != "dropout-every" {
+                let _ = write!(d, " every ~{every} s");
+            }
+            let _ = write!(d, " for ~{} s", self.away);
+            if param != "dropout-kind" {
+                let _ = write!(d, " ({kind})");
+            }
+            parts.push(d);
         }
         parts.join(", ")
     }
@@ -736,14 +759,16 @@ pub fn run_with(
 }
 
 /// Names of the parameters `--sweep` accepts.
-pub const SWEEP_PARAMS: [&str; 10] = [
+pub const SWEEP_PARAMS: [&str; 12] = [
     "mode",
     "workers",
     "ssp",
     "staleness",
     "lr",
     "faulty",
+    "fault",
     "dropout-every",
+    "dropout-kind",
     "delay-ms",
     "step-ms",
     "batch-size",
@@ -791,6 +816,8 @@ pub fn sweep_configs(base: &SimArgs, spec: &str) -> Result<Vec<(String, SimConfi
             "staleness" => a.staleness = v.into(),
             "lr" => a.lr = Some(v.parse().map_err(|_| num("learning rate"))?),
             "faulty" => a.faulty = v.parse().map_err(|_| num("fraction"))?,
+            "fault" => a.fault = v.into(),
+            "dropout-kind" => a.dropout_kind = v.into(),
             "dropout-every" => {
                 a.dropout_every = Some(v.parse().map_err(|_| num("number of seconds"))?)
             }
