@@ -26,6 +26,7 @@ const WASM_RUSTFLAGS: &str = "-C target-feature=+simd128";
 const WASM_TARGET: &str = "wasm32-unknown-unknown";
 const CHROMIUM: &str = "/usr/bin/chromium";
 const CHROMEDRIVER: &str = "/usr/bin/chromedriver";
+const FASHION_MNIST: &str = "/usr/share/datasets/fashion-mnist";
 
 const USAGE: &str = "usage: cargo xtask <command>
 
@@ -168,7 +169,9 @@ impl Xtask {
     fn setup(&mut self) -> Result<()> {
         self.stage("setup: wasm32 target", |x| x.ensure_wasm_target())?;
         self.stage("setup: wasm-bindgen-cli", |x| x.ensure_wasm_bindgen())?;
-        self.stage("setup: chromium + chromedriver", |x| x.ensure_chromium())?;
+        self.stage("setup: chromium, chromedriver, fashion-mnist (apt)", |x| {
+            x.ensure_chromium()
+        })?;
         self.stage("setup: npm packages", |x| x.ensure_npm())
     }
 
@@ -322,8 +325,12 @@ impl Xtask {
     }
 
     fn ensure_chromium(&mut self) -> Result<()> {
-        if Path::new(CHROMIUM).exists() && Path::new(CHROMEDRIVER).exists() {
-            println!("{CHROMIUM} and {CHROMEDRIVER}: installed");
+        // Debian's Fashion-MNIST (gzip IDX files) feeds the test that loading is generic.
+        if Path::new(CHROMIUM).exists()
+            && Path::new(CHROMEDRIVER).exists()
+            && Path::new(FASHION_MNIST).is_dir()
+        {
+            println!("{CHROMIUM}, {CHROMEDRIVER} and {FASHION_MNIST}: installed");
             return Ok(());
         }
         let mut update = self.cmd("apt-get");
@@ -339,6 +346,7 @@ impl Xtask {
                 "--no-install-recommends",
                 "chromium",
                 "chromium-driver",
+                "dataset-fashion-mnist",
             ])
             .env("DEBIAN_FRONTEND", "noninteractive");
         run(install)
