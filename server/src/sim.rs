@@ -728,6 +728,36 @@ impl SimResult {
             .map(|r| (r.samples, r.sim_time_s))
     }
 
+    /// One line about the workers and rejections: step-time spread, faulty workers, sessions,
+    /// rejections by reason.
+    pub fn digest(&self) -> String {
+        let mut steps: Vec<f64> = self.workers.iter().map(|w| w.mean_step_s).collect();
+        steps.sort_by(f64::total_cmp);
+        let ms = |i: usize| steps.get(i).map_or(0.0, |s| s * 1e3);
+        let mut s = format!(
+            "worker step times: fastest {:.0} ms, median {:.0} ms, slowest {:.0} ms",
+            ms(0),
+            ms(steps.len() / 2),
+            ms(steps.len().saturating_sub(1))
+        );
+        let faulty = self.workers.iter().filter(|w| w.faulty).count();
+        if faulty > 0 {
+            let _ = write!(s, "; {faulty} faulty");
+        }
+        let sessions: u32 = self.workers.iter().map(|w| w.sessions).sum();
+        let _ = write!(s, "; {sessions} sessions");
+        if !self.totals.rejected_by_reason.is_empty() {
+            let reasons: Vec<String> = self
+                .totals
+                .rejected_by_reason
+                .iter()
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect();
+            let _ = write!(s, "; rejected: {}", reasons.join(", "));
+        }
+        s
+    }
+
     /// Simulated seconds per wall-clock second.
     pub fn speedup(&self) -> f64 {
         self.totals.sim_seconds / self.wall_seconds.max(1e-9)
@@ -1004,6 +1034,7 @@ pub fn cli(args: &SimArgs) -> Result<()> {
             cfg.describe()
         };
         write_run(&dir, &title, &r)?;
+        eprintln!("  {}", r.digest());
         if r.totals.stalled {
             eprintln!(
                 "  warning: the run stalled (no step completed for a long time); stopped early"
