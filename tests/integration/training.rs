@@ -104,3 +104,41 @@ async fn one_worker_is_deterministic_and_equal_for_one_and_four_shards() {
     let (init, _) = train_and_read_params(1, 0).await;
     assert!(init != one);
 }
+
+/// Issue 2: a native worker reconnects with backoff when the server goes away and comes back
+/// (a new run on the same address), and keeps its counters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_native_worker_rejoins_a_restarted_server() {
+    let first = server(config()).await;
+    let addr = first.addr;
+    let url = first.url();
+    let w = worker(&url, "phoenix");
+    wait_for(&url, Duration::from_secs(30), "the worker to train", |s| {
+        s["totals"]["samples"].as_u64() > Some(0)
+    })
+    .await;
+    first.stop().await.expect("clean shutdown");
+    // The worker is now retrying; bring a new server up on the same address.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let second = crowdgrad::start(addr, config(), crate::util::mnist())
+        .await
+        .expect("restart on the same port");
+    wait_for(
+        &url,
+        Duration::from_secs(30),
+        "the worker to come back",
+        |s| s["workers_connected"] == 1 && s["totals"]["samples"].as_u64() > Some(0),
+    )
+    .await;
+    let summary = w.stop().expect("worker");
+    assert!(summary.sessions >= 2, "{summary:?}");
+    assert!(
+        summary.worker_ids.len() >= 2,
+        "it joined the new run: {summary:?}"
+    );
+    assert!(
+        summary.last_error.is_some(),
+        "the loss of the first server was noticed"
+    );
+    second.stop().await.expect("clean shutdown");
+}
