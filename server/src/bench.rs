@@ -83,12 +83,7 @@ pub fn e2e(
     serve_args: &[String],
 ) -> Result<E2e> {
     let mut server = Command::new(exe)
-        .args([
-            "serve",
-            "--addr",
-            "127.0.0.1:0",
-            "--no-fetch",
-        ])
+        .args(["serve", "--addr", "127.0.0.1:0", "--no-fetch"])
         // Evaluate often enough to time the climb to 95%, unless the caller chose a period.
         .args(
             (!serve_args.iter().any(|a| a.starts_with("--eval-every")))
