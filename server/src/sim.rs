@@ -183,9 +183,13 @@ impl SpeedDist {
     /// [`Error::Config`] on anything else or an out-of-range number.
     pub fn parse(text: &str) -> Result<Self> {
         let t = text.trim();
-        let num = |s: &str, ok: &dyn Fn(f64) -> bool| match s.parse::<f64>() {
+        let num = |s: &str, ok: &dyn Fn(f64) -> bool| {
+            match s.parse::<f64>() {
             Ok(v) if v.is_finite() && ok(v) => Ok(v),
-            _ => Err(Error::Config(format!("bad number in --speed {t:?}"))),
+            _ => Err(Error::Config(format!(
+                "bad number in --speed {t:?}: uniform:SPREAD needs 0 <= SPREAD < 1, lognormal:SIGMA needs 0 <= SIGMA <= 3"
+            ))),
+        }
         };
         if t == "fixed" {
             Ok(SpeedDist::Fixed)
@@ -408,8 +412,9 @@ impl SimConfig {
         self.optimizer.validate()?;
         ModelSpec::parse(&self.model, 784, 10)?;
         let finite = |v: f64| v.is_finite();
-        if !(1..=4096).contains(&self.workers) {
-            return bad(format!("--workers {} must be in 1..=4096", self.workers));
+        // Each simulated worker holds its parameters and gradient (~1 MB for the default MLP).
+        if !(1..=1024).contains(&self.workers) {
+            return bad(format!("--workers {} must be in 1..=1024", self.workers));
         }
         if !(1..=256).contains(&self.shards) {
             return bad(format!("--shards {} must be in 1..=256", self.shards));
