@@ -436,18 +436,36 @@ impl SspClock {
         self.workers.remove(&worker);
     }
 
-    /// A worker was heard from.
+    /// A worker was heard from. One that had dropped out of the clock (silent past the
+    /// heartbeat timeout) re-enters at the slowest active clock, like a newcomer: its absence
+    /// must not make everyone wait for it to catch up afterwards.
     pub fn seen(&mut self, worker: u64, now: f64) {
+        let expired = self
+            .workers
+            .get(&worker)
+            .is_some_and(|t| now - t.last_seen > self.heartbeat);
+        let floor = if expired {
+            self.workers
+                .iter()
+                .filter(|(id, t)| **id != worker && now - t.last_seen <= self.heartbeat)
+                .map(|(_, t)| t.clock)
+                .min()
+        } else {
+            None
+        };
         if let Some(t) = self.workers.get_mut(&worker) {
+            if let Some(f) = floor {
+                t.clock = t.clock.max(f);
+            }
             t.last_seen = now;
         }
     }
 
     /// A push of `worker` was applied: its clock advances.
     pub fn tick(&mut self, worker: u64, now: f64) {
+        self.seen(worker, now);
         if let Some(t) = self.workers.get_mut(&worker) {
             t.clock += 1;
-            t.last_seen = now;
         }
     }
 
@@ -689,14 +707,22 @@ mod tests {
         assert!(c.may_read(2, 1.0));
         // Worker 2 goes silent: after the heartbeat timeout it no longer holds worker 1 back.
         assert_eq!(c.next_expiry(1.0), Some(5.0));
+        c.seen(1, 6.5);
         assert!(c.may_read(1, 6.5));
-        // A departed worker does not count either; a newcomer starts at the slowest clock.
-        c.seen(1, 7.0);
+        // When it speaks again it re-enters at the slowest active clock, so nobody waits for
+        // it to catch up.
         c.seen(2, 7.0);
+        assert_eq!(c.clock(2), Some(3));
+        assert!(c.may_read(1, 7.0));
+        // A live straggler does hold the others back.
+        for _ in 0..3 {
+            c.tick(1, 7.0);
+        }
         assert!(!c.may_read(1, 7.0));
+        // A departed worker does not; a newcomer starts at the slowest clock.
         c.leave(2);
         assert!(c.may_read(1, 7.0));
         c.join(3, 7.0);
-        assert_eq!(c.clock(3), Some(3));
+        assert_eq!(c.clock(3), Some(6));
     }
 }
