@@ -133,16 +133,21 @@ function freePort() {
   });
 }
 
-function spawnLogged(name, cmd, args) {
-  const file = path.join(OUT, `${name}.log`);
-  const fd = fs.openSync(file, 'w');
-  const child = spawn(cmd, args, { cwd: ROOT, stdio: ['ignore', fd, fd] });
-  fs.closeSync(fd);
+/// Registers `child` for cleanup and gives it an `exited` promise.
+function track(child) {
   children.add(child);
   child.exited = new Promise((r) => child.on('exit', (code, signal) => {
     children.delete(child);
     r({ code, signal });
   }));
+  return child;
+}
+
+function spawnLogged(name, cmd, args) {
+  const file = path.join(OUT, `${name}.log`);
+  const fd = fs.openSync(file, 'w');
+  const child = track(spawn(cmd, args, { cwd: ROOT, stdio: ['ignore', fd, fd] }));
+  fs.closeSync(fd);
   child.logFile = file;
   return child;
 }
@@ -470,10 +475,8 @@ async function main() {
 /// NUL-terminated JSON): no port, no Network domain, so nothing mirrors the page's traffic.
 class PipeBrowser {
   static async launch(dir) {
-    const child = spawn(CHROMIUM, [...CHROMIUM_ARGS, `--user-data-dir=${dir}`, '--remote-debugging-pipe', 'about:blank'],
-      { cwd: ROOT, stdio: ['ignore', 'ignore', 'ignore', 'pipe', 'pipe'] });
-    children.add(child);
-    child.on('exit', () => children.delete(child));
+    const child = track(spawn(CHROMIUM, [...CHROMIUM_ARGS, `--user-data-dir=${dir}`, '--remote-debugging-pipe', 'about:blank'],
+      { cwd: ROOT, stdio: ['ignore', 'ignore', 'ignore', 'pipe', 'pipe'] }));
     const b = new PipeBrowser(child);
     const { targetInfos } = await waitFor('Chromium to open its first page',
       async () => {
@@ -490,6 +493,8 @@ class PipeBrowser {
     this.next = 1;
     this.pending = new Map();
     this.buffer = '';
+    // Writes after Chromium exits fail with EPIPE; the pending call times out instead.
+    child.stdio[3].on('error', () => {});
     child.stdio[4].on('data', (chunk) => {
       this.buffer += chunk.toString('utf8');
       let end;
@@ -530,7 +535,9 @@ class PipeBrowser {
   }
 
   async close() {
-    await Promise.race([this.send('Browser.close').catch(() => {}), sleep(5_000)]);
+    // Chromium may exit before it answers Browser.close.
+    this.send('Browser.close').catch(() => {});
+    await Promise.race([this.child.exited, sleep(5_000)]);
     await stopChild(this.child, 'figures browser');
   }
 }
@@ -590,12 +597,11 @@ async function measureFigures() {
 
 function runCapture(cmd, args) {
   return new Promise((resolve) => {
-    const child = spawn(cmd, args, { cwd: ROOT, stdio: ['ignore', 'pipe', 'inherit'] });
-    children.add(child);
+    const child = track(spawn(cmd, args, { cwd: ROOT, stdio: ['ignore', 'pipe', 'inherit'] }));
     let out = '';
     child.stdout.on('data', (d) => { out += d; });
     const timer = setTimeout(() => child.kill('SIGKILL'), 60_000);
-    child.on('exit', () => { clearTimeout(timer); children.delete(child); resolve(out); });
+    child.on('exit', () => { clearTimeout(timer); resolve(out); });
   });
 }
 
