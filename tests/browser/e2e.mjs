@@ -356,6 +356,20 @@ async function main() {
   } else {
     check('Pause stops tab B computing and closes its connections', false, 'never paused');
   }
+  // The hidden-tab note (visibilitychange simulated: headless tabs cannot really be hidden).
+  const setVisibility = (state) => tabA.page.evaluate((st) => {
+    Object.defineProperty(document, 'visibilityState', { value: st, configurable: true });
+    document.dispatchEvent(new Event('visibilitychange'));
+  }, state);
+  await setVisibility('hidden');
+  const hiddenNote = await tabA.page.locator('#visibility').isVisible()
+    && /hidden/.test(await tabA.page.locator('#visibility').textContent());
+  await sleep(1_100);
+  await setVisibility('visible');
+  const backNote = await tabA.page.locator('#visibility').textContent();
+  check('a hidden tab is told it keeps training in the Web Worker (simulated visibilitychange)',
+    hiddenNote && /was hidden for \d+ s/.test(backNote), backNote);
+
   await tabA.page.selectOption('#throttle', '25');
   await sleep(1_000);
   const t0 = await tabProgress(tabA.page);
