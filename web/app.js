@@ -121,6 +121,58 @@ document.addEventListener('visibilitychange', renderVisibility);
 // ---------------------------------------------------------------- dashboard
 
 let chart = null;
+let hist = null;
+let histShards = -1;
+const BUCKETS = 17;
+const HIST_COLORS = ['#1f4f8f', '#a3441f', '#1f6f43', '#7a3f9d', '#8a6d00', '#2b7c8c'];
+
+// Normalises a histogram to shares (a step outline is drawn, one bucket per staleness value).
+function shares(h) {
+  const counts = Array.from({ length: BUCKETS }, (_, i) => (h && h[i]) || 0);
+  const total = counts.reduce((a, b) => a + b, 0);
+  return counts.map((c) => (total ? c / total : 0));
+}
+
+function makeHist(shardCount) {
+  const box = $('hist');
+  if (hist) hist.destroy();
+  histShards = shardCount;
+  const step = uPlot.paths.stepped({ align: 1 });
+  const series = [{ label: 'staleness', value: (u, v) => (v == null ? '' : v >= BUCKETS - 1 ? `${BUCKETS - 1}+` : String(v)) }];
+  for (let i = 0; i < shardCount; i++) {
+    series.push({ label: `shard ${i}`, stroke: HIST_COLORS[i % HIST_COLORS.length], width: 2, paths: step, value: (u, v) => pct(v) });
+  }
+  series.push({ label: 'read skew', stroke: '#444', dash: [6, 4], width: 2, paths: step, value: (u, v) => pct(v) });
+  const opts = {
+    width: Math.max(280, box.clientWidth),
+    height: 200,
+    scales: { x: { time: false }, y: { range: [0, 1] } },
+    axes: [
+      { label: 'updates behind', stroke: '#555', values: (u, vs) => vs.map((v) => (v >= BUCKETS - 1 ? `${BUCKETS - 1}+` : v)) },
+      { label: 'share', stroke: '#555', values: (u, vs) => vs.map((v) => `${Math.round(v * 100)}%`) },
+    ],
+    series,
+    legend: { live: true },
+  };
+  const empty = [Array.from({ length: BUCKETS }, (_, i) => i), ...series.slice(1).map(() => [])];
+  hist = new uPlot(opts, empty, box);
+}
+
+function renderHist(st) {
+  const shards = st.shards || [];
+  if (histShards !== shards.length) makeHist(shards.length);
+  const xs = Array.from({ length: BUCKETS }, (_, i) => i);
+  hist.setData([xs, ...shards.map((s) => shares(s.staleness_hist)), shares(st.read_skew_hist)]);
+}
+
+// A compact text sparkline of a worker's staleness histogram (its counts in the label).
+function sparkline(h) {
+  const bars = '▁▂▃▄▅▆▇█';
+  const counts = Array.from({ length: BUCKETS }, (_, i) => (h && h[i]) || 0);
+  const last = counts.reduce((m, c, i) => (c > 0 ? i : m), 0);
+  const max = Math.max(1, ...counts);
+  return counts.slice(0, last + 1).map((c) => (c === 0 ? ' ' : bars[Math.min(7, Math.floor((c / max) * 7.999))])).join('');
+}
 
 function makeChart() {
   const box = $('chart');
@@ -172,11 +224,20 @@ function renderWorkers(workers) {
       cell(num(w.samples), 'num'),
       cell(`${num(w.pushes_applied)} / ${num(w.pushes_rejected)}`, 'num'),
       cell(`${fixed(w.staleness_mean, 1)} / ${num(w.staleness_max)}`, 'num'),
+      sparkCell(w.staleness_hist),
       cell(`${fixed(w.last_seen_s, 1)} s ago`, 'num'),
     );
     return tr;
   }));
   markMyWorker();
+}
+
+function sparkCell(h) {
+  const td = cell(sparkline(h), 'spark');
+  const counts = (h || []).map((c, i) => `${i === BUCKETS - 1 ? `${i}+` : i}: ${c}`).filter((s) => !s.endsWith(': 0'));
+  td.setAttribute('aria-label', counts.length ? `pushes by staleness, ${counts.join(', ')}` : 'no pushes yet');
+  td.title = counts.join('\n');
+  return td;
 }
 
 function markMyWorker() {
@@ -222,8 +283,12 @@ function renderStatus(st) {
   $('kpi-workers').textContent = num(st.workers_connected);
   $('kpi-samples').textContent = num(t.samples);
   $('kpi-pushes').textContent = `${num(t.pushes_applied)} / ${num(t.pushes_rejected)}`;
+  $('kpi-mode').textContent = st.consistency || '–';
+  $('kpi-policy').textContent = st.staleness_policy || '–';
+  $('kpi-skew').textContent = t.read_steps ? `${fixed(t.read_skew_mean, 2)} / ${num(t.read_skew_max)}` : '–';
   renderWorkers(st.workers || []);
   renderShards(st.shards || []);
+  renderHist(st);
   const h = st.eval_history || [];
   if (chart) chart.setData([h.map((e) => e.time_s), h.map((e) => e.accuracy), h.map((e) => e.loss)]);
 }
