@@ -19,6 +19,19 @@ pub struct ShardInfo {
     pub range: KeyRange,
 }
 
+/// The shard map for `ranges`: shard `i` at `/ws/shard/{i}` (the server's endpoint layout).
+pub fn shard_map(ranges: &[KeyRange]) -> Vec<ShardInfo> {
+    ranges
+        .iter()
+        .enumerate()
+        .map(|(i, r)| ShardInfo {
+            id: i as u32,
+            path: format!("/ws/shard/{i}"),
+            range: *r,
+        })
+        .collect()
+}
+
 /// The dataset being trained on.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DataInfo {

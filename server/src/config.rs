@@ -125,33 +125,56 @@ pub struct ServeConfig {
     pub max_connections: usize,
 }
 
+/// The optimizer named by `--optimizer` with `--lr` (or the rule's default: sgd 0.1,
+/// momentum/nesterov 0.01, adagrad 0.05, rmsprop/adam 0.001), `--momentum`, `--weight-decay` and
+/// `--clip-norm`, validated. Shared by `serve` and `sim`.
+///
+/// # Errors
+/// [`Error::Config`] / [`crowdgrad_core::Error::Config`] naming the bad flag.
+pub fn optimizer_from_flags(
+    name: &str,
+    lr: Option<f32>,
+    momentum: Option<f32>,
+    weight_decay: f32,
+    clip_norm: Option<f32>,
+) -> Result<OptimizerConfig> {
+    let mut rule = Rule::from_name(name)?;
+    if let (Some(m), Rule::Momentum { momentum, .. }) = (momentum, &mut rule) {
+        *momentum = m;
+    } else if momentum.is_some() {
+        return Err(Error::Config(
+            "--momentum only applies to momentum and nesterov".into(),
+        ));
+    }
+    let lr = lr.unwrap_or(match rule {
+        Rule::Sgd => 0.1,
+        Rule::Momentum { .. } => 0.01,
+        Rule::Adagrad { .. } => 0.05,
+        Rule::RmsProp { .. } | Rule::Adam { .. } => 0.001,
+    });
+    let optimizer = OptimizerConfig {
+        rule,
+        lr,
+        weight_decay,
+        clip_norm,
+    };
+    optimizer.validate()?;
+    Ok(optimizer)
+}
+
 impl ServeArgs {
     /// Validates the flags.
     ///
     /// # Errors
     /// [`Error::Config`] naming the first bad flag.
     pub fn check(self) -> Result<ServeConfig> {
-        let mut rule = Rule::from_name(&self.optimizer)?;
-        if let (Some(m), Rule::Momentum { momentum, .. }) = (self.momentum, &mut rule) {
-            *momentum = m;
-        } else if self.momentum.is_some() {
-            return Err(Error::Config(
-                "--momentum only applies to momentum and nesterov".into(),
-            ));
-        }
-        let lr = self.lr.unwrap_or(match rule {
-            Rule::Sgd => 0.1,
-            Rule::Momentum { .. } => 0.01,
-            Rule::Adagrad { .. } => 0.05,
-            Rule::RmsProp { .. } | Rule::Adam { .. } => 0.001,
-        });
-        let optimizer = OptimizerConfig {
-            rule,
-            lr,
-            weight_decay: self.weight_decay,
-            clip_norm: self.clip_norm,
-        };
-        optimizer.validate()?;
+        let optimizer = optimizer_from_flags(
+            &self.optimizer,
+            self.lr,
+            self.momentum,
+            self.weight_decay,
+            self.clip_norm,
+        )?;
         // Parse once against MNIST's shape to catch typos before any data is loaded.
         ModelSpec::parse(&self.model, 784, 10)?;
         let bad = |m: String| Err(Error::Config(m));

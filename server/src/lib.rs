@@ -30,7 +30,7 @@ use app::App;
 use config::ServeConfig;
 use crowdgrad_core::model::{Model, ModelSpec};
 use crowdgrad_core::partition::partition;
-use crowdgrad_core::spec::{DataInfo, RunSpec, ShardInfo};
+use crowdgrad_core::spec::{shard_map, DataInfo, RunSpec};
 use data::TrainTest;
 use shard::Shard;
 use std::future::Future;
@@ -96,15 +96,7 @@ pub async fn run(
         batch_size: cfg.batch_size,
         seed: cfg.seed,
         consistency: cfg.consistency.to_string(),
-        shards: ranges
-            .iter()
-            .enumerate()
-            .map(|(i, r)| ShardInfo {
-                id: i as u32,
-                path: format!("/ws/shard/{i}"),
-                range: *r,
-            })
-            .collect(),
+        shards: shard_map(&ranges),
         dataset: DataInfo {
             name: cfg.dataset.clone(),
             image_dims: data.train.image_dims.clone(),

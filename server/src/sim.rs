@@ -33,7 +33,7 @@ use crate::data::TrainTest;
 use crate::error::{Error, Result};
 use clap::Args;
 use crowdgrad_core::model::ModelSpec;
-use crowdgrad_core::optim::{OptimizerConfig, Rule};
+use crowdgrad_core::optim::OptimizerConfig;
 use crowdgrad_core::shard::{Consistency, StalenessPolicy};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -334,27 +334,14 @@ impl SimArgs {
     /// # Errors
     /// [`Error::Config`] naming the first bad flag.
     pub fn check(&self) -> Result<SimConfig> {
-        let mut rule = Rule::from_name(&self.optimizer)?;
-        if let (Some(m), Rule::Momentum { momentum, .. }) = (self.momentum, &mut rule) {
-            *momentum = m;
-        } else if self.momentum.is_some() {
-            return Err(Error::Config(
-                "--momentum only applies to momentum and nesterov".into(),
-            ));
-        }
-        // The same per-rule defaults as `serve` (config.rs).
-        let lr = self.lr.unwrap_or(match rule {
-            Rule::Sgd => 0.1,
-            Rule::Momentum { .. } => 0.01,
-            Rule::Adagrad { .. } => 0.05,
-            Rule::RmsProp { .. } | Rule::Adam { .. } => 0.001,
-        });
-        let optimizer = OptimizerConfig {
-            rule,
-            lr,
-            weight_decay: self.weight_decay,
-            clip_norm: self.clip_norm,
-        };
+        // The same flags and per-rule defaults as `serve`.
+        let optimizer = crate::config::optimizer_from_flags(
+            &self.optimizer,
+            self.lr,
+            self.momentum,
+            self.weight_decay,
+            self.clip_norm,
+        )?;
         let dropout_kind = match self.dropout_kind.trim() {
             "disconnect" => DropoutKind::Disconnect,
             "pause" => DropoutKind::Pause,

@@ -6,7 +6,7 @@ use crowdgrad::sim::{self, DropoutKind, Fault, SimConfig, SpeedDist};
 use crowdgrad_core::model::{Model, ModelSpec};
 use crowdgrad_core::partition::partition;
 use crowdgrad_core::shard::{Consistency, Outcome, ShardCore, StalenessPolicy};
-use crowdgrad_core::spec::{DataInfo, JoinResponse, PartitionInfo, RunSpec, ShardInfo};
+use crowdgrad_core::spec::{DataInfo, JoinResponse, PartitionInfo, RunSpec};
 use crowdgrad_core::wire::{self, ClientKind, Message, Welcome, PROTOCOL_VERSION};
 use crowdgrad_core::worker::Worker;
 
@@ -130,15 +130,7 @@ fn one_worker_without_delay_equals_applying_its_gradients_through_shardcore() {
         batch_size: cfg.batch_size,
         seed: cfg.seed,
         consistency: cfg.consistency.to_string(),
-        shards: ranges
-            .iter()
-            .enumerate()
-            .map(|(i, r)| ShardInfo {
-                id: i as u32,
-                path: String::new(),
-                range: *r,
-            })
-            .collect(),
+        shards: crowdgrad_core::spec::shard_map(&ranges),
         dataset: DataInfo {
             name: "mnist".into(),
             image_dims: data.train.image_dims.clone(),

@@ -24,7 +24,7 @@ use crowdgrad_core::model::{Model, ModelSpec};
 use crowdgrad_core::partition::{partition, KeyRange};
 use crowdgrad_core::rng::Rng;
 use crowdgrad_core::shard::{Consistency, Outcome, ShardCore, SspClock};
-use crowdgrad_core::spec::{DataInfo, JoinResponse, PartitionInfo, RunSpec, ShardInfo};
+use crowdgrad_core::spec::{DataInfo, JoinResponse, PartitionInfo, RunSpec};
 use crowdgrad_core::wire::{
     self, ClientKind, ErrorCode, Message, Welcome, HEADER_LEN, MAX_META_LEN, PROTOCOL_VERSION,
 };
@@ -322,15 +322,7 @@ impl<'a> Engine<'a> {
             batch_size: cfg.batch_size,
             seed: cfg.seed,
             consistency: cfg.consistency.to_string(),
-            shards: ranges
-                .iter()
-                .enumerate()
-                .map(|(i, r)| ShardInfo {
-                    id: i as u32,
-                    path: format!("/ws/shard/{i}"),
-                    range: *r,
-                })
-                .collect(),
+            shards: crowdgrad_core::spec::shard_map(&ranges),
             dataset: DataInfo {
                 name: "mnist".into(),
                 image_dims: train.image_dims.clone(),
