@@ -72,3 +72,45 @@ async fn status_reports_the_run_and_the_page_is_served() {
     assert!(String::from_utf8_lossy(&page).contains("crowdgrad"));
     running.stop().await.expect("clean shutdown");
 }
+
+#[tokio::test]
+async fn data_partitions_are_gzipped_for_clients_that_ask() {
+    let running = server(config()).await;
+    let url = running.url();
+    let a = join(&url).await;
+    let target = format!("{url}{}", a.partition.images);
+    let (encoding, compressed) = tokio::task::spawn_blocking(move || {
+        let mut r = ureq::get(&target)
+            .header("accept-encoding", "gzip")
+            .call()
+            .expect("request");
+        let enc = r
+            .headers()
+            .get("content-encoding")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        (
+            enc,
+            r.body_mut()
+                .with_config()
+                .limit(1 << 30)
+                .read_to_vec()
+                .expect("body"),
+        )
+    })
+    .await
+    .expect("join");
+    assert_eq!(encoding.as_deref(), Some("gzip"));
+    let (_, plain) = get(format!("{url}{}", a.partition.images)).await;
+    assert!(
+        compressed.len() * 3 < plain.len(),
+        "{} vs {} bytes",
+        compressed.len(),
+        plain.len()
+    );
+    // The core reader takes the gzip body as it is.
+    let labels = get(format!("{url}{}", a.partition.labels)).await.1;
+    let d = Dataset::from_idx(&compressed, &labels).expect("gzip IDX parses");
+    assert_eq!(d.len(), a.partition.examples);
+    running.stop().await.expect("clean shutdown");
+}
