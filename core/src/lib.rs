@@ -12,8 +12,11 @@
 //! - [`worker`]: the sans-IO [`worker::Worker`] state machine.
 //! - [`shard`]: [`shard::ShardCore`] (the one apply path), consistency modes, staleness
 //!   policies and the SSP clock.
+//! - [`backoff`]: [`backoff::Backoff`], the one reconnect backoff (start, cap, doubling, jitter)
+//!   every worker and the simulator use.
 //! - [`rng`]: the deterministic PRNG everything seeds from.
 
+pub mod backoff;
 pub mod data;
 pub mod error;
 pub mod model;
