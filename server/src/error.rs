@@ -28,6 +28,9 @@ pub enum Error {
     /// A WebSocket operation failed.
     #[error("websocket: {0}")]
     WebSocket(String),
+    /// A task or thread ended abnormally: it panicked, was cancelled or was killed.
+    #[error("task failed: {0}")]
+    Task(String),
 }
 
 impl Error {
