@@ -2,10 +2,12 @@
 //! one WebSocket per shard (tokio-tungstenite) and drives core's sans-IO
 //! [`crowdgrad_core::worker::Worker`]: the same training logic the browser worker runs.
 //!
-//! If the server goes away it reconnects with exponential backoff and joins again (the server
-//! may have restarted with a new run), keeping its counters.
+//! If the server goes away it reconnects after core's [`crowdgrad_core::backoff::Backoff`] (the
+//! one policy every worker and the simulator share) and joins again (the server may have
+//! restarted with a new run), keeping its counters.
 
 use crate::error::{Error, Result};
+use crowdgrad_core::backoff::{self, Backoff};
 use crowdgrad_core::data::Dataset;
 use crowdgrad_core::spec::{JoinRequest, JoinResponse};
 use crowdgrad_core::wire::{self, Bye, ClientKind, Message as Frame};
@@ -31,14 +33,16 @@ pub struct WorkOptions {
     pub name: Option<String>,
     /// Show a progress bar.
     pub progress: bool,
-    /// Longest wait between reconnection attempts.
+    /// Longest wait between reconnection attempts, jitter included (the cap of core's
+    /// [`Backoff`]).
     pub max_backoff: Duration,
     /// Extra time each gradient step takes (to play a slow volunteer in experiments).
     pub step_delay: Duration,
 }
 
 impl WorkOptions {
-    /// Options for `server` with no limit, no progress bar and a 5 s backoff cap.
+    /// Options for `server` with no limit, no progress bar and the standard backoff cap
+    /// ([`backoff::CAP_S`]).
     pub fn new(server: impl Into<String>) -> Self {
         Self {
             server: server.into(),
@@ -46,7 +50,7 @@ impl WorkOptions {
             duration: None,
             name: None,
             progress: false,
-            max_backoff: Duration::from_secs(5),
+            max_backoff: Duration::from_secs_f64(backoff::CAP_S),
             step_delay: Duration::ZERO,
         }
     }
@@ -133,7 +137,7 @@ async fn join(http: &str, name: Option<String>) -> Result<JoinResponse> {
         Ok(bytes)
     })
     .await
-    .map_err(|e| Error::Http(e.to_string()))??;
+    .map_err(|e| Error::Task(format!("join request: {e}")))??;
     serde_json::from_slice(&bytes).map_err(|e| Error::Http(format!("bad join reply: {e}")))
 }
 
@@ -147,7 +151,7 @@ async fn get(url: String) -> Result<Vec<u8>> {
             .map_err(http_error)
     })
     .await
-    .map_err(|e| Error::Http(e.to_string()))?
+    .map_err(|e| Error::Task(format!("download: {e}")))?
 }
 
 enum End {
@@ -190,7 +194,7 @@ pub async fn work(opts: WorkOptions, shutdown: impl Future<Output = ()>) -> Resu
     let mut stats = WorkerStats::default();
     let mut ids = Vec::new();
     let mut sessions = 0u32;
-    let mut backoff = Duration::from_millis(200);
+    let mut backoff = Backoff::new(jitter_seed()).with_cap(opts.max_backoff.as_secs_f64());
     let mut last_error = None;
     let mut cache: HashMap<String, Dataset> = HashMap::new();
     let mut progress = Progress {
@@ -230,20 +234,21 @@ pub async fn work(opts: WorkOptions, shutdown: impl Future<Output = ()>) -> Resu
         match end {
             End::Done => break,
             End::Lost(why) => {
-                tracing::warn!(%why, "connection lost; reconnecting in {backoff:?}");
-                last_error = Some(why);
                 if stats.steps > steps_before {
-                    backoff = Duration::from_millis(200);
+                    // The session trained: a fresh failure, not a repeated one.
+                    backoff.reset();
                 }
+                let delay = Duration::from_secs_f64(backoff.next_delay());
+                tracing::warn!(%why, "connection lost; reconnecting in {delay:?}");
+                last_error = Some(why);
                 let wait = match deadline {
-                    Some(d) => backoff.min(d.saturating_duration_since(Instant::now())),
-                    None => backoff,
+                    Some(d) => delay.min(d.saturating_duration_since(Instant::now())),
+                    None => delay,
                 };
                 tokio::select! {
                     _ = tokio::time::sleep(wait) => {}
                     _ = &mut shutdown => break,
                 }
-                backoff = (backoff * 2).min(opts.max_backoff);
             }
         }
     }
@@ -263,6 +268,18 @@ pub async fn work(opts: WorkOptions, shutdown: impl Future<Output = ()>) -> Resu
         peak_rss_kib: peak_rss_kib(),
         last_error,
     })
+}
+
+/// A seed for the backoff's jitter that differs between workers started together (the point
+/// of the jitter): the clock's nanoseconds and the process id.
+fn jitter_seed() -> u64 {
+    // Workers in one process (tests, benches) may read the same clock tick: count them too.
+    static STARTED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let nth = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    nanos ^ (u64::from(std::process::id()) << 32) ^ nth.wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
 
 /// One join + connect + train cycle. Returns `Done` when asked to stop or out of steps/time.
@@ -509,8 +526,8 @@ impl WorkerThread {
     pub fn join(self) -> Result<Summary> {
         match self.handle.join() {
             Ok(Some(r)) => r,
-            Ok(None) => Err(Error::Config("worker was killed".into())),
-            Err(_) => Err(Error::Config("worker thread panicked".into())),
+            Ok(None) => Err(Error::Task("worker was killed".into())),
+            Err(_) => Err(Error::Task("worker thread panicked".into())),
         }
     }
 
