@@ -4,8 +4,8 @@
 //!
 //! # Layout
 //! - [`pace`]: pure timing policy, testable natively: [`pace::Throttle`] (CPU duty cycle),
-//!   [`pace::Backoff`] (reconnect delays), [`pace::RateMeter`] (samples per second),
-//!   [`pace::Ema`].
+//!   [`pace::RateMeter`] (samples per second), [`pace::Ema`]. Reconnect delays are core's
+//!   `crowdgrad_core::backoff::Backoff`.
 //! - [`progress`]: [`progress::Progress`], the report posted to the page, and
 //!   [`progress::ConnState`].
 //! - [`endpoint`]: server URLs from the base URL and the paths in the join reply.

@@ -1,6 +1,7 @@
 //! Timing policy for the browser driver, kept free of browser APIs so it is unit-tested natively:
-//! how long to rest after a step to honour a CPU limit, how long to wait before rejoining, and
-//! how fast samples are going.
+//! how long to rest after a step to honour a CPU limit and how fast samples are going. How long
+//! to wait before rejoining is core's [`crowdgrad_core::backoff::Backoff`], shared with the
+//! native worker and the simulator.
 
 use crate::error::{Error, Result};
 use std::collections::VecDeque;
@@ -53,49 +54,6 @@ impl Throttle {
 impl Default for Throttle {
     fn default() -> Self {
         Self { fraction: 1.0 }
-    }
-}
-
-/// Exponential backoff with "equal jitter": attempt `n` waits between half and all of
-/// `min(base * 2^n, cap)`, so tabs that lost the same server do not all come back at once.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Backoff {
-    base_ms: f64,
-    cap_ms: f64,
-    attempt: u32,
-}
-
-impl Backoff {
-    /// Delays start at `base_ms` and never exceed `cap_ms`.
-    pub fn new(base_ms: f64, cap_ms: f64) -> Self {
-        Self {
-            base_ms: base_ms.max(1.0),
-            cap_ms: cap_ms.max(base_ms.max(1.0)),
-            attempt: 0,
-        }
-    }
-
-    /// Failed attempts since the last [`Backoff::reset`].
-    pub fn attempts(&self) -> u32 {
-        self.attempt
-    }
-
-    /// The delay before the next attempt; `unit` is a uniform random number in `[0, 1)`.
-    pub fn next_delay_ms(&mut self, unit: f64) -> f64 {
-        let exp = self.base_ms * 2f64.powi(self.attempt.min(30) as i32);
-        let ceiling = exp.min(self.cap_ms);
-        self.attempt = self.attempt.saturating_add(1);
-        let unit = if unit.is_finite() {
-            unit.clamp(0.0, 1.0)
-        } else {
-            0.5
-        };
-        ceiling * (0.5 + 0.5 * unit)
-    }
-
-    /// Back to the shortest delay (after a session that trained).
-    pub fn reset(&mut self) {
-        self.attempt = 0;
     }
 }
 
@@ -217,24 +175,6 @@ mod tests {
             } else {
                 assert!((duty - want).abs() < 1e-9, "{percent}%: duty {duty}");
             }
-        }
-    }
-
-    #[test]
-    fn backoff_doubles_up_to_the_cap_with_jitter() {
-        let mut b = Backoff::new(500.0, 8_000.0);
-        let highs: Vec<f64> = (0..7).map(|_| b.next_delay_ms(1.0)).collect();
-        assert_eq!(
-            highs,
-            vec![500.0, 1000.0, 2000.0, 4000.0, 8000.0, 8000.0, 8000.0]
-        );
-        assert_eq!(b.attempts(), 7);
-        b.reset();
-        assert_eq!(b.next_delay_ms(0.0), 250.0);
-        assert_eq!(b.next_delay_ms(f64::NAN), 750.0);
-        // Many failures never overflow.
-        for _ in 0..100 {
-            assert!(b.next_delay_ms(0.99) <= 8_000.0);
         }
     }
 

@@ -1,25 +1,22 @@
 //! The driver task: join, fetch data, connect, then feed the core worker socket events, send
 //! its frames and call `step()` whenever it is ready, within the CPU limit. Any failure ends the
-//! session; [`run`] then rejoins from scratch after an exponential backoff, carrying the
-//! counters over with `carry_stats`.
+//! session; [`run`] then rejoins from scratch after core's reconnect [`Backoff`] (the policy
+//! the native worker and the simulator use too), carrying the counters over with `carry_stats`.
 
 use super::net::Scope;
 use super::socket::{ShardSocket, SocketEventKind};
 use super::Shared;
 use crate::endpoint::{http_url, ws_url};
 use crate::error::{Error, Result};
-use crate::pace::{Backoff, Ema, RateMeter};
+use crate::pace::{Ema, RateMeter};
 use crate::progress::ConnState;
+use crowdgrad_core::backoff::Backoff;
 use crowdgrad_core::data::Dataset;
 use crowdgrad_core::spec::{JoinRequest, JoinResponse};
 use crowdgrad_core::wire::ClientKind;
 use crowdgrad_core::worker::{Worker, WorkerStats};
 use std::rc::Rc;
 
-/// First rejoin delay.
-const BACKOFF_BASE_MS: f64 = 500.0;
-/// Longest rejoin delay.
-const BACKOFF_CAP_MS: f64 = 10_000.0;
 /// A step waits while any socket has more than this many bytes unsent (a browser closes a
 /// socket whose send buffer overflows).
 const HIGH_WATER_BYTES: u32 = 4 << 20;
@@ -43,7 +40,10 @@ pub(crate) async fn run(sh: Rc<Shared>) {
         rate: RateMeter::new(5_000.0),
         last_report: f64::NEG_INFINITY,
     };
-    let mut backoff = Backoff::new(BACKOFF_BASE_MS, BACKOFF_CAP_MS);
+    // Tabs that lost the same server must not rejoin together: seed the jitter per tab.
+    let seed =
+        (js_sys::Math::random() * 9_007_199_254_740_992.0) as u64 ^ js_sys::Date::now().to_bits();
+    let mut backoff = Backoff::new(seed);
     let mut sessions = 0u32;
     loop {
         if sh.control.borrow().stopped {
@@ -59,7 +59,7 @@ pub(crate) async fn run(sh: Rc<Shared>) {
                     // The session trained: this is a fresh failure, not a repeated one.
                     backoff.reset();
                 }
-                let delay = backoff.next_delay_ms(js_sys::Math::random());
+                let delay = backoff.next_delay() * 1000.0;
                 {
                     let mut p = sh.progress.borrow_mut();
                     p.state = ConnState::Reconnecting;
