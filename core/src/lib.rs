@@ -14,6 +14,9 @@
 //!   policies and the SSP clock.
 //! - [`backoff`]: [`backoff::Backoff`], the one reconnect backoff (start, cap, doubling, jitter)
 //!   every worker and the simulator use.
+//! - [`session`]: the shard side of the protocol as sans-IO state machines:
+//!   [`session::ShardState`] (what a shard's connections share) and [`session::ShardSession`]
+//!   (one connection), driven by the server, the simulator and the loopback.
 //! - [`rng`]: the deterministic PRNG everything seeds from.
 
 pub mod backoff;
@@ -23,6 +26,7 @@ pub mod model;
 pub mod optim;
 pub mod partition;
 pub mod rng;
+pub mod session;
 pub mod shard;
 pub mod spec;
 pub mod wire;

@@ -1,22 +1,20 @@
-//! One WebSocket connection to one shard (mini-redis' `Handler`). Generic over a `Sink` of
-//! [`Outbound`] and a `Stream` of [`Inbound`], so unit tests drive it with channels and the router
-//! adapts axum's socket to it.
+//! One WebSocket connection to one shard (mini-redis' `Handler`): a thin driver of core's
+//! [`ShardSession`], which holds every rule of the shard side (see
+//! [`crowdgrad_core::session`]). Generic over a `Sink` of [`Outbound`] and a `Stream` of
+//! [`Inbound`], so unit tests drive it with channels and the router adapts axum's socket to it.
 //!
-//! Frames of one connection are handled strictly in order: a push is applied (or rejected)
-//! before the next frame is read, so a worker's pull right after its push sees that push. In
-//! `async` mode pulls never wait for other workers' pushes; `ssp`/`sync` pulls wait as their
-//! mode demands (see [`crate::shard`]).
-//!
-//! Any malformed or illegal frame gets an `Error` frame naming the problem, then the connection
-//! is closed; the shard is unchanged and other connections carry on. Policy rejections (a push
-//! that is too stale or late) get an `Error` frame and the connection stays open.
+//! The driver only moves bytes and time: it feeds the session what arrives, sends what the
+//! session asks, records what it reports in the [`Registry`], and, while a pull waits, stops
+//! reading the socket and sleeps until the shard changes, the session's deadline passes, or the
+//! server shuts down.
 
 use crate::registry::Registry;
-use crate::shard::Shard;
+use crate::shard::{Read, Shard, Snapshot};
 use bytes::Bytes;
+use crowdgrad_core::session::{Action, Record, ShardSession};
 use crowdgrad_core::shard::Outcome;
-use crowdgrad_core::wire::{self, Bye, ErrorCode, Message, Welcome, PROTOCOL_VERSION};
 use futures_util::{Sink, SinkExt, Stream, StreamExt};
+use std::sync::Arc;
 use tokio::sync::watch;
 
 /// What the handler reads.
@@ -39,23 +37,9 @@ pub enum Outbound {
     Close(String),
 }
 
-enum Step {
-    Continue,
-    Close(String),
-}
-
-/// Per-connection state and context.
-struct Conn<'a, Si> {
-    tx: Si,
-    shard: &'a Shard,
-    registry: &'a Registry,
-    worker: Option<u64>,
-    limit: usize,
-}
-
 /// Serves one connection until it closes, fails or the server shuts down.
 pub async fn serve<Si, St>(
-    tx: Si,
+    mut tx: Si,
     mut rx: St,
     shard: Shard,
     registry: Registry,
@@ -64,252 +48,115 @@ pub async fn serve<Si, St>(
     Si: Sink<Outbound> + Unpin,
     St: Stream<Item = Inbound> + Unpin,
 {
-    let mut c = Conn {
-        tx,
-        shard: &shard,
-        registry: &registry,
-        worker: None,
-        limit: shard.frame_limit(),
-    };
+    let mut session = ShardSession::new(shard.config());
+    let mut access = shard.access(&registry);
+    let mut changed = shard.subscribe();
     loop {
+        if !perform(&mut session, &mut tx, &shard, &registry).await {
+            session.handle_close(&mut access);
+            perform(&mut session, &mut tx, &shard, &registry).await;
+            break;
+        }
+        if session.is_closed() {
+            break;
+        }
+        if let Some(deadline) = session.poll_timeout() {
+            tokio::select! {
+                biased;
+                c = shutdown.changed() => {
+                    if c.is_err() || *shutdown.borrow() {
+                        session.shutdown(&mut access);
+                    }
+                }
+                _ = changed.changed() => session.handle_update(&mut access, shard.now()),
+                _ = tokio::time::sleep_until(shard.instant(deadline).into()) => {
+                    session.handle_timeout(&mut access, shard.now());
+                }
+            }
+            continue;
+        }
         let inbound = tokio::select! {
             biased;
-            changed = shutdown.changed() => {
-                if changed.is_err() || *shutdown.borrow() {
-                    c.goodbye().await;
-                    break;
+            c = shutdown.changed() => {
+                if c.is_err() || *shutdown.borrow() {
+                    session.shutdown(&mut access);
                 }
                 continue;
             }
             m = rx.next() => m.unwrap_or(Inbound::Closed),
         };
-        let step = match inbound {
-            Inbound::Closed => break,
-            Inbound::Text => {
-                c.fail(
-                    0,
-                    ErrorCode::Malformed,
-                    "text messages are not part of the protocol; send binary frames".into(),
-                )
-                .await
-            }
-            Inbound::Frame(bytes) => c.frame(bytes, &mut shutdown).await,
-        };
-        if let Step::Close(reason) = step {
-            if *shutdown.borrow() {
-                c.goodbye().await;
-            } else {
-                let _ = c.tx.send(Outbound::Close(reason)).await;
-            }
-            break;
+        // Anything that changes from here on wakes the pull this frame may park.
+        changed.borrow_and_update();
+        let now = shard.now();
+        match inbound {
+            Inbound::Frame(bytes) => session.handle_frame(&mut access, &bytes, now),
+            Inbound::Text => session.handle_text(&mut access, now),
+            Inbound::Closed => session.handle_close(&mut access),
         }
     }
-    if let Some(id) = c.worker {
-        registry.connection(id, false);
-        shard.worker_left(id);
-    }
+    // Records of a close the peer started (Left) still reach the registry.
+    perform(&mut session, &mut tx, &shard, &registry).await;
 }
 
-impl<Si: Sink<Outbound> + Unpin> Conn<'_, Si> {
-    async fn goodbye(&mut self) {
-        let bye = wire::encode(&Message::Bye {
-            shard: self.shard.id(),
-            bye: Bye {
-                reason: "server shutting down".into(),
-            },
-        });
-        let _ = self.tx.send(Outbound::Frame(bye)).await;
-        let _ = self
-            .tx
-            .send(Outbound::Close("server shutting down".into()))
-            .await;
-    }
-
-    async fn send(&mut self, frame: Vec<u8>) -> Step {
-        match self.tx.send(Outbound::Frame(frame)).await {
-            Ok(()) => Step::Continue,
-            Err(_) => Step::Close("send failed".into()),
+/// Carries out the session's actions. Returns false when sending failed.
+async fn perform<Si: Sink<Outbound> + Unpin>(
+    session: &mut ShardSession,
+    tx: &mut Si,
+    shard: &Shard,
+    registry: &Registry,
+) -> bool {
+    let id = shard.id();
+    while let Some(action) = session.poll_action() {
+        match action {
+            Action::Send(frame) => {
+                if tx.send(Outbound::Frame(frame)).await.is_err() {
+                    return false;
+                }
+            }
+            Action::Close(reason) => {
+                let _ = tx.send(Outbound::Close(reason)).await;
+            }
+            Action::Record(r) => record(registry, id, r),
         }
     }
+    true
+}
 
-    /// Records the rejection, sends the error frame, and closes if the code is fatal.
-    async fn fail(&mut self, request_id: u32, code: ErrorCode, message: String) -> Step {
-        let rejected = Outcome::Rejected {
-            code,
-            message: message.clone(),
-        };
-        self.registry
-            .pushed(self.shard.id(), self.worker, &rejected, 0);
-        let sent = self
-            .send(wire::encode_error(
-                request_id,
-                self.shard.id(),
-                code,
-                message.clone(),
-            ))
-            .await;
-        if code.is_fatal() {
-            Step::Close(format!("{}: {message}", code.name()))
-        } else {
-            sent
-        }
-    }
-
-    async fn frame(&mut self, bytes: Bytes, shutdown: &mut watch::Receiver<bool>) -> Step {
-        let shard = self.shard;
-        let msg = match wire::decode(&bytes, self.limit) {
-            Ok(m) => m,
-            Err(e) => {
-                // Echo the request id when the header got that far.
-                let request_id = match bytes.get(4..8) {
-                    Some(b) => u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
-                    None => 0,
-                };
-                return self
-                    .fail(request_id, ErrorCode::from(&e), e.to_string())
-                    .await;
-            }
-        };
-        let (request_id, addressed) = match &msg {
-            Message::Hello {
-                request_id, shard, ..
-            }
-            | Message::Pull {
-                request_id, shard, ..
-            }
-            | Message::Push {
-                request_id, shard, ..
-            }
-            | Message::Welcome {
-                request_id, shard, ..
-            }
-            | Message::Params {
-                request_id, shard, ..
-            }
-            | Message::Ack {
-                request_id, shard, ..
-            }
-            | Message::Error {
-                request_id, shard, ..
-            } => (*request_id, *shard),
-            Message::Bye { shard, .. } => (0, *shard),
-        };
-        if addressed != shard.id() {
-            let m = format!(
-                "frame addressed to shard {addressed} arrived at shard {}",
-                shard.id()
-            );
-            return self.fail(request_id, ErrorCode::WrongShard, m).await;
-        }
-        if let Some(w) = self.worker {
-            shard.heard_from(w);
-        }
-        match msg {
-            Message::Hello { hello, .. } => {
-                if self.worker.is_some() {
-                    return self
-                        .fail(
-                            request_id,
-                            ErrorCode::Protocol,
-                            "second Hello on one connection".into(),
-                        )
-                        .await;
-                }
-                if hello.protocol != PROTOCOL_VERSION {
-                    let m = format!(
-                        "worker speaks protocol {}, this server speaks {PROTOCOL_VERSION}",
-                        hello.protocol
-                    );
-                    return self.fail(request_id, ErrorCode::ProtocolVersion, m).await;
-                }
-                if !self.registry.knows(hello.worker_id) {
-                    let m = format!(
-                        "worker id {} is unknown; POST /api/join first",
-                        hello.worker_id
-                    );
-                    return self.fail(request_id, ErrorCode::UnknownWorker, m).await;
-                }
-                self.worker = Some(hello.worker_id);
-                self.registry.connection(hello.worker_id, true);
-                shard.worker_joined(hello.worker_id);
-                let welcome = Welcome {
-                    protocol: PROTOCOL_VERSION,
-                    range: shard.range(),
-                    version: shard.version(),
-                };
-                self.send(wire::encode(&Message::Welcome {
-                    request_id,
-                    shard: shard.id(),
-                    welcome,
-                }))
-                .await
-            }
-            _ if self.worker.is_none() => {
-                self.fail(
-                    request_id,
-                    ErrorCode::Protocol,
-                    "the first frame must be Hello".into(),
-                )
-                .await
-            }
-            Message::Pull { min_version, .. } => {
-                // Only ssp/sync runs wait here; the wait gives way to shutdown.
-                let read = tokio::select! {
-                    r = shard.read(self.worker, min_version) => r,
-                    _ = shutdown.changed() => return Step::Close("server shutting down".into()),
-                };
-                self.registry.pulled(shard.id(), self.worker, &read);
-                let snap = &read.snapshot;
-                self.send(wire::encode_params(
-                    request_id,
-                    shard.id(),
-                    snap.version,
-                    &snap.values,
-                ))
-                .await
-            }
-            Message::Push { grad, samples, .. } => {
-                if grad.len() != shard.range().len() {
-                    let m = format!(
-                        "push of {} values to a shard of {}",
-                        grad.len(),
-                        shard.range().len()
-                    );
-                    return self.fail(request_id, ErrorCode::WrongLength, m).await;
-                }
-                let outcome = shard.push(self.worker, &bytes);
-                let (version, staleness) = match &outcome {
-                    Outcome::Applied {
-                        version, staleness, ..
-                    } => (*version, *staleness),
-                    Outcome::Buffered { version, .. } => (*version, 0),
-                    Outcome::Rejected { code, message } => {
-                        return self.fail(request_id, *code, message.clone()).await;
-                    }
-                };
-                self.registry
-                    .pushed(shard.id(), self.worker, &outcome, samples);
-                let ack = Message::Ack {
-                    request_id,
-                    shard: shard.id(),
+fn record(registry: &Registry, shard: u32, r: Record) {
+    match r {
+        Record::Joined { worker } => registry.connection(worker, true),
+        Record::Left { worker } => registry.connection(worker, false),
+        Record::Pulled {
+            worker,
+            version,
+            clock,
+            min_clock,
+        } => registry.pulled(
+            shard,
+            Some(worker),
+            &Read {
+                snapshot: Snapshot {
                     version,
-                    staleness: staleness.min(u64::from(u32::MAX)) as u32,
-                };
-                self.send(wire::encode(&ack)).await
-            }
-            Message::Bye { .. } => Step::Close("worker said bye".into()),
-            Message::Welcome { .. }
-            | Message::Params { .. }
-            | Message::Ack { .. }
-            | Message::Error { .. } => {
-                self.fail(
-                    request_id,
-                    ErrorCode::Protocol,
-                    "a worker sent a shard-side message".into(),
-                )
-                .await
-            }
-        }
+                    values: Arc::default(),
+                },
+                clock,
+                min_clock,
+            },
+        ),
+        Record::Pushed {
+            worker,
+            outcome,
+            samples,
+        } => registry.pushed(shard, worker, &outcome, samples),
+        Record::Rejected { worker, code } => registry.pushed(
+            shard,
+            worker,
+            &Outcome::Rejected {
+                code,
+                message: String::new(),
+            },
+            0,
+        ),
     }
 }
 
@@ -320,7 +167,7 @@ mod tests {
     use crowdgrad_core::optim::{OptimizerConfig, Rule};
     use crowdgrad_core::partition::KeyRange;
     use crowdgrad_core::shard::{Consistency, StalenessPolicy};
-    use crowdgrad_core::wire::{ClientKind, Hello};
+    use crowdgrad_core::wire::{self, ClientKind, ErrorCode, Hello, Message};
     use futures_channel::mpsc;
     use std::time::Duration;
 

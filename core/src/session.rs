@@ -1,0 +1,1002 @@
+//! The shard side of the protocol as sans-IO state machines, the mirror of [`crate::worker`].
+//! The server's WebSocket handler, the simulator's shard driver and the in-browser loopback are
+//! thin drivers around these types: every rule of the shard side is written once, here.
+//!
+//! - [`ShardState`]: what the connections of one shard share: [`ShardCore`] (the one apply
+//!   path), the SSP clock, the number of workers connected, and the updates applied by merged
+//!   count. Its methods hold the rules that involve several connections: who counts for sync
+//!   and SSP, when a sync aggregate is flushed.
+//! - [`ShardSession`]: one connection. The driver feeds it decoded events (a frame arrived, the
+//!   peer closed, a timer fired, the shard published an update, the server shuts down) with the
+//!   time `now` in seconds on the driver's clock, and takes [`Action`]s from
+//!   [`ShardSession::poll_action`]: send this frame, close, record this for the dashboard. It
+//!   says when it wants to be woken with [`ShardSession::poll_timeout`].
+//! - [`ShardAccess`]: how a session reaches its shard's state. The server implements it with a
+//!   lock-free snapshot for reads and a writer lock for changes, the simulator and the loopback
+//!   with a plain struct.
+//!
+//! # The rules
+//! - Frames of one connection are handled strictly in order. A pull that must wait (SSP bound,
+//!   sync version) holds up the frames behind it; they are kept (at most [`MAX_DEFERRED`]) and
+//!   handled as soon as the pull is answered. So a worker's pull right after its own push always
+//!   sees that push.
+//! - Pulls never wait for pushes in `async` mode: the reply is encoded from the last published
+//!   snapshot, without taking the shard's writer lock.
+//! - A push is decoded once ([`wire::decode`]), then its gradient is checked for length and
+//!   finiteness while it is copied into the shard's scratch buffer, and only then handed to
+//!   [`ShardCore::push`]: applied whole or not at all.
+//! - Every error frame echoes the request id of the frame it answers. A frame whose 32-byte
+//!   header cannot be read (too short, bad magic) is answered with request id 0.
+//! - Fatal errors ([`ErrorCode::is_fatal`]) send the error frame, then close the connection;
+//!   the worker leaves the shard. Policy rejections (too stale, busy) keep it open.
+//! - In SSP mode every frame from a worker is its heartbeat: a worker silent for longer than
+//!   the heartbeat timeout stops holding the others back.
+//!
+//! # Sync flush decisions
+//! A `sync:K` shard applies the mean of K fresh gradients. It applies fewer ("flushes") in
+//! exactly three cases, decided here and nowhere else:
+//! 1. a push leaves as many gradients buffered as there are workers connected: no more can come
+//!    for this version;
+//! 2. a worker leaves and the gradients buffered are at least the workers still connected: the
+//!    same reason. While some connected worker has not pushed for this version yet, the shard
+//!    keeps waiting for it. Flushing at once would apply a partial mean and then reject that
+//!    worker's gradient as late, throwing away work the worker is about to deliver;
+//! 3. a pull has waited [`ShardConfig::sync_timeout`] for the next version (a straggler that is
+//!    connected but silent): backup-worker semantics, never a deadlock.
+//!
+//! A gradient buffered from a worker that then left stays in the aggregate: it was computed
+//! from the current version and is as good as the others.
+
+use crate::error::Error;
+use crate::partition::KeyRange;
+use crate::shard::{Consistency, Outcome, ShardCore, SspClock};
+use crate::wire::{
+    self, Bye, ErrorCode, F32Le, Message, Welcome, HEADER_LEN, MAGIC, MAX_META_LEN,
+    PROTOCOL_VERSION,
+};
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+
+/// Frames a session keeps while a pull waits; past this the connection is refused with
+/// [`ErrorCode::Busy`] and closed (a well-behaved worker has a few frames in flight).
+pub const MAX_DEFERRED: usize = 64;
+
+/// How often a waiting SSP pull re-checks the clock at the latest, seconds (a worker's
+/// heartbeat may expire without any event).
+const SSP_RECHECK: f64 = 1.0;
+/// Slack after a heartbeat expiry before re-checking, seconds.
+const SSP_SLACK: f64 = 0.001;
+
+/// The fixed description of one shard.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ShardConfig {
+    /// Shard index (in every frame header).
+    pub id: u32,
+    /// The shard's key range of the flat parameter vector.
+    pub range: KeyRange,
+    /// Consistency mode.
+    pub consistency: Consistency,
+    /// SSP: a worker not heard from for this long (seconds) stops holding others back.
+    pub heartbeat: f64,
+    /// sync: a pull waiting this long (seconds) forces the partial aggregate through.
+    pub sync_timeout: f64,
+}
+
+impl ShardConfig {
+    /// Largest frame this shard accepts: a full push plus meta.
+    pub fn frame_limit(&self) -> usize {
+        HEADER_LEN + MAX_META_LEN + 4 * self.range.len()
+    }
+}
+
+/// The state every connection of one shard shares.
+#[derive(Debug)]
+pub struct ShardState {
+    cfg: ShardConfig,
+    core: ShardCore,
+    clock: SspClock,
+    /// Workers past Hello and not yet gone.
+    connected: usize,
+    /// Updates applied, by how many gradients each merged.
+    updates: BTreeMap<usize, u64>,
+    /// Bumped by every change a waiting pull may be waiting for (a version, a clock).
+    epoch: u64,
+    /// The gradient of the push being applied, validated before it reaches `core`.
+    scratch: Vec<f32>,
+}
+
+impl ShardState {
+    /// A shard over `core` (whose length must be `cfg.range.len()`).
+    ///
+    /// # Errors
+    /// [`Error::Config`] when the lengths differ or the mode and the core disagree.
+    pub fn new(cfg: ShardConfig, core: ShardCore) -> crate::Result<Self> {
+        if core.len() != cfg.range.len() {
+            return Err(Error::Config(format!(
+                "shard {} holds {} values for a range of {}",
+                cfg.id,
+                core.len(),
+                cfg.range.len()
+            )));
+        }
+        if core.consistency() != cfg.consistency {
+            return Err(Error::Config(format!(
+                "shard {}: core runs {}, config says {}",
+                cfg.id,
+                core.consistency(),
+                cfg.consistency
+            )));
+        }
+        let bound = match cfg.consistency {
+            Consistency::Ssp { bound } => bound,
+            _ => u64::MAX / 2,
+        };
+        Ok(Self {
+            clock: SspClock::new(bound, cfg.heartbeat),
+            scratch: vec![0.0; core.len()],
+            cfg,
+            core,
+            connected: 0,
+            updates: BTreeMap::new(),
+            epoch: 0,
+        })
+    }
+
+    /// The shard's description.
+    pub fn config(&self) -> &ShardConfig {
+        &self.cfg
+    }
+
+    /// The apply path (read-only).
+    pub fn core(&self) -> &ShardCore {
+        &self.core
+    }
+
+    /// Current version.
+    pub fn version(&self) -> u64 {
+        self.core.version()
+    }
+
+    /// Current values.
+    pub fn values(&self) -> &Arc<Vec<f32>> {
+        self.core.values()
+    }
+
+    /// Workers connected (past Hello).
+    pub fn connected(&self) -> usize {
+        self.connected
+    }
+
+    /// Updates applied so far, keyed by how many gradients each merged (sync: K for a full
+    /// aggregate, fewer for a flush; 1 in the other modes).
+    pub fn updates(&self) -> &BTreeMap<usize, u64> {
+        &self.updates
+    }
+
+    /// Changes so far that may release a waiting pull; drivers compare it before and after a
+    /// call to know whether to wake the other sessions of this shard.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The SSP clock (read-only).
+    pub fn clock(&self) -> &SspClock {
+        &self.clock
+    }
+
+    fn record(&mut self, outcome: &Outcome) {
+        if let Outcome::Applied { merged, .. } = outcome {
+            *self.updates.entry(*merged).or_default() += 1;
+            self.epoch += 1;
+        }
+    }
+
+    fn join(&mut self, worker: u64, now: f64) {
+        self.connected += 1;
+        self.clock.join(worker, now);
+        self.epoch += 1;
+    }
+
+    /// Rule 2 of the sync flush decisions (module doc).
+    fn leave(&mut self, worker: u64) {
+        self.connected = self.connected.saturating_sub(1);
+        self.clock.leave(worker);
+        self.epoch += 1;
+        if matches!(self.cfg.consistency, Consistency::Sync { .. })
+            && self.core.pending() > 0
+            && self.core.pending() >= self.connected
+        {
+            self.flush();
+        }
+    }
+
+    fn seen(&mut self, worker: u64, now: f64) {
+        if matches!(self.cfg.consistency, Consistency::Ssp { .. }) {
+            let before = self.clock.clock(worker);
+            self.clock.seen(worker, now);
+            if self.clock.clock(worker) != before {
+                self.epoch += 1;
+            }
+        }
+    }
+
+    /// Sync: applies the partial aggregate now (rules 1 to 3).
+    fn flush(&mut self) {
+        if let Some(o) = self.core.flush() {
+            self.record(&o);
+        }
+    }
+
+    /// Validates `grad` (length, finite) into scratch and applies it (rule 1 included).
+    fn push(&mut self, worker: u64, base_version: u64, grad: F32Le<'_>, now: f64) -> Outcome {
+        if let Err(e) = grad.copy_into(&mut self.scratch) {
+            return Outcome::Rejected {
+                code: ErrorCode::from(&e),
+                message: e.to_string(),
+            };
+        }
+        let outcome = self.core.push(base_version, &self.scratch);
+        self.record(&outcome);
+        if matches!(outcome, Outcome::Applied { .. } | Outcome::Buffered { .. }) {
+            self.clock.tick(worker, now);
+            self.epoch += 1;
+        }
+        if let Outcome::Buffered { pending, .. } = outcome {
+            if pending >= self.connected {
+                self.flush();
+            }
+        }
+        outcome
+    }
+
+    /// Whether `worker`'s pull for `min_version` may be answered now; if not, the time by which
+    /// to check again (besides any [`ShardState::epoch`] change).
+    fn gate(&mut self, worker: u64, min_version: u64, now: f64, since: f64) -> Gate {
+        match self.cfg.consistency {
+            Consistency::Async => Gate::Open,
+            Consistency::Ssp { .. } => {
+                self.seen(worker, now);
+                if self.clock.may_read(worker, now) {
+                    Gate::Open
+                } else {
+                    let expiry = self
+                        .clock
+                        .next_expiry(now)
+                        .map_or(SSP_RECHECK, |t| (t - now).clamp(0.0, SSP_RECHECK));
+                    Gate::Wait(now + expiry + SSP_SLACK)
+                }
+            }
+            Consistency::Sync { .. } => {
+                if self.core.version() >= min_version {
+                    Gate::Open
+                } else {
+                    Gate::Wait(since + self.cfg.sync_timeout)
+                }
+            }
+        }
+    }
+
+    /// The reader's and the slowest active SSP clock, for the read log.
+    fn read_view(&self, worker: u64, now: f64) -> (Option<u64>, Option<u64>) {
+        match self.cfg.consistency {
+            Consistency::Ssp { .. } => self.clock.read_view(worker, now),
+            _ => (None, None),
+        }
+    }
+}
+
+enum Gate {
+    Open,
+    Wait(f64),
+}
+
+/// How a session reaches the state of its shard. Drivers decide how it is stored and locked.
+pub trait ShardAccess {
+    /// The last published values and their version. Must not wait for an update in progress
+    /// (the server serves it from an `ArcSwap`): this is what keeps async pulls lock-free.
+    fn snapshot(&self) -> (u64, Arc<Vec<f32>>);
+    /// Runs `f` with exclusive access to the shared state; the driver publishes a new snapshot
+    /// afterwards when the version moved, and wakes the other sessions when the epoch moved.
+    fn with<R>(&mut self, f: impl FnOnce(&mut ShardState) -> R) -> R;
+    /// Whether `worker` joined the run (`POST /api/join` on the server).
+    fn knows(&self, worker: u64) -> bool;
+}
+
+impl ShardAccess for ShardState {
+    fn snapshot(&self) -> (u64, Arc<Vec<f32>>) {
+        (self.version(), self.values().clone())
+    }
+    fn with<R>(&mut self, f: impl FnOnce(&mut ShardState) -> R) -> R {
+        f(self)
+    }
+    fn knows(&self, _worker: u64) -> bool {
+        true
+    }
+}
+
+/// What a session records for the dashboard and the metrics.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Record {
+    /// A worker said Hello on this shard.
+    Joined {
+        /// The worker.
+        worker: u64,
+    },
+    /// The worker's connection to this shard ended.
+    Left {
+        /// The worker.
+        worker: u64,
+    },
+    /// A pull was answered.
+    Pulled {
+        /// The reader.
+        worker: u64,
+        /// Version sent.
+        version: u64,
+        /// SSP: the reader's clock.
+        clock: Option<u64>,
+        /// SSP: the slowest active clock.
+        min_clock: Option<u64>,
+    },
+    /// A frame that decoded as a push: applied, buffered or rejected.
+    Pushed {
+        /// The pusher (None before Hello).
+        worker: Option<u64>,
+        /// What happened.
+        outcome: Outcome,
+        /// Samples the push claims.
+        samples: u32,
+    },
+    /// Any other frame was refused.
+    Rejected {
+        /// The sender (None before Hello).
+        worker: Option<u64>,
+        /// Why.
+        code: ErrorCode,
+    },
+}
+
+/// What a session asks its driver to do, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    /// Send one binary message.
+    Send(Vec<u8>),
+    /// Close the connection with this reason (after everything sent before).
+    Close(String),
+    /// Record this.
+    Record(Record),
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Waiting {
+    request_id: u32,
+    min_version: u64,
+    since: f64,
+    deadline: f64,
+}
+
+/// One connection to one shard.
+#[derive(Debug)]
+pub struct ShardSession {
+    cfg: ShardConfig,
+    worker: Option<u64>,
+    waiting: Option<Waiting>,
+    deferred: VecDeque<Vec<u8>>,
+    actions: VecDeque<Action>,
+    closed: bool,
+}
+
+/// The request id of a frame, if its header can be read (32 bytes, right magic); else 0.
+pub fn header_request_id(bytes: &[u8]) -> u32 {
+    match bytes.get(..HEADER_LEN) {
+        Some(h) if h[..2] == MAGIC => u32::from_le_bytes([h[4], h[5], h[6], h[7]]),
+        _ => 0,
+    }
+}
+
+impl ShardSession {
+    /// A new connection to the shard described by `cfg`.
+    pub fn new(cfg: ShardConfig) -> Self {
+        Self {
+            cfg,
+            worker: None,
+            waiting: None,
+            deferred: VecDeque::new(),
+            actions: VecDeque::new(),
+            closed: false,
+        }
+    }
+
+    /// The worker that said Hello, if any.
+    pub fn worker(&self) -> Option<u64> {
+        self.worker
+    }
+
+    /// Whether a pull is waiting (the frames behind it are held).
+    pub fn is_waiting(&self) -> bool {
+        self.waiting.is_some()
+    }
+
+    /// Whether the session has closed (it ignores every further event).
+    pub fn is_closed(&self) -> bool {
+        self.closed
+    }
+
+    /// The next action for the driver.
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    /// When to call [`ShardSession::handle_timeout`] at the latest (a waiting pull's deadline).
+    pub fn poll_timeout(&self) -> Option<f64> {
+        self.waiting.map(|w| w.deadline)
+    }
+
+    /// A text message arrived (not part of the protocol).
+    pub fn handle_text(&mut self, shard: &mut impl ShardAccess, now: f64) {
+        if self.closed {
+            return;
+        }
+        self.fail(
+            shard,
+            0,
+            ErrorCode::Malformed,
+            "text messages are not part of the protocol; send binary frames".into(),
+            None,
+            now,
+        );
+    }
+
+    /// A binary message arrived.
+    pub fn handle_frame(&mut self, shard: &mut impl ShardAccess, bytes: &[u8], now: f64) {
+        if self.closed {
+            return;
+        }
+        if self.waiting.is_some() {
+            if self.deferred.len() >= MAX_DEFERRED {
+                let id = header_request_id(bytes);
+                let m = format!("more than {MAX_DEFERRED} frames behind a waiting pull");
+                self.fail(shard, id, ErrorCode::Busy, m, None, now);
+                self.close(shard, format!("busy: {MAX_DEFERRED} frames behind a pull"));
+            } else {
+                self.deferred.push_back(bytes.to_vec());
+            }
+            return;
+        }
+        self.frame(shard, bytes, now);
+    }
+
+    /// The shard published an update or its clock moved (another connection's push, join or
+    /// leave): a waiting pull may now be answered.
+    pub fn handle_update(&mut self, shard: &mut impl ShardAccess, now: f64) {
+        self.retry(shard, now, false);
+    }
+
+    /// A timer fired (at or after [`ShardSession::poll_timeout`]).
+    pub fn handle_timeout(&mut self, shard: &mut impl ShardAccess, now: f64) {
+        let due = self.waiting.is_some_and(|w| now >= w.deadline);
+        self.retry(shard, now, due);
+    }
+
+    /// The peer closed or the socket failed.
+    pub fn handle_close(&mut self, shard: &mut impl ShardAccess) {
+        self.leave(shard);
+        self.closed = true;
+    }
+
+    /// The server shuts down: Bye, then close.
+    pub fn shutdown(&mut self, shard: &mut impl ShardAccess) {
+        if self.closed {
+            return;
+        }
+        let bye = wire::encode(&Message::Bye {
+            shard: self.cfg.id,
+            bye: Bye {
+                reason: "server shutting down".into(),
+            },
+        });
+        self.actions.push_back(Action::Send(bye));
+        self.close(shard, "server shutting down".into());
+    }
+
+    fn close(&mut self, shard: &mut impl ShardAccess, reason: String) {
+        if self.closed {
+            return;
+        }
+        self.actions.push_back(Action::Close(reason));
+        self.leave(shard);
+        self.closed = true;
+        self.waiting = None;
+        self.deferred.clear();
+    }
+
+    fn leave(&mut self, shard: &mut impl ShardAccess) {
+        if let Some(worker) = self.worker.take() {
+            shard.with(|s| s.leave(worker));
+            self.actions
+                .push_back(Action::Record(Record::Left { worker }));
+        }
+    }
+
+    fn send(&mut self, frame: Vec<u8>) {
+        self.actions.push_back(Action::Send(frame));
+    }
+
+    /// Records the rejection, sends the error frame, and closes if the code is fatal.
+    fn fail(
+        &mut self,
+        shard: &mut impl ShardAccess,
+        request_id: u32,
+        code: ErrorCode,
+        message: String,
+        push_samples: Option<u32>,
+        _now: f64,
+    ) {
+        let worker = self.worker;
+        let record = match push_samples {
+            Some(samples) => Record::Pushed {
+                worker,
+                outcome: Outcome::Rejected {
+                    code,
+                    message: message.clone(),
+                },
+                samples,
+            },
+            None => Record::Rejected { worker, code },
+        };
+        self.actions.push_back(Action::Record(record));
+        self.send(wire::encode_error(
+            request_id,
+            self.cfg.id,
+            code,
+            message.clone(),
+        ));
+        if code.is_fatal() {
+            self.close(shard, format!("{}: {message}", code.name()));
+        }
+    }
+
+    /// Re-checks a waiting pull; `due` when its deadline passed (sync: flush first). Then
+    /// handles the frames that were held behind it, until one waits again.
+    fn retry(&mut self, shard: &mut impl ShardAccess, now: f64, due: bool) {
+        let Some(w) = self.waiting else { return };
+        if self.closed {
+            return;
+        }
+        if due && matches!(self.cfg.consistency, Consistency::Sync { .. }) {
+            // Rule 3: stragglers; apply what was gathered so far.
+            shard.with(|s| s.flush());
+        }
+        let since = if due { now } else { w.since };
+        if !self.pull(shard, w.request_id, w.min_version, now, since) {
+            return;
+        }
+        while !self.closed && self.waiting.is_none() {
+            let Some(bytes) = self.deferred.pop_front() else {
+                break;
+            };
+            self.frame(shard, &bytes, now);
+        }
+    }
+
+    /// Answers a pull, or parks it. Returns whether it was answered.
+    fn pull(
+        &mut self,
+        shard: &mut impl ShardAccess,
+        request_id: u32,
+        min_version: u64,
+        now: f64,
+        since: f64,
+    ) -> bool {
+        let Some(worker) = self.worker else {
+            return true;
+        };
+        let (gate, clock, min_clock) = if self.cfg.consistency == Consistency::Async {
+            (Gate::Open, None, None)
+        } else {
+            shard.with(|s| {
+                let g = s.gate(worker, min_version, now, since);
+                let (c, m) = s.read_view(worker, now);
+                (g, c, m)
+            })
+        };
+        if let Gate::Wait(deadline) = gate {
+            self.waiting = Some(Waiting {
+                request_id,
+                min_version,
+                since,
+                deadline,
+            });
+            return false;
+        }
+        self.waiting = None;
+        let (version, values) = shard.snapshot();
+        self.send(wire::encode_params(
+            request_id,
+            self.cfg.id,
+            version,
+            &values,
+        ));
+        self.actions.push_back(Action::Record(Record::Pulled {
+            worker,
+            version,
+            clock,
+            min_clock,
+        }));
+        true
+    }
+
+    fn frame(&mut self, shard: &mut impl ShardAccess, bytes: &[u8], now: f64) {
+        let id = self.cfg.id;
+        let msg = match wire::decode(bytes, self.cfg.frame_limit()) {
+            Ok(m) => m,
+            Err(e) => {
+                let rid = header_request_id(bytes);
+                return self.fail(shard, rid, ErrorCode::from(&e), e.to_string(), None, now);
+            }
+        };
+        let (request_id, addressed, push) = match &msg {
+            Message::Push {
+                request_id,
+                shard,
+                samples,
+                ..
+            } => (*request_id, *shard, Some(*samples)),
+            Message::Hello {
+                request_id, shard, ..
+            }
+            | Message::Pull {
+                request_id, shard, ..
+            }
+            | Message::Welcome {
+                request_id, shard, ..
+            }
+            | Message::Params {
+                request_id, shard, ..
+            }
+            | Message::Ack {
+                request_id, shard, ..
+            }
+            | Message::Error {
+                request_id, shard, ..
+            } => (*request_id, *shard, None),
+            Message::Bye { shard, .. } => (0, *shard, None),
+        };
+        if addressed != id {
+            let m = format!("frame addressed to shard {addressed} arrived at shard {id}");
+            return self.fail(shard, request_id, ErrorCode::WrongShard, m, push, now);
+        }
+        if let Some(w) = self.worker {
+            shard.with(|s| s.seen(w, now));
+        }
+        match msg {
+            Message::Hello { hello, .. } => {
+                if self.worker.is_some() {
+                    let m = "second Hello on one connection".to_string();
+                    return self.fail(shard, request_id, ErrorCode::Protocol, m, None, now);
+                }
+                if hello.protocol != PROTOCOL_VERSION {
+                    let m = format!(
+                        "worker speaks protocol {}, this server speaks {PROTOCOL_VERSION}",
+                        hello.protocol
+                    );
+                    return self.fail(shard, request_id, ErrorCode::ProtocolVersion, m, None, now);
+                }
+                if !shard.knows(hello.worker_id) {
+                    let m = format!(
+                        "worker id {} is unknown; POST /api/join first",
+                        hello.worker_id
+                    );
+                    return self.fail(shard, request_id, ErrorCode::UnknownWorker, m, None, now);
+                }
+                let worker = hello.worker_id;
+                self.worker = Some(worker);
+                let version = shard.with(|s| {
+                    s.join(worker, now);
+                    s.version()
+                });
+                self.actions
+                    .push_back(Action::Record(Record::Joined { worker }));
+                self.send(wire::encode(&Message::Welcome {
+                    request_id,
+                    shard: id,
+                    welcome: Welcome {
+                        protocol: PROTOCOL_VERSION,
+                        range: self.cfg.range,
+                        version,
+                    },
+                }));
+            }
+            _ if self.worker.is_none() => {
+                let m = "the first frame must be Hello".to_string();
+                self.fail(shard, request_id, ErrorCode::Protocol, m, push, now);
+            }
+            Message::Pull { min_version, .. } => {
+                self.pull(shard, request_id, min_version, now, now);
+            }
+            Message::Push {
+                base_version,
+                samples,
+                grad,
+                ..
+            } => {
+                let worker = self.worker.unwrap_or_default();
+                if grad.len() != self.cfg.range.len() {
+                    let m = format!(
+                        "push of {} values to a shard of {}",
+                        grad.len(),
+                        self.cfg.range.len()
+                    );
+                    return self.fail(shard, request_id, ErrorCode::WrongLength, m, push, now);
+                }
+                let outcome = shard.with(|s| s.push(worker, base_version, grad, now));
+                let (version, staleness) = match &outcome {
+                    Outcome::Applied {
+                        version, staleness, ..
+                    } => (*version, *staleness),
+                    Outcome::Buffered { version, .. } => (*version, 0),
+                    Outcome::Rejected { code, message } => {
+                        let (code, message) = (*code, message.clone());
+                        return self.fail(shard, request_id, code, message, push, now);
+                    }
+                };
+                self.actions.push_back(Action::Record(Record::Pushed {
+                    worker: Some(worker),
+                    outcome,
+                    samples,
+                }));
+                self.send(wire::encode(&Message::Ack {
+                    request_id,
+                    shard: id,
+                    version,
+                    staleness: staleness.min(u64::from(u32::MAX)) as u32,
+                }));
+            }
+            Message::Bye { .. } => self.close(shard, "worker said bye".into()),
+            Message::Welcome { .. }
+            | Message::Params { .. }
+            | Message::Ack { .. }
+            | Message::Error { .. } => {
+                let m = "a worker sent a shard-side message".to_string();
+                self.fail(shard, request_id, ErrorCode::Protocol, m, None, now);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::optim::{OptimizerConfig, Rule};
+    use crate::shard::StalenessPolicy;
+    use crate::wire::{ClientKind, Hello};
+
+    fn state(consistency: Consistency, n: usize) -> ShardState {
+        let cfg = ShardConfig {
+            id: 1,
+            range: KeyRange {
+                start: 4,
+                end: 4 + n,
+            },
+            consistency,
+            heartbeat: 5.0,
+            sync_timeout: 2.0,
+        };
+        let opt = OptimizerConfig {
+            rule: Rule::Sgd,
+            lr: 1.0,
+            weight_decay: 0.0,
+            clip_norm: None,
+        };
+        let core = ShardCore::new(vec![0.0; n], opt, StalenessPolicy::default(), consistency);
+        ShardState::new(cfg, core).unwrap()
+    }
+
+    fn hello(rid: u32, worker: u64) -> Vec<u8> {
+        wire::encode(&Message::Hello {
+            request_id: rid,
+            shard: 1,
+            hello: Hello {
+                protocol: PROTOCOL_VERSION,
+                worker_id: worker,
+                client: ClientKind::Native,
+            },
+        })
+    }
+
+    fn pull(rid: u32, min_version: u64) -> Vec<u8> {
+        wire::encode(&Message::Pull {
+            request_id: rid,
+            shard: 1,
+            min_version,
+        })
+    }
+
+    /// The frames sent, decoded to (kind name, request id, version or error code).
+    fn sent(s: &mut ShardSession) -> Vec<String> {
+        let mut out = Vec::new();
+        while let Some(a) = s.poll_action() {
+            match a {
+                Action::Send(f) => out.push(match wire::decode(&f, usize::MAX).unwrap() {
+                    Message::Welcome { request_id, .. } => format!("welcome {request_id}"),
+                    Message::Params {
+                        request_id,
+                        version,
+                        ..
+                    } => format!("params {request_id} v{version}"),
+                    Message::Ack {
+                        request_id,
+                        version,
+                        ..
+                    } => format!("ack {request_id} v{version}"),
+                    Message::Error {
+                        request_id, error, ..
+                    } => format!("error {request_id} {}", error.code.name()),
+                    Message::Bye { .. } => "bye".into(),
+                    other => format!("{other:?}"),
+                }),
+                Action::Close(_) => out.push("close".into()),
+                Action::Record(_) => {}
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn errors_echo_the_request_id_and_fatal_ones_close() {
+        let mut sh = state(Consistency::Async, 2);
+        let mut s = ShardSession::new(*sh.config());
+        s.handle_frame(&mut sh, &pull(5, 0), 0.0);
+        assert_eq!(sent(&mut s), ["error 5 protocol", "close"]);
+        s.handle_frame(&mut sh, &hello(6, 1), 0.0);
+        assert!(sent(&mut s).is_empty(), "a closed session ignores input");
+
+        let mut s = ShardSession::new(*sh.config());
+        s.handle_frame(&mut sh, &[b'C', b'G', 1, 3, 9, 0, 0, 0, 0, 0], 0.0);
+        assert_eq!(
+            sent(&mut s),
+            ["error 0 malformed", "close"],
+            "short header: id 0"
+        );
+
+        let mut s = ShardSession::new(*sh.config());
+        s.handle_frame(&mut sh, &hello(1, 7), 0.0);
+        s.handle_frame(
+            &mut sh,
+            &wire::encode_push(2, 1, 0, 8, &[1.0, f32::NAN]),
+            0.0,
+        );
+        assert_eq!(sent(&mut s), ["welcome 1", "error 2 not_finite", "close"]);
+        assert_eq!(sh.connected(), 0, "a closed connection leaves the shard");
+        assert_eq!(**sh.values(), vec![0.0, 0.0], "unchanged");
+    }
+
+    #[test]
+    fn async_pushes_apply_and_pulls_see_them() {
+        let mut sh = state(Consistency::Async, 2);
+        let mut s = ShardSession::new(*sh.config());
+        s.handle_frame(&mut sh, &hello(1, 7), 0.0);
+        s.handle_frame(&mut sh, &wire::encode_push(2, 1, 0, 8, &[1.0, -1.0]), 0.0);
+        s.handle_frame(&mut sh, &pull(3, 0), 0.0);
+        s.handle_frame(
+            &mut sh,
+            &wire::encode_push(4, 1, 0, 8, &[1.0, -1.0, 3.0]),
+            0.0,
+        );
+        assert_eq!(
+            sent(&mut s),
+            [
+                "welcome 1",
+                "ack 2 v1",
+                "params 3 v1",
+                "error 4 wrong_length",
+                "close"
+            ]
+        );
+        assert_eq!(**sh.values(), vec![-1.0, 1.0]);
+    }
+
+    /// The flush-on-leave rule (module doc, rule 2): with sync:4 and four workers, two
+    /// gradients buffered and one worker leaving, the shard keeps waiting for the two that can
+    /// still push; when the next one leaves, the two buffered equal the two left: flush.
+    #[test]
+    fn sync_flushes_on_leave_only_when_no_more_gradients_can_come() {
+        let mut sh = state(Consistency::Sync { k: 4 }, 1);
+        let mut s: Vec<ShardSession> = (0..4).map(|_| ShardSession::new(*sh.config())).collect();
+        for (i, x) in s.iter_mut().enumerate() {
+            x.handle_frame(&mut sh, &hello(1, i as u64 + 1), 0.0);
+        }
+        s[0].handle_frame(&mut sh, &wire::encode_push(2, 1, 0, 8, &[1.0]), 0.0);
+        s[1].handle_frame(&mut sh, &wire::encode_push(2, 1, 0, 8, &[3.0]), 0.0);
+        assert_eq!(sh.core().pending(), 2);
+        s[3].handle_close(&mut sh);
+        assert_eq!(
+            (sh.version(), sh.core().pending()),
+            (0, 2),
+            "two can still push"
+        );
+        s[2].handle_close(&mut sh);
+        assert_eq!(sh.version(), 1, "two buffered, two connected: flush");
+        assert_eq!(**sh.values(), vec![-2.0]);
+        assert_eq!(sh.updates().get(&2), Some(&1));
+    }
+
+    #[test]
+    fn sync_pull_waits_then_flushes_at_the_timeout_and_held_frames_follow() {
+        let mut sh = state(Consistency::Sync { k: 2 }, 1);
+        let mut a = ShardSession::new(*sh.config());
+        let mut b = ShardSession::new(*sh.config());
+        a.handle_frame(&mut sh, &hello(1, 1), 0.0);
+        b.handle_frame(&mut sh, &hello(1, 2), 0.0);
+        a.handle_frame(&mut sh, &wire::encode_push(2, 1, 0, 8, &[1.0]), 0.0);
+        a.handle_frame(&mut sh, &pull(3, 1), 0.5);
+        a.handle_frame(&mut sh, &pull(4, 0), 0.6);
+        assert!(a.is_waiting());
+        assert_eq!(a.poll_timeout(), Some(2.5));
+        assert_eq!(sent(&mut a), ["welcome 1", "ack 2 v0"]);
+        a.handle_timeout(&mut sh, 1.0);
+        assert!(a.is_waiting(), "not due yet");
+        a.handle_timeout(&mut sh, 2.5);
+        assert_eq!(sent(&mut a), ["params 3 v1", "params 4 v1"]);
+        assert_eq!(sh.updates().get(&1), Some(&1), "a partial update of one");
+        // A fresh round: b's push completes the aggregate and releases a's pull.
+        a.handle_frame(&mut sh, &wire::encode_push(5, 1, 1, 8, &[1.0]), 3.0);
+        a.handle_frame(&mut sh, &pull(6, 2), 3.0);
+        assert!(a.is_waiting());
+        b.handle_frame(&mut sh, &wire::encode_push(2, 1, 1, 8, &[3.0]), 3.1);
+        a.handle_update(&mut sh, 3.1);
+        assert_eq!(sent(&mut a), ["ack 5 v1", "params 6 v2"]);
+        assert_eq!(sh.updates().get(&2), Some(&1));
+    }
+
+    #[test]
+    fn ssp_pull_waits_for_the_sleeper_to_expire() {
+        let mut sh = state(Consistency::Ssp { bound: 1 }, 1);
+        let mut a = ShardSession::new(*sh.config());
+        let mut b = ShardSession::new(*sh.config());
+        a.handle_frame(&mut sh, &hello(1, 1), 0.0);
+        b.handle_frame(&mut sh, &hello(1, 2), 0.0);
+        for rid in [2, 3] {
+            let v = sh.version();
+            a.handle_frame(&mut sh, &wire::encode_push(rid, 1, v, 8, &[0.0]), 0.1);
+        }
+        a.handle_frame(&mut sh, &pull(4, 0), 0.2);
+        assert!(a.is_waiting(), "two ahead of a silent worker with S = 1");
+        let t = a.poll_timeout().unwrap();
+        assert!(
+            t <= 1.2 + SSP_SLACK + 1e-9,
+            "re-checks within a second: {t}"
+        );
+        let mut now = 0.2;
+        while a.is_waiting() {
+            now = a.poll_timeout().unwrap();
+            a.handle_timeout(&mut sh, now);
+        }
+        assert!(
+            now > 5.0,
+            "released only after b's heartbeat expired: {now}"
+        );
+        assert_eq!(
+            sent(&mut a),
+            ["welcome 1", "ack 2 v1", "ack 3 v2", "params 4 v2"]
+        );
+    }
+
+    #[test]
+    fn shutdown_says_bye_and_deferred_frames_are_bounded() {
+        let mut sh = state(Consistency::Sync { k: 2 }, 1);
+        let mut a = ShardSession::new(*sh.config());
+        let mut b = ShardSession::new(*sh.config());
+        a.handle_frame(&mut sh, &hello(1, 1), 0.0);
+        b.handle_frame(&mut sh, &hello(1, 2), 0.0);
+        a.handle_frame(&mut sh, &pull(2, 1), 0.0);
+        for i in 0..MAX_DEFERRED as u32 + 1 {
+            a.handle_frame(&mut sh, &pull(10 + i, 0), 0.0);
+        }
+        let out = sent(&mut a);
+        assert_eq!(out[1..], ["error 74 busy".to_string(), "close".into()]);
+        b.shutdown(&mut sh);
+        assert_eq!(sent(&mut b), ["welcome 1", "bye", "close"]);
+        assert_eq!(sh.connected(), 0);
+    }
+}
