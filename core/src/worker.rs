@@ -465,3 +465,676 @@ impl Worker {
         self.outbox.pop_front()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::encode_idx;
+    use crate::model::ModelSpec;
+    use crate::optim::OptimizerConfig;
+    use crate::partition::{partition, KeyRange};
+    use crate::spec::{DataInfo, PartitionInfo, RunSpec, ShardInfo};
+    use crate::wire::{Bye, Welcome};
+
+    /// A softmax over 2x2 "images" with 3 classes: 15 parameters, cut into `shards`.
+    fn join(consistency: &str, shards: usize) -> JoinResponse {
+        let model = ModelSpec::parse("softmax", 4, 3).unwrap();
+        let ranges = partition(model.param_len(), shards).unwrap();
+        JoinResponse {
+            protocol: PROTOCOL_VERSION,
+            worker_id: 42,
+            run: RunSpec {
+                run_id: "test".into(),
+                model,
+                optimizer: OptimizerConfig::default(),
+                batch_size: 2,
+                seed: 1,
+                consistency: consistency.to_string(),
+                shards: ranges
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &range)| ShardInfo {
+                        id: i as u32,
+                        path: format!("/ws/shard/{i}"),
+                        range,
+                    })
+                    .collect(),
+                dataset: DataInfo {
+                    name: "toy".into(),
+                    image_dims: vec![2, 2],
+                    classes: 3,
+                    train_len: 6,
+                    test_len: 0,
+                },
+            },
+            partition: PartitionInfo {
+                index: 0,
+                count: 1,
+                examples: 6,
+                images: "/images".into(),
+                labels: "/labels".into(),
+            },
+        }
+    }
+
+    fn data() -> Dataset {
+        let pixels: Vec<u8> = (0..6 * 4).map(|i| (i * 10) as u8).collect();
+        Dataset::from_idx(
+            &encode_idx(&[6, 2, 2], &pixels),
+            &encode_idx(&[6], &[0, 1, 2, 0, 1, 2]),
+        )
+        .unwrap()
+    }
+
+    fn worker(consistency: &str, shards: usize, max_steps: Option<u64>) -> Worker {
+        Worker::new(
+            join(consistency, shards),
+            data(),
+            ClientKind::Native,
+            max_steps,
+        )
+        .unwrap()
+    }
+
+    fn range(w: &Worker, shard: usize) -> KeyRange {
+        w.join_info().run.shards[shard].range
+    }
+
+    /// Everything the worker wants to send, decoded (header fields and metas).
+    #[derive(Debug, Clone, PartialEq)]
+    enum Sent {
+        Hello(usize, u32, Hello),
+        Pull(usize, u32, u64),
+        Push {
+            shard: usize,
+            request_id: u32,
+            base_version: u64,
+            samples: u32,
+            len: usize,
+        },
+    }
+
+    fn drain(w: &mut Worker) -> Vec<Sent> {
+        std::iter::from_fn(|| w.poll_transmit())
+            .map(|o| {
+                let msg = wire::decode(&o.frame, usize::MAX).unwrap();
+                match msg {
+                    Message::Hello {
+                        request_id,
+                        shard,
+                        hello,
+                    } => {
+                        assert_eq!(shard as usize, o.shard);
+                        Sent::Hello(o.shard, request_id, hello)
+                    }
+                    Message::Pull {
+                        request_id,
+                        shard,
+                        min_version,
+                    } => {
+                        assert_eq!(shard as usize, o.shard);
+                        Sent::Pull(o.shard, request_id, min_version)
+                    }
+                    Message::Push {
+                        request_id,
+                        shard,
+                        base_version,
+                        samples,
+                        grad,
+                    } => {
+                        assert_eq!(shard as usize, o.shard);
+                        Sent::Push {
+                            shard: o.shard,
+                            request_id,
+                            base_version,
+                            samples,
+                            len: grad.len(),
+                        }
+                    }
+                    other => panic!("a worker sent {other:?}"),
+                }
+            })
+            .collect()
+    }
+
+    fn pulls(sent: &[Sent]) -> Vec<(usize, u32, u64)> {
+        sent.iter()
+            .filter_map(|s| match s {
+                Sent::Pull(shard, id, min) => Some((*shard, *id, *min)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn welcome_frame(w: &Worker, shard: usize, version: u64) -> Vec<u8> {
+        wire::encode(&Message::Welcome {
+            request_id: 1,
+            shard: shard as u32,
+            welcome: Welcome {
+                protocol: PROTOCOL_VERSION,
+                range: range(w, shard),
+                version,
+            },
+        })
+    }
+
+    /// `Params` answering `request_id`, every value `fill`.
+    fn params_frame(w: &Worker, shard: usize, request_id: u32, version: u64, fill: f32) -> Vec<u8> {
+        let values = vec![fill; range(w, shard).len()];
+        wire::encode_params(request_id, shard as u32, version, &values)
+    }
+
+    fn ack_frame(shard: usize, request_id: u32, version: u64, staleness: u32) -> Vec<u8> {
+        wire::encode(&Message::Ack {
+            request_id,
+            shard: shard as u32,
+            version,
+            staleness,
+        })
+    }
+
+    fn error_frame(shard: usize, request_id: u32, code: ErrorCode) -> Vec<u8> {
+        wire::encode_error(
+            request_id,
+            shard as u32,
+            code,
+            format!("{} here", code.name()),
+        )
+    }
+
+    /// Connects and welcomes every shard at `versions`; returns the pulls that went out.
+    fn handshake(w: &mut Worker, versions: &[u64]) -> Vec<(usize, u32, u64)> {
+        for shard in 0..w.shard_count() {
+            w.connected(shard);
+        }
+        drain(w);
+        for (shard, &v) in versions.iter().enumerate() {
+            let f = welcome_frame(w, shard, v);
+            w.receive(shard, &f).unwrap();
+        }
+        pulls(&drain(w))
+    }
+
+    /// Answers `pulls` with `Params` at `versions` (by shard).
+    fn answer(w: &mut Worker, pulls: &[(usize, u32, u64)], versions: &[u64]) {
+        for &(shard, id, _) in pulls {
+            let f = params_frame(w, shard, id, versions[shard], 0.5);
+            w.receive(shard, &f).unwrap();
+        }
+    }
+
+    /// The pushes of `sent`: (shard, request id, base version).
+    fn pushes(sent: &[Sent]) -> Vec<(usize, u32, u64)> {
+        sent.iter()
+            .filter_map(|s| match s {
+                Sent::Push {
+                    shard,
+                    request_id,
+                    base_version,
+                    ..
+                } => Some((*shard, *request_id, *base_version)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn connecting_sends_hello_with_the_join() {
+        let mut w = worker("async", 2, None);
+        assert_eq!(w.shard_count(), 2);
+        assert!(w.poll_transmit().is_none());
+        w.connected(1);
+        let sent = drain(&mut w);
+        let [Sent::Hello(1, id, hello)] = &sent[..] else {
+            panic!("{sent:?}")
+        };
+        assert_ne!(*id, 0);
+        assert_eq!(
+            *hello,
+            Hello {
+                protocol: PROTOCOL_VERSION,
+                worker_id: 42,
+                client: ClientKind::Native,
+            }
+        );
+        // A connection to a shard the run does not have is ignored.
+        w.connected(7);
+        assert!(drain(&mut w).is_empty());
+    }
+
+    #[test]
+    fn pulls_go_to_every_shard_once_all_welcomed() {
+        let mut w = worker("async", 3, None);
+        for shard in 0..3 {
+            w.connected(shard);
+        }
+        drain(&mut w);
+        for shard in 0..2 {
+            let f = welcome_frame(&w, shard, 5);
+            w.receive(shard, &f).unwrap();
+            // Nothing is pulled until every shard is ready: a step needs all of them.
+            assert!(drain(&mut w).is_empty());
+        }
+        let f = welcome_frame(&w, 2, 5);
+        w.receive(2, &f).unwrap();
+        let p = pulls(&drain(&mut w));
+        assert_eq!(p.iter().map(|p| p.0).collect::<Vec<_>>(), vec![0, 1, 2]);
+        assert!(p.iter().all(|p| p.2 == 0), "async pulls ask for no version");
+        let mut ids: Vec<u32> = p.iter().map(|p| p.1).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        assert_eq!(ids.len(), 3, "request ids are distinct");
+        assert!(!w.ready());
+    }
+
+    #[test]
+    fn steps_only_when_every_shards_params_arrived() {
+        let mut w = worker("async", 2, None);
+        let p = handshake(&mut w, &[0, 0]);
+        assert!(matches!(w.step(), Err(Error::Protocol(_))));
+        let f = params_frame(&w, 0, p[0].1, 3, 0.25);
+        w.receive(0, &f).unwrap();
+        assert!(!w.ready());
+        assert!(w.step().is_err());
+        let f = params_frame(&w, 1, p[1].1, 7, 0.75);
+        w.receive(1, &f).unwrap();
+        assert!(w.ready());
+        // The parameters are assembled from both slices.
+        let (r0, r1) = (range(&w, 0), range(&w, 1));
+        assert!(w.params()[..r0.len()].iter().all(|&v| v == 0.25));
+        assert!(w.params()[r0.len()..r0.len() + r1.len()]
+            .iter()
+            .all(|&v| v == 0.75));
+        let report = w.step().unwrap();
+        assert_eq!(report.samples, 2);
+        assert!(report.loss.is_finite() && report.loss > 0.0);
+        assert!(!w.ready(), "the next step needs fresh parameters");
+        assert!(w.step().is_err());
+        let s = w.stats();
+        assert_eq!((s.steps, s.samples, s.pushes_sent), (1, 2, 2));
+        assert_eq!(s.read_skew, 4);
+        assert_eq!(s.last_loss, report.loss);
+        assert_eq!(s.ema_loss, report.loss);
+    }
+
+    #[test]
+    fn pushes_carry_the_pulled_version_then_pull_again() {
+        let mut w = worker("async", 2, None);
+        let p = handshake(&mut w, &[0, 0]);
+        answer(&mut w, &p, &[3, 9]);
+        w.step().unwrap();
+        let sent = drain(&mut w);
+        // Every push goes out before the next pulls (a shard orders one connection's frames,
+        // so the next pull sees this worker's own push).
+        assert_eq!(sent.len(), 4, "{sent:?}");
+        let (first, second) = sent.split_at(2);
+        let mut push_ids = Vec::new();
+        for (shard, s) in first.iter().enumerate() {
+            let Sent::Push {
+                shard: to,
+                request_id,
+                base_version,
+                samples,
+                len,
+            } = s
+            else {
+                panic!("{s:?}")
+            };
+            assert_eq!(*to, shard);
+            assert_eq!(*base_version, [3, 9][shard]);
+            assert_eq!(*samples, 2);
+            assert_eq!(*len, range(&w, shard).len());
+            push_ids.push(*request_id);
+        }
+        let again = pulls(second);
+        assert_eq!(again.iter().map(|p| p.0).collect::<Vec<_>>(), vec![0, 1]);
+        assert!(again.iter().all(|p| p.2 == 0));
+        let old: Vec<u32> = p.iter().map(|p| p.1).collect();
+        for id in push_ids.iter().chain(again.iter().map(|p| &p.1)) {
+            assert!(!old.contains(id), "request id {id} reused");
+        }
+        // A second step reads the new versions.
+        answer(&mut w, &again, &[4, 11]);
+        w.step().unwrap();
+        let bases: Vec<u64> = pushes(&drain(&mut w)).iter().map(|p| p.2).collect();
+        assert_eq!(bases, vec![4, 11]);
+        assert_eq!(w.stats().pushes_sent, 4);
+        assert_eq!(w.stats().read_skew, 7);
+    }
+
+    #[test]
+    fn acks_count_accepted_pushes_and_staleness() {
+        let mut w = worker("async", 2, None);
+        let p = handshake(&mut w, &[0, 0]);
+        answer(&mut w, &p, &[0, 0]);
+        w.step().unwrap();
+        let ps = pushes(&drain(&mut w));
+        w.receive(0, &ack_frame(0, ps[0].1, 1, 0)).unwrap();
+        w.receive(1, &ack_frame(1, ps[1].1, 4, 3)).unwrap();
+        let s = w.stats();
+        assert_eq!(s.pushes_accepted, 2);
+        assert_eq!(
+            (s.last_staleness, s.max_staleness, s.staleness_sum),
+            (3, 3, 3)
+        );
+        // A second Ack for the same shard has no push to answer.
+        let e = w.receive(0, &ack_frame(0, ps[0].1, 2, 0)).unwrap_err();
+        assert!(matches!(e, Error::Protocol(_)), "{e}");
+    }
+
+    #[test]
+    fn too_stale_and_busy_are_not_fatal() {
+        let mut w = worker("async", 2, Some(1));
+        let p = handshake(&mut w, &[0, 0]);
+        answer(&mut w, &p, &[0, 0]);
+        w.step().unwrap();
+        let ps = pushes(&drain(&mut w));
+        assert!(!w.is_done(), "pushes are in flight");
+        w.receive(0, &error_frame(0, ps[0].1, ErrorCode::TooStale))
+            .unwrap();
+        let s = w.stats();
+        assert_eq!((s.pushes_rejected, s.pushes_accepted), (1, 0));
+        let last = s.last_error.clone().unwrap();
+        assert!(
+            last.contains("shard 0") && last.contains("too_stale"),
+            "{last}"
+        );
+        w.receive(1, &error_frame(1, ps[1].1, ErrorCode::Busy))
+            .unwrap();
+        assert_eq!(w.stats().pushes_rejected, 2);
+        assert!(w.stats().last_error.as_deref().unwrap().contains("busy"));
+        // Both pushes are answered: the one-step worker is done.
+        assert!(w.is_done());
+    }
+
+    #[test]
+    fn fatal_error_frames_end_the_session() {
+        for code in [
+            ErrorCode::Malformed,
+            ErrorCode::WrongLength,
+            ErrorCode::WrongShard,
+            ErrorCode::FutureVersion,
+            ErrorCode::ProtocolVersion,
+            ErrorCode::UnknownWorker,
+            ErrorCode::ShuttingDown,
+        ] {
+            let mut w = worker("async", 2, None);
+            handshake(&mut w, &[0, 0]);
+            let e = w.receive(1, &error_frame(1, 0, code)).unwrap_err();
+            assert!(matches!(e, Error::Protocol(_)), "{code:?}: {e}");
+            assert!(e.to_string().contains("shard 1"), "{e}");
+            let last = w.stats().last_error.clone().unwrap();
+            assert!(last.contains(code.name()), "{last}");
+            assert_eq!(
+                w.stats().pushes_rejected,
+                0,
+                "{code:?} is not a rejected push"
+            );
+        }
+    }
+
+    #[test]
+    fn bad_frames_from_a_shard_are_errors_not_panics() {
+        let mut w = worker("async", 2, None);
+        let p = handshake(&mut w, &[0, 0]);
+        // Garbage and truncated frames.
+        assert!(w.receive(0, b"not a frame").is_err());
+        let good = params_frame(&w, 0, p[0].1, 1, 0.0);
+        assert!(w.receive(0, &good[..good.len() - 1]).is_err());
+        // Params of the wrong length for the shard.
+        let short = wire::encode_params(p[0].1, 0, 1, &[0.0; 2]);
+        assert!(w.receive(0, &short).is_err());
+        // NaN parameters.
+        let nan = wire::encode_params(p[0].1, 0, 1, &vec![f32::NAN; range(&w, 0).len()]);
+        assert!(w.receive(0, &nan).is_err());
+        // Params nobody asked for.
+        let stray = params_frame(&w, 0, p[0].1 + 100, 1, 0.0);
+        assert!(w.receive(0, &stray).is_err());
+        // A frame on a connection the run does not have.
+        assert!(w.receive(5, &good).is_err());
+        // A second Welcome.
+        let again = welcome_frame(&w, 0, 0);
+        assert!(w.receive(0, &again).is_err());
+        // Worker-side messages.
+        let pull = wire::encode(&Message::Pull {
+            request_id: 1,
+            shard: 0,
+            min_version: 0,
+        });
+        assert!(w.receive(0, &pull).is_err());
+        let push = wire::encode_push(1, 0, 0, 1, &vec![0.0; range(&w, 0).len()]);
+        assert!(w.receive(0, &push).is_err());
+        // None of that disturbed the outstanding pull: the real answer still lands.
+        w.receive(0, &good).unwrap();
+    }
+
+    #[test]
+    fn welcome_must_match_the_run() {
+        let mut w = worker("async", 2, None);
+        w.connected(0);
+        w.connected(1);
+        // Before a Hello there is nothing to welcome.
+        let mut fresh = worker("async", 2, None);
+        let f = welcome_frame(&fresh, 0, 0);
+        assert!(fresh.receive(0, &f).is_err());
+        // Wrong range.
+        let bad_range = wire::encode(&Message::Welcome {
+            request_id: 1,
+            shard: 0,
+            welcome: Welcome {
+                protocol: PROTOCOL_VERSION,
+                range: range(&w, 1),
+                version: 0,
+            },
+        });
+        assert!(matches!(w.receive(0, &bad_range), Err(Error::Protocol(_))));
+        // Wrong protocol.
+        let bad_protocol = wire::encode(&Message::Welcome {
+            request_id: 1,
+            shard: 0,
+            welcome: Welcome {
+                protocol: PROTOCOL_VERSION + 1,
+                range: range(&w, 0),
+                version: 0,
+            },
+        });
+        assert!(matches!(
+            w.receive(0, &bad_protocol),
+            Err(Error::ProtocolVersion { .. })
+        ));
+    }
+
+    #[test]
+    fn bye_is_noted_not_fatal() {
+        let mut w = worker("async", 2, None);
+        handshake(&mut w, &[0, 0]);
+        let bye = wire::encode(&Message::Bye {
+            shard: 0,
+            bye: Bye {
+                reason: "restarting".into(),
+            },
+        });
+        w.receive(0, &bye).unwrap();
+        let last = w.stats().last_error.clone().unwrap();
+        assert!(
+            last.contains("bye") && last.contains("restarting"),
+            "{last}"
+        );
+    }
+
+    #[test]
+    fn disconnect_counts_unanswered_pushes_as_lost() {
+        let mut w = worker("async", 2, None);
+        let p = handshake(&mut w, &[0, 0]);
+        answer(&mut w, &p, &[0, 0]);
+        w.step().unwrap();
+        // Shard 0 closes before its push and pull were even sent: both are dropped.
+        w.disconnected(0);
+        let sent = drain(&mut w);
+        assert!(
+            sent.iter()
+                .all(|s| !matches!(s, Sent::Push { shard: 0, .. } | Sent::Pull(0, ..))),
+            "{sent:?}"
+        );
+        assert_eq!(pushes(&sent).len(), 1);
+        let s = w.stats();
+        assert_eq!((s.pushes_sent, s.pushes_lost), (2, 1));
+        // An answered push is not lost.
+        let ps = pushes(&sent);
+        w.receive(1, &ack_frame(1, ps[0].1, 1, 0)).unwrap();
+        w.disconnected(1);
+        assert_eq!(w.stats().pushes_lost, 1);
+        assert_eq!(w.stats().pushes_accepted, 1);
+        assert!(!w.ready());
+        // A late frame on a closed connection is a protocol error, not a panic.
+        let late = params_frame(&w, 1, 99, 1, 0.0);
+        assert!(w.receive(1, &late).is_err());
+    }
+
+    #[test]
+    fn reconnect_handshakes_again_and_resumes() {
+        let mut w = worker("async", 2, None);
+        let p = handshake(&mut w, &[0, 0]);
+        answer(&mut w, &p, &[0, 0]);
+        w.step().unwrap();
+        let sent = drain(&mut w);
+        let again = pulls(&sent);
+        // Shard 1 answers its pull; shard 0 drops.
+        let f = params_frame(&w, 1, again[1].1, 1, 0.5);
+        w.receive(1, &f).unwrap();
+        w.disconnected(0);
+        assert_eq!(w.stats().pushes_lost, 1);
+        assert!(!w.ready());
+        // Reconnect shard 0: Hello, then after the Welcome a pull to shard 0 only (shard 1's
+        // parameters are still fresh).
+        w.connected(0);
+        assert!(matches!(&drain(&mut w)[..], [Sent::Hello(0, ..)]));
+        let f = welcome_frame(&w, 0, 2);
+        w.receive(0, &f).unwrap();
+        let p0 = pulls(&drain(&mut w));
+        assert_eq!(p0.len(), 1);
+        assert_eq!(p0[0].0, 0);
+        let f = params_frame(&w, 0, p0[0].1, 2, 0.5);
+        w.receive(0, &f).unwrap();
+        assert!(w.ready());
+        w.step().unwrap();
+        let bases: Vec<u64> = pushes(&drain(&mut w)).iter().map(|p| p.2).collect();
+        assert_eq!(bases, vec![2, 1]);
+        assert_eq!(w.stats().steps, 2);
+    }
+
+    #[test]
+    fn sync_mode_pulls_one_past_the_version_pushed_to() {
+        let mut w = worker("sync:2", 2, None);
+        let p = handshake(&mut w, &[0, 0]);
+        assert!(
+            p.iter().all(|p| p.2 == 0),
+            "the first pull takes what is there"
+        );
+        answer(&mut w, &p, &[5, 6]);
+        w.step().unwrap();
+        let sent = drain(&mut w);
+        let mins: Vec<u64> = pulls(&sent).iter().map(|p| p.2).collect();
+        assert_eq!(mins, vec![6, 7]);
+        // A reconnect forgets the wait: the new connection's first pull takes what is there.
+        w.disconnected(0);
+        w.connected(0);
+        drain(&mut w);
+        let f = welcome_frame(&w, 0, 6);
+        w.receive(0, &f).unwrap();
+        let p0 = pulls(&drain(&mut w));
+        assert_eq!(p0, vec![(0, p0[0].1, 0)]);
+        // SSP and async never ask for a version.
+        let mut ssp = worker("ssp:2", 2, None);
+        let p = handshake(&mut ssp, &[0, 0]);
+        answer(&mut ssp, &p, &[5, 6]);
+        ssp.step().unwrap();
+        assert!(pulls(&drain(&mut ssp)).iter().all(|p| p.2 == 0));
+    }
+
+    #[test]
+    fn max_steps_stops_pulling_and_waits_for_answers() {
+        let mut w = worker("async", 2, Some(1));
+        let p = handshake(&mut w, &[0, 0]);
+        answer(&mut w, &p, &[0, 0]);
+        assert!(!w.is_done());
+        w.step().unwrap();
+        let sent = drain(&mut w);
+        assert!(
+            pulls(&sent).is_empty(),
+            "no pull after the last step: {sent:?}"
+        );
+        assert!(!w.ready());
+        assert!(w.step().is_err());
+        let ps = pushes(&sent);
+        w.receive(0, &ack_frame(0, ps[0].1, 1, 0)).unwrap();
+        assert!(!w.is_done(), "one push still in flight");
+        // A lost push counts as answered for is_done.
+        w.disconnected(1);
+        assert!(w.is_done());
+        // Zero steps: done at once, and nothing is pulled.
+        let mut none = worker("async", 2, Some(0));
+        assert!(handshake(&mut none, &[0, 0]).is_empty());
+        assert!(none.is_done());
+    }
+
+    #[test]
+    fn carried_stats_keep_counting() {
+        let mut w = worker("async", 1, None);
+        let before = WorkerStats {
+            steps: 10,
+            samples: 20,
+            pushes_sent: 10,
+            pushes_lost: 3,
+            ema_loss: 1.0,
+            ..WorkerStats::default()
+        };
+        w.carry_stats(before);
+        let p = handshake(&mut w, &[0]);
+        answer(&mut w, &p, &[0]);
+        let report = w.step().unwrap();
+        let s = w.stats();
+        assert_eq!(
+            (s.steps, s.samples, s.pushes_sent, s.pushes_lost),
+            (11, 22, 11, 3)
+        );
+        // The loss average continues from the carried value.
+        assert!((s.ema_loss - (0.98 + 0.02 * report.loss)).abs() < 1e-12);
+    }
+
+    #[test]
+    fn the_browser_says_so_in_hello() {
+        let mut w = Worker::new(join("async", 1), data(), ClientKind::Browser, None).unwrap();
+        w.connected(0);
+        let sent = drain(&mut w);
+        assert!(matches!(&sent[..], [Sent::Hello(0, _, h)] if h.client == ClientKind::Browser));
+    }
+
+    #[test]
+    fn new_rejects_what_cannot_train() {
+        let mut j = join("async", 2);
+        j.protocol += 1;
+        assert!(matches!(
+            Worker::new(j, data(), ClientKind::Native, None),
+            Err(Error::ProtocolVersion { .. })
+        ));
+        // Images of the wrong size for the model.
+        let pixels = vec![0u8; 6 * 9];
+        let wrong = Dataset::from_idx(&encode_idx(&[6, 3, 3], &pixels), &encode_idx(&[6], &[0; 6]))
+            .unwrap();
+        assert!(matches!(
+            Worker::new(join("async", 2), wrong, ClientKind::Native, None),
+            Err(Error::Config(_))
+        ));
+        // Labels past the model's classes.
+        let pixels = vec![0u8; 2 * 4];
+        let many = Dataset::from_idx(&encode_idx(&[2, 2, 2], &pixels), &encode_idx(&[2], &[0, 7]))
+            .unwrap();
+        assert!(matches!(
+            Worker::new(join("async", 2), many, ClientKind::Native, None),
+            Err(Error::Data(_))
+        ));
+        // An unknown consistency mode.
+        assert!(Worker::new(join("eventually", 2), data(), ClientKind::Native, None).is_err());
+    }
+}
