@@ -27,6 +27,7 @@
 //! - `engine` (private): the event loop, simulated shards and workers. `plot`: SVG charts.
 
 mod engine;
+pub mod shard;
 mod plot;
 
 use crate::data::TrainTest;

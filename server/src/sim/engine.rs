@@ -6,28 +6,26 @@
 //! FIFO in each direction (a message never overtakes an earlier one on the same connection),
 //! like a WebSocket.
 //!
-//! The shard side mirrors `crate::shard` and `crate::handler`: frames of one connection are
-//! handled strictly in order, a pull that must wait (SSP bound, sync version) holds up the
-//! frames behind it, a push is validated (`wire::decode`, `F32Le::copy_into`) before
-//! [`ShardCore::push`], fatal errors send an `Error` frame and close the connection, and a
-//! worker leaving drops out of the SSP clock and the sync count (and flushes a sync aggregate).
-//! The worker side mirrors `crate::worker`'s driver around core's [`Worker`]: step when
-//! ready, reconnect with exponential backoff (200 ms doubling to 5 s) after a lost session.
+//! The shard side is [`super::shard::ShardDriver`]: core's shard session on simulated time, so
+//! every rule (ordering, read waits, validation, errors, sync flushes) is the server's own.
+//! The worker side drives core's [`Worker`] the way `crate::worker` does: step when ready,
+//! reconnect after a lost session with core's [`Backoff`], the one every worker uses.
 
+use super::shard::{Output, ShardDriver};
 use super::{
     DropoutKind, Fault, ReadRecord, Row, SimConfig, SimResult, SpeedDist, Totals, WorkerSummary,
 };
 use crate::data::TrainTest;
 use crate::error::{Error, Result};
+use crowdgrad_core::backoff::Backoff;
 use crowdgrad_core::data::{encode_idx, Dataset};
 use crowdgrad_core::model::{Model, ModelSpec};
-use crowdgrad_core::partition::{partition, KeyRange};
+use crowdgrad_core::partition::partition;
 use crowdgrad_core::rng::Rng;
-use crowdgrad_core::shard::{Consistency, Outcome, ShardCore, SspClock};
+use crowdgrad_core::session::{Record, ShardConfig, ShardState};
+use crowdgrad_core::shard::{Outcome, ShardCore};
 use crowdgrad_core::spec::{DataInfo, JoinResponse, PartitionInfo, RunSpec};
-use crowdgrad_core::wire::{
-    self, ClientKind, ErrorCode, Message, Welcome, HEADER_LEN, MAX_META_LEN, PROTOCOL_VERSION,
-};
+use crowdgrad_core::wire::{self, ClientKind, ErrorCode, Message, PROTOCOL_VERSION};
 use crowdgrad_core::worker::{Worker, WorkerStats};
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, BinaryHeap, VecDeque};
@@ -43,10 +41,6 @@ fn ns(seconds: f64) -> Time {
 fn secs(t: Time) -> f64 {
     t as f64 / 1e9
 }
-
-/// The native worker's reconnect backoff (crate::worker::work): first wait and cap, seconds.
-const BACKOFF_START: f64 = 0.2;
-const BACKOFF_MAX: f64 = 5.0;
 
 /// What travels on a simulated connection.
 #[derive(Debug)]
@@ -72,10 +66,8 @@ enum Event {
     Leave { participant: usize, token: u64 },
     /// A worker (re)joins: after being away, after a lost session, or at the start.
     Return { participant: usize, token: u64 },
-    /// SSP: re-check a waiting pull (a silent worker may have timed out).
-    SspRecheck { shard: usize, conn: u64, token: u64 },
-    /// sync: a waiting pull's straggler timeout.
-    SyncTimeout { shard: usize, conn: u64, token: u64 },
+    /// A shard session's timer (a waiting pull's deadline).
+    ShardTimer { shard: usize, conn: u64 },
 }
 
 #[derive(Debug)]
@@ -103,30 +95,18 @@ impl Ord for Scheduled {
     }
 }
 
-/// One simulated connection as the shard sees it.
+/// One simulated connection as the transport sees it (the session is in the driver).
 #[derive(Debug)]
-struct Conn {
+struct Link {
     participant: usize,
-    /// Set by Hello.
-    worker: Option<u64>,
-    /// Frames received and not yet handled (a waiting pull holds up the rest).
-    inbox: VecDeque<Wire>,
-    /// Token of the timer of the pull waiting at the head of the inbox.
-    blocked: Option<u64>,
     /// Delivery time of the last message sent down (FIFO).
     down_last: Time,
 }
 
 #[derive(Debug)]
 struct SimShard {
-    core: ShardCore,
-    clock: SspClock,
-    range: KeyRange,
-    /// Workers that said Hello and have not left (the server's `workers` count).
-    connected: usize,
-    conns: BTreeMap<u64, Conn>,
-    scratch: Vec<f32>,
-    limit: usize,
+    driver: ShardDriver,
+    links: BTreeMap<u64, Link>,
 }
 
 #[derive(Debug)]
@@ -165,14 +145,8 @@ struct Participant {
     /// Left and not yet back (the next Return schedules the next Leave).
     away: bool,
     stats: WorkerStats,
-    backoff: f64,
+    backoff: Backoff,
     sessions: u32,
-}
-
-enum Handled {
-    Done,
-    Blocked,
-    Closed,
 }
 
 /// An independent random stream for `(tag, index)`, so that e.g. adding faulty workers does
@@ -294,27 +268,29 @@ impl<'a> Engine<'a> {
         let model = Model::new(spec.clone())?;
         let ranges = partition(model.param_len(), cfg.shards)?;
         let initial = model.init_params(cfg.seed);
-        let bound = match cfg.consistency {
-            Consistency::Ssp { bound } => bound,
-            _ => u64::MAX / 2,
-        };
         let shards = ranges
             .iter()
-            .map(|r| SimShard {
-                core: ShardCore::new(
+            .enumerate()
+            .map(|(i, r)| {
+                let core = ShardCore::new(
                     initial[r.start..r.end].to_vec(),
                     cfg.optimizer,
                     cfg.staleness,
                     cfg.consistency,
-                ),
-                clock: SspClock::new(bound, cfg.heartbeat),
-                range: *r,
-                connected: 0,
-                conns: BTreeMap::new(),
-                scratch: vec![0.0; r.len()],
-                limit: HEADER_LEN + MAX_META_LEN + 4 * r.len(),
+                );
+                let config = ShardConfig {
+                    id: i as u32,
+                    range: *r,
+                    consistency: cfg.consistency,
+                    heartbeat: cfg.heartbeat,
+                    sync_timeout: cfg.sync_timeout,
+                };
+                Ok(SimShard {
+                    driver: ShardDriver::new(ShardState::new(config, core)?),
+                    links: BTreeMap::new(),
+                })
             })
-            .collect();
+            .collect::<Result<Vec<_>>>()?;
         let spec = RunSpec {
             run_id: format!("sim-{}", cfg.seed),
             model: spec,
@@ -372,7 +348,7 @@ impl<'a> Engine<'a> {
                     leave_token: 0,
                     away: false,
                     stats: WorkerStats::default(),
-                    backoff: BACKOFF_START,
+                    backoff: Backoff::new(stream(cfg.seed, 7, i64).next_u64()),
                     sessions: 0,
                 }
             })
@@ -463,7 +439,7 @@ impl<'a> Engine<'a> {
     fn send_down(&mut self, shard: usize, conn: u64, wire: Wire) {
         let cfg = self.cfg;
         let now = self.now;
-        let Some(c) = self.shards[shard].conns.get_mut(&conn) else {
+        let Some(c) = self.shards[shard].links.get_mut(&conn) else {
             return;
         };
         let p = c.participant;
@@ -527,10 +503,14 @@ impl<'a> Engine<'a> {
         match event {
             Event::Up { shard, conn, wire } => {
                 self.in_flight -= 1;
-                if let Some(c) = self.shards[shard].conns.get_mut(&conn) {
-                    c.inbox.push_back(wire);
-                    self.pump(shard);
+                let now = self.now_s();
+                let mut out = Vec::new();
+                let driver = &mut self.shards[shard].driver;
+                match wire {
+                    Wire::Frame(bytes) => driver.receive(conn, &bytes, now, &mut out),
+                    Wire::Close => driver.close(conn, now, &mut out),
                 }
+                self.shard_outputs(shard, out);
             }
             Event::Down {
                 participant,
@@ -566,46 +546,14 @@ impl<'a> Engine<'a> {
                     self.come_back(participant)?;
                 }
             }
-            Event::SspRecheck { shard, conn, token } => {
-                if self.blocked(shard, conn, token) {
-                    self.pump(shard);
-                    if self.blocked(shard, conn, token) {
-                        self.arm_ssp_recheck(shard, conn, token);
-                    }
-                }
-            }
-            Event::SyncTimeout { shard, conn, token } => {
-                if self.blocked(shard, conn, token) {
-                    // Stragglers: apply what was gathered so far (backup workers).
-                    self.shards[shard].core.flush();
-                    self.pump(shard);
-                    if self.blocked(shard, conn, token) {
-                        let at = self.now + ns(self.cfg.sync_timeout);
-                        self.schedule(at, Event::SyncTimeout { shard, conn, token });
-                    }
-                }
+            Event::ShardTimer { shard, conn } => {
+                let now = self.now_s();
+                let mut out = Vec::new();
+                self.shards[shard].driver.timer(conn, now, &mut out);
+                self.shard_outputs(shard, out);
             }
         }
         Ok(())
-    }
-
-    fn blocked(&self, shard: usize, conn: u64, token: u64) -> bool {
-        self.shards[shard]
-            .conns
-            .get(&conn)
-            .is_some_and(|c| c.blocked == Some(token))
-    }
-
-    fn arm_ssp_recheck(&mut self, shard: usize, conn: u64, token: u64) {
-        // As the server: wait for a clock change, at most until the next heartbeat expiry or
-        // one second, plus a millisecond.
-        let now = self.now_s();
-        let expiry = self.shards[shard]
-            .clock
-            .next_expiry(now)
-            .map(|t| (t - now).max(0.0));
-        let at = self.now + ns(expiry.unwrap_or(1.0).min(1.0) + 0.001);
-        self.schedule(at, Event::SspRecheck { shard, conn, token });
     }
 
     fn schedule_leave(&mut self, p: usize) {
@@ -668,13 +616,13 @@ impl<'a> Engine<'a> {
         let conns: Vec<u64> = (0..n).map(|i| self.next_conn + i as u64).collect();
         self.next_conn += n as u64;
         for (s, &c) in conns.iter().enumerate() {
-            self.shards[s].conns.insert(
+            let shard = &mut self.shards[s];
+            shard.driver.register(id);
+            shard.driver.open(c);
+            shard.links.insert(
                 c,
-                Conn {
+                Link {
                     participant: p,
-                    worker: None,
-                    inbox: VecDeque::new(),
-                    blocked: None,
                     down_last: 0,
                 },
             );
@@ -760,10 +708,9 @@ impl<'a> Engine<'a> {
         person.stats = s.worker.stats().clone();
         if retry {
             if person.stats.steps > s.steps_before {
-                person.backoff = BACKOFF_START;
+                person.backoff.reset();
             }
-            let wait = person.backoff;
-            person.backoff = (person.backoff * 2.0).min(BACKOFF_MAX);
+            let wait = person.backoff.next_delay();
             let t = self.token();
             self.people[p].return_token = t;
             self.schedule(
@@ -886,281 +833,79 @@ impl<'a> Engine<'a> {
 
     // ---------------------------------------------------------------- shard side
 
-    /// Handles queued frames on every connection of `shard` until nothing moves (a handled
-    /// frame may let a waiting pull through).
-    fn pump(&mut self, shard: usize) {
-        loop {
-            let ready: Vec<u64> = self.shards[shard]
-                .conns
-                .iter()
-                .filter(|(_, c)| !c.inbox.is_empty())
-                .map(|(&id, _)| id)
-                .collect();
-            let mut progressed = false;
-            for conn in ready {
-                progressed |= self.handle_conn(shard, conn);
-            }
-            if !progressed {
-                return;
+    /// Carries out what shard `shard`'s driver asked: frames and closes travel down their
+    /// connection, timers are scheduled, records are counted.
+    fn shard_outputs(&mut self, shard: usize, out: Vec<Output>) {
+        for o in out {
+            match o {
+                Output::Frame { conn, bytes } => self.send_down(shard, conn, Wire::Frame(bytes)),
+                Output::Close { conn } => {
+                    self.send_down(shard, conn, Wire::Close);
+                    self.shards[shard].links.remove(&conn);
+                }
+                Output::Timer { conn, at } => {
+                    // Rounded up, so the timer never fires before the session's deadline.
+                    let t = ((at.max(0.0) * 1e9).ceil() as Time).saturating_add(1);
+                    self.schedule(t.max(self.now), Event::ShardTimer { shard, conn });
+                }
+                Output::Record { conn, record } => self.count(shard, conn, record),
             }
         }
+        let SimShard { driver, links } = &mut self.shards[shard];
+        links.retain(|&c, _| driver.is_open(c));
     }
 
-    /// Handles `conn`'s frames in order until its inbox is empty, a pull must wait, or it
-    /// closes. Returns whether any frame was consumed.
-    fn handle_conn(&mut self, shard: usize, conn: u64) -> bool {
-        let mut any = false;
-        loop {
-            let Some(c) = self.shards[shard].conns.get_mut(&conn) else {
-                return any;
-            };
-            let Some(wire) = c.inbox.pop_front() else {
-                return any;
-            };
-            match wire {
-                Wire::Close => {
-                    self.shard_close(shard, conn);
-                    return true;
-                }
-                Wire::Frame(bytes) => match self.shard_frame(shard, conn, &bytes) {
-                    Handled::Done => any = true,
-                    Handled::Closed => return true,
-                    Handled::Blocked => {
-                        if let Some(c) = self.shards[shard].conns.get_mut(&conn) {
-                            c.inbox.push_front(Wire::Frame(bytes));
-                        }
-                        return any;
-                    }
-                },
-            }
-        }
-    }
-
-    /// The server's handler + writer for one frame.
-    fn shard_frame(&mut self, shard: usize, conn: u64, bytes: &[u8]) -> Handled {
-        let now = self.now_s();
-        let sh = &mut self.shards[shard];
-        let msg = match wire::decode(bytes, sh.limit) {
-            Ok(m) => m,
-            Err(e) => {
-                let id = bytes
-                    .get(4..8)
-                    .map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
-                return self.shard_fail(shard, conn, id, ErrorCode::from(&e), e.to_string());
-            }
+    fn count(&mut self, shard: usize, conn: u64, record: Record) {
+        let t = &mut self.totals;
+        let reject = |t: &mut Totals, code: ErrorCode| {
+            t.rejected += 1;
+            *t.rejected_by_reason
+                .entry(code.name().to_string())
+                .or_insert(0) += 1;
         };
-        let Some(c) = sh.conns.get(&conn) else {
-            return Handled::Closed;
-        };
-        let worker = c.worker;
-        if let Some(w) = worker {
-            sh.clock.seen(w, now);
-        }
-        match msg {
-            Message::Hello {
-                request_id, hello, ..
-            } => {
-                if worker.is_some() {
-                    return self.shard_fail(
-                        shard,
-                        conn,
-                        request_id,
-                        ErrorCode::Protocol,
-                        "second Hello on one connection".into(),
-                    );
-                }
-                if let Some(c) = sh.conns.get_mut(&conn) {
-                    c.worker = Some(hello.worker_id);
-                }
-                sh.connected += 1;
-                sh.clock.join(hello.worker_id, now);
-                let frame = wire::encode(&Message::Welcome {
-                    request_id,
-                    shard: shard as u32,
-                    welcome: Welcome {
-                        protocol: PROTOCOL_VERSION,
-                        range: sh.range,
-                        version: sh.core.version(),
-                    },
-                });
-                self.send_down(shard, conn, Wire::Frame(frame));
-                Handled::Done
-            }
-            _ if worker.is_none() => self.shard_fail(
-                shard,
-                conn,
-                0,
-                ErrorCode::Protocol,
-                "the first frame must be Hello".into(),
-            ),
-            Message::Pull {
-                request_id,
-                min_version,
-                ..
-            } => {
-                let w = worker.unwrap_or(0);
-                let may = match sh.core.consistency() {
-                    Consistency::Async => true,
-                    Consistency::Ssp { .. } => sh.clock.may_read(w, now),
-                    Consistency::Sync { .. } => sh.core.version() >= min_version,
-                };
-                if !may {
-                    let newly = sh.conns.get(&conn).is_some_and(|c| c.blocked.is_none());
-                    if newly {
-                        let t = self.token();
-                        if let Some(c) = self.shards[shard].conns.get_mut(&conn) {
-                            c.blocked = Some(t);
-                        }
-                        match self.cfg.consistency {
-                            Consistency::Sync { .. } => {
-                                let at = self.now + ns(self.cfg.sync_timeout);
-                                self.schedule(
-                                    at,
-                                    Event::SyncTimeout {
-                                        shard,
-                                        conn,
-                                        token: t,
-                                    },
-                                );
-                            }
-                            _ => self.arm_ssp_recheck(shard, conn, t),
-                        }
+        match record {
+            Record::Pushed { outcome, .. } => {
+                t.pushes += 1;
+                match outcome {
+                    Outcome::Applied { staleness, .. } => {
+                        t.accepted += 1;
+                        t.staleness_sum += staleness;
+                        t.staleness_max = t.staleness_max.max(staleness);
+                        self.interval.0 += staleness;
+                        self.interval.1 += 1;
+                        self.interval.2 = self.interval.2.max(staleness);
                     }
-                    return Handled::Blocked;
+                    Outcome::Buffered { .. } => {
+                        t.accepted += 1;
+                        self.interval.1 += 1;
+                    }
+                    Outcome::Rejected { code, .. } => reject(t, code),
                 }
-                if let Some(c) = sh.conns.get_mut(&conn) {
-                    c.blocked = None;
-                }
-                let (clock, min_clock) = match sh.core.consistency() {
-                    Consistency::Ssp { .. } => sh.clock.read_view(w, now),
-                    _ => (None, None),
-                };
-                let version = sh.core.version();
-                let frame =
-                    wire::encode_params(request_id, shard as u32, version, sh.core.values());
+            }
+            Record::Rejected { code, .. } => reject(t, code),
+            Record::Pulled {
+                worker,
+                version,
+                clock,
+                min_clock,
+            } => {
                 if self.cfg.log_reads {
-                    let participant = sh.conns.get(&conn).map_or(0, |c| c.participant);
+                    let participant = self.shards[shard]
+                        .links
+                        .get(&conn)
+                        .map_or(0, |c| c.participant);
                     self.reads.push(ReadRecord {
-                        time_s: now,
+                        time_s: self.now_s(),
                         worker: participant,
-                        worker_id: w,
+                        worker_id: worker,
                         shard,
                         version,
                         clock,
                         min_clock,
                     });
                 }
-                self.send_down(shard, conn, Wire::Frame(frame));
-                Handled::Done
             }
-            Message::Push {
-                request_id,
-                base_version,
-                grad,
-                ..
-            } => {
-                self.totals.pushes += 1;
-                // Validate everything before touching state, as the server's writer does.
-                if let Err(e) = grad.copy_into(&mut sh.scratch) {
-                    return self.shard_fail(
-                        shard,
-                        conn,
-                        request_id,
-                        ErrorCode::from(&e),
-                        e.to_string(),
-                    );
-                }
-                let outcome = sh.core.push(base_version, &sh.scratch);
-                let (version, staleness) = match outcome {
-                    Outcome::Applied {
-                        version, staleness, ..
-                    } => (version, staleness),
-                    Outcome::Buffered { version, pending } => {
-                        // Fewer workers connected than K: do not wait for gradients that
-                        // cannot come.
-                        if pending >= sh.connected {
-                            sh.core.flush();
-                        }
-                        (version, 0)
-                    }
-                    Outcome::Rejected { code, message } => {
-                        return self.shard_fail(shard, conn, request_id, code, message);
-                    }
-                };
-                if let Some(w) = worker {
-                    sh.clock.tick(w, now);
-                }
-                self.totals.accepted += 1;
-                self.totals.staleness_sum += staleness;
-                self.totals.staleness_max = self.totals.staleness_max.max(staleness);
-                self.interval.0 += staleness;
-                self.interval.1 += 1;
-                self.interval.2 = self.interval.2.max(staleness);
-                let ack = wire::encode(&Message::Ack {
-                    request_id,
-                    shard: shard as u32,
-                    version,
-                    staleness: staleness.min(u64::from(u32::MAX)) as u32,
-                });
-                self.send_down(shard, conn, Wire::Frame(ack));
-                Handled::Done
-            }
-            Message::Bye { .. } => {
-                self.shard_close(shard, conn);
-                Handled::Closed
-            }
-            Message::Welcome { .. }
-            | Message::Params { .. }
-            | Message::Ack { .. }
-            | Message::Error { .. } => self.shard_fail(
-                shard,
-                conn,
-                0,
-                ErrorCode::Protocol,
-                "a worker sent a shard-side message".into(),
-            ),
-        }
-    }
-
-    /// The server's `fail`: count the rejection, send the error frame, close if fatal.
-    fn shard_fail(
-        &mut self,
-        shard: usize,
-        conn: u64,
-        request_id: u32,
-        code: ErrorCode,
-        message: String,
-    ) -> Handled {
-        self.totals.rejected += 1;
-        *self
-            .totals
-            .rejected_by_reason
-            .entry(code.name().to_string())
-            .or_insert(0) += 1;
-        let frame = wire::encode_error(request_id, shard as u32, code, message);
-        self.send_down(shard, conn, Wire::Frame(frame));
-        if code.is_fatal() {
-            self.send_down(shard, conn, Wire::Close);
-            self.shard_close(shard, conn);
-            Handled::Closed
-        } else {
-            Handled::Done
-        }
-    }
-
-    /// The connection ended on the shard side: the worker leaves the SSP clock and the sync
-    /// count; a sync shard applies what it has (the server's `worker_left`).
-    fn shard_close(&mut self, shard: usize, conn: u64) {
-        let sh = &mut self.shards[shard];
-        let Some(c) = sh.conns.remove(&conn) else {
-            return;
-        };
-        if let Some(w) = c.worker {
-            sh.connected -= 1;
-            sh.clock.leave(w);
-            if matches!(sh.core.consistency(), Consistency::Sync { .. }) {
-                sh.core.flush();
-            }
+            Record::Joined { .. } | Record::Left { .. } => {}
         }
     }
 
@@ -1169,7 +914,7 @@ impl<'a> Engine<'a> {
     fn evaluate(&mut self, full: bool) -> Row {
         self.params.clear();
         for s in &self.shards {
-            self.params.extend_from_slice(s.core.values());
+            self.params.extend_from_slice(s.driver.state().values());
         }
         let set = if full { self.test } else { &self.test_subset };
         let stats = crate::app::evaluate(&self.model, &self.params, set);
@@ -1186,7 +931,7 @@ impl<'a> Engine<'a> {
                 sum as f64 / count as f64
             },
             max_staleness: max,
-            updates: self.shards.iter().map(|s| s.core.version()).sum(),
+            updates: self.shards.iter().map(|s| s.driver.state().version()).sum(),
             accepted: self.totals.accepted,
             rejected: self.totals.rejected,
             workers_online: self
@@ -1199,8 +944,16 @@ impl<'a> Engine<'a> {
 
     fn finish(mut self) -> SimResult {
         self.totals.sim_seconds = self.now_s();
-        self.totals.shard_versions = self.shards.iter().map(|s| s.core.version()).collect();
-        self.totals.shard_pending = self.shards.iter().map(|s| s.core.pending()).collect();
+        self.totals.shard_versions = self
+            .shards
+            .iter()
+            .map(|s| s.driver.state().version())
+            .collect();
+        self.totals.shard_pending = self
+            .shards
+            .iter()
+            .map(|s| s.driver.state().core().pending())
+            .collect();
         let workers = self
             .people
             .iter()
