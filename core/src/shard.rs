@@ -6,9 +6,37 @@
 //! - [`Consistency`]: `async` (apply on receipt), `ssp:S` (stale-synchronous parallel; gating
 //!   happens at read time with [`SspClock`]) and `sync:K` (aggregate K fresh gradients, apply
 //!   their mean once, drop late ones).
-//! - [`StalenessPolicy`]: accept all; drop beyond a bound; scale the learning rate by
-//!   1/staleness (Zhang et al., IJCAI 2016); delay compensation (DC-ASGD, Zheng et al., ICML
-//!   2017). Combinable.
+//! - [`StalenessPolicy`]: accept all; drop beyond a bound; scale the learning rate down for
+//!   stale pushes ([`LrScale`]); delay compensation (DC-ASGD, Zheng et al., ICML 2017).
+//!   Combinable.
+//!
+//! # Staleness-aware learning rate
+//!
+//! Zhang et al. (IJCAI 2016) divide the learning rate by the staleness τ. That does two things
+//! at once: it weights stale gradients less than fresh ones (the point), and it divides the
+//! *average* step by about the mean staleness, which with K async workers is about K. The
+//! second part means a run that turns the rule on at its usual learning rate barely learns
+//! (16 simulated workers, seed 7, 200k examples: 95.07% accepting everything, 92.29% with
+//! lr/τ; it needs 8x the learning rate to do better). So `scale` ([`LrScale::Relative`])
+//! keeps the first part and not the second: a push of staleness τ gets
+//!
+//! ```text
+//! lr_scale = min(1, H / max(1, τ))      H = running harmonic mean of max(1, τ) on this shard
+//! ```
+//!
+//! A push staler than usual moves less, in proportion (the 1/τ weighting of Zhang et al.);
+//! a push at most as stale as usual gets the configured learning rate, never more. One worker
+//! (τ = 0) is unaffected, and the learning rate means the same with and without the rule. H is
+//! the harmonic mean because the 1/τ weights average to exactly 1/H: without the cap at 1 the
+//! mean multiplier would be 1 (the cap only ever lowers a step, so `scale` is never more
+//! aggressive than `accept`). H is an exponential moving average of 1/max(1, τ) over the last
+//! ~[`STALENESS_WINDOW`] pushes (a plain mean until then), so it follows workers coming and
+//! going. Measured with 16 simulated async workers, 200k examples, lr 0.05: seeds 7 / 42 / 1
+//! give 95.07 / 95.92 / 95.16% with `accept` and 96.41 / 96.70 / 96.13% with `scale`; the mean
+//! multiplier is about 0.88, and `accept` at lr 0.044 reaches only 95.48 / 96.24 / 96.07%, so the
+//! gain is the weighting, not a smaller step. Zhang et al.'s plain lr/τ stays available as
+//! `scale:abs` ([`LrScale::Absolute`]): at a learning rate that makes plain async diverge
+//! (lr 0.4) it is the safety net (95.45%), which the relative rule, by design, is not.
 //!
 //! Values live in an `Arc<Vec<f32>>` that is never mutated once published: an update writes a
 //! new vector (recycling the previous one when no reader holds it), so readers holding the old
@@ -81,14 +109,33 @@ impl fmt::Display for Consistency {
     }
 }
 
+/// How a staleness-aware policy scales the learning rate of a push of staleness τ (see the
+/// module doc for why the default is relative).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LrScale {
+    /// `scale`: `min(1, H / max(1, τ))` with H the shard's running harmonic mean of
+    /// `max(1, τ)`: stale pushes are weighted down relative to the usual staleness, the usual
+    /// step stays the configured learning rate.
+    #[default]
+    Relative,
+    /// `scale:abs`: `1 / max(1, τ)` (Zhang et al. 2016). Divides the mean step by about the
+    /// mean staleness, so it needs a learning rate about that many times larger.
+    Absolute,
+}
+
+/// Pushes the running mean staleness of [`LrScale::Relative`] averages over (the weight of an
+/// exponential moving average: `1 / STALENESS_WINDOW`, or `1 / n` for the first pushes).
+pub const STALENESS_WINDOW: u64 = 256;
+
 /// What staleness does to an async (or SSP) push. The parts combine: a push is first checked
 /// against `max_staleness`, then compensated, then applied with the scaled learning rate.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 pub struct StalenessPolicy {
     /// Reject pushes staler than this.
     pub max_staleness: Option<u64>,
-    /// Multiply the learning rate by `1 / max(1, staleness)`.
-    pub scale_lr: bool,
+    /// Scale the learning rate down for stale pushes (`scale` or `scale:abs`).
+    pub scale_lr: Option<LrScale>,
     /// DC-ASGD: add `lambda * g * g * (w_now - w_read)` to the gradient.
     pub dc_lambda: Option<f32>,
 }
@@ -97,7 +144,8 @@ pub struct StalenessPolicy {
 pub const DC_HISTORY: usize = 64;
 
 impl StalenessPolicy {
-    /// Parses `accept`, or a comma list of `drop:N`, `scale`, `dc:LAMBDA`.
+    /// Parses `accept`, or a comma list of `drop:N`, `scale` (relative to the mean
+    /// staleness), `scale:abs` (lr / staleness), `dc:LAMBDA`.
     ///
     /// # Errors
     /// [`Error::Config`] on anything else.
@@ -107,7 +155,9 @@ impl StalenessPolicy {
             if part == "accept" {
                 continue;
             } else if part == "scale" {
-                p.scale_lr = true;
+                p.scale_lr = Some(LrScale::Relative);
+            } else if part == "scale:abs" {
+                p.scale_lr = Some(LrScale::Absolute);
             } else if let Some(n) = part.strip_prefix("drop:") {
                 p.max_staleness = Some(
                     n.parse()
@@ -123,7 +173,7 @@ impl StalenessPolicy {
                 p.dc_lambda = Some(l);
             } else {
                 return Err(Error::Config(format!(
-                    "unknown staleness policy {part:?}: use accept, drop:N, scale, dc:LAMBDA (comma-separated)"
+                    "unknown staleness policy {part:?}: use accept, drop:N, scale, scale:abs, dc:LAMBDA (comma-separated)"
                 )));
             }
         }
@@ -137,8 +187,10 @@ impl fmt::Display for StalenessPolicy {
         if let Some(n) = self.max_staleness {
             parts.push(format!("drop:{n}"));
         }
-        if self.scale_lr {
-            parts.push("scale".into());
+        match self.scale_lr {
+            Some(LrScale::Relative) => parts.push("scale".into()),
+            Some(LrScale::Absolute) => parts.push("scale:abs".into()),
+            None => {}
         }
         if let Some(l) = self.dc_lambda {
             parts.push(format!("dc:{l}"));
@@ -197,6 +249,10 @@ pub struct ShardCore {
     /// DC-ASGD: values of recent versions.
     history: VecDeque<(u64, Arc<Vec<f32>>)>,
     scratch: Vec<f32>,
+    /// [`LrScale::Relative`]: running mean of `1 / max(1, staleness)` over accepted async/SSP
+    /// pushes (the reciprocal of their harmonic mean staleness), and how many it has seen.
+    inv_staleness_mean: f64,
+    scaled_pushes: u64,
 }
 
 impl ShardCore {
@@ -224,6 +280,8 @@ impl ShardCore {
             pending: 0,
             history: VecDeque::new(),
             scratch: Vec::new(),
+            inv_staleness_mean: 1.0,
+            scaled_pushes: 0,
         }
     }
 
@@ -306,11 +364,7 @@ impl ShardCore {
                         };
                     }
                 }
-                let lr_scale = if self.policy.scale_lr {
-                    1.0 / staleness.max(1) as f32
-                } else {
-                    1.0
-                };
+                let lr_scale = self.lr_scale(staleness);
                 match self.policy.dc_lambda {
                     Some(lambda) if staleness > 0 => {
                         let read = self
@@ -341,6 +395,24 @@ impl ShardCore {
                     lr_scale,
                     merged: 1,
                 }
+            }
+        }
+    }
+
+    /// The learning-rate multiplier for an accepted async/SSP push of `staleness` (see the
+    /// module doc); updates the running mean staleness it is relative to.
+    fn lr_scale(&mut self, staleness: u64) -> f32 {
+        let inv = 1.0 / staleness.max(1) as f64;
+        match self.policy.scale_lr {
+            None => 1.0,
+            Some(LrScale::Absolute) => inv as f32,
+            Some(LrScale::Relative) => {
+                // This push counts in the mean it is compared with, so the first push (and a
+                // lone worker's every push) gets exactly 1.
+                self.scaled_pushes += 1;
+                let weight = 1.0 / self.scaled_pushes.min(STALENESS_WINDOW) as f64;
+                self.inv_staleness_mean += weight * (inv - self.inv_staleness_mean);
+                (inv / self.inv_staleness_mean).min(1.0) as f32
             }
         }
     }
@@ -540,16 +612,19 @@ mod tests {
             p,
             StalenessPolicy {
                 max_staleness: Some(8),
-                scale_lr: true,
+                scale_lr: Some(LrScale::Relative),
                 dc_lambda: Some(0.04)
             }
         );
         assert_eq!(p.to_string(), "drop:8,scale,dc:0.04");
+        let p = StalenessPolicy::parse("scale:abs").unwrap();
+        assert_eq!(p.scale_lr, Some(LrScale::Absolute));
+        assert_eq!(p.to_string(), "scale:abs");
         assert_eq!(
             StalenessPolicy::parse("accept").unwrap(),
             StalenessPolicy::default()
         );
-        for bad in ["drop", "dc:nan", "dc:-1", "fast"] {
+        for bad in ["drop", "dc:nan", "dc:-1", "fast", "scale:rel"] {
             assert!(StalenessPolicy::parse(bad).is_err(), "{bad}");
         }
     }
@@ -607,13 +682,18 @@ mod tests {
         assert_eq!(**s.values(), vec![-2.0]);
     }
 
-    #[test]
-    fn staleness_five_with_scaling_moves_one_fifth_as_far() {
-        let p = StalenessPolicy::parse("scale").unwrap();
-        let mut s = ShardCore::new(vec![0.0], sgd(1.0), p, Consistency::Async);
-        for _ in 0..5 {
+    /// Pushes `n` gradients of 0 computed from the current version: `n` fresh updates.
+    fn fresh_zero_pushes(s: &mut ShardCore, n: usize) {
+        for _ in 0..n {
             s.push(s.version(), &[0.0]);
         }
+    }
+
+    #[test]
+    fn absolute_scaling_at_staleness_five_moves_one_fifth_as_far() {
+        let p = StalenessPolicy::parse("scale:abs").unwrap();
+        let mut s = ShardCore::new(vec![0.0], sgd(1.0), p, Consistency::Async);
+        fresh_zero_pushes(&mut s, 5);
         let before = s.values()[0];
         let out = s.push(0, &[1.0]);
         assert!(
@@ -624,6 +704,69 @@ mod tests {
         let before = s.values()[0];
         s.push(s.version(), &[1.0]);
         assert!(((before - s.values()[0]) - 1.0).abs() < 1e-7);
+    }
+
+    #[test]
+    fn relative_scaling_by_hand() {
+        let p = StalenessPolicy::parse("scale").unwrap();
+        let mut s = ShardCore::new(vec![0.0], sgd(1.0), p, Consistency::Async);
+        // Five fresh pushes: 1 / max(1, 0) = 1 each, so the mean of 1/τ is 1.
+        fresh_zero_pushes(&mut s, 5);
+        // Staleness 5: the mean of 1/τ becomes (5 + 1/5) / 6, so the push gets
+        // (1/5) / (5.2 / 6) = 3/13 of the learning rate.
+        let before = s.values()[0];
+        let out = s.push(0, &[1.0]);
+        let want = 3.0 / 13.0;
+        assert!(
+            matches!(out, Outcome::Applied { staleness: 5, lr_scale, .. } if (lr_scale - want).abs() < 1e-6),
+            "{out:?}"
+        );
+        assert!(((before - s.values()[0]) - want).abs() < 1e-6);
+        // A fresh push is fresher than usual: the full learning rate, never more.
+        let before = s.values()[0];
+        let out = s.push(s.version(), &[1.0]);
+        assert!(matches!(out, Outcome::Applied { lr_scale, .. } if lr_scale == 1.0));
+        assert!(((before - s.values()[0]) - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn relative_scaling_leaves_the_usual_staleness_alone() {
+        // Four workers in lockstep: every push 4 stale. That is the usual staleness, so it gets
+        // the full step once the mean has settled, where `scale:abs` divides the learning rate
+        // by 4 on every push.
+        for (policy, want, tolerance) in [("scale", 1.0, 1e-3), ("scale:abs", 0.25, 1e-7)] {
+            let p = StalenessPolicy::parse(policy).unwrap();
+            let mut s = ShardCore::new(vec![0.0], sgd(1.0), p, Consistency::Async);
+            fresh_zero_pushes(&mut s, 4);
+            let mut last = f32::NAN;
+            for _ in 0..5 * STALENESS_WINDOW {
+                match s.push(s.version() - 4, &[0.0]) {
+                    Outcome::Applied { lr_scale, .. } => last = lr_scale,
+                    other => panic!("{other:?}"),
+                }
+            }
+            assert!((last - want).abs() < tolerance, "{policy}: {last}");
+        }
+    }
+
+    #[test]
+    fn relative_scaling_follows_a_change_in_the_usual_staleness() {
+        // Long fresh, then the run gets busy (staleness 10 on every push): after a few windows
+        // staleness 10 is the new usual and gets (almost) the full step again.
+        let p = StalenessPolicy::parse("scale").unwrap();
+        let mut s = ShardCore::new(vec![0.0], sgd(1.0), p, Consistency::Async);
+        fresh_zero_pushes(&mut s, 2 * STALENESS_WINDOW as usize);
+        let scale_at_10 = |s: &mut ShardCore| match s.push(s.version() - 10, &[0.0]) {
+            Outcome::Applied { lr_scale, .. } => lr_scale,
+            other => panic!("{other:?}"),
+        };
+        let first = scale_at_10(&mut s);
+        assert!((0.1..0.2).contains(&first), "{first}");
+        for _ in 0..8 * STALENESS_WINDOW {
+            scale_at_10(&mut s);
+        }
+        let later = scale_at_10(&mut s);
+        assert!(later > 0.99, "{later}");
     }
 
     #[test]

@@ -17,7 +17,7 @@ done
 # 2. Staleness policies with 16 async workers, at the default learning rate and at 8x it.
 for lr in 0.05 0.4; do
   sim --workers 16 --lr "$lr" "${budget[@]}" --out "$out/staleness-k16-lr$lr" \
-    --sweep "staleness=accept;drop:12;scale;dc:1000"
+    --sweep "staleness=accept;drop:12;scale;scale:abs;dc:1000"
 done
 # 3. Sync with 16 workers is a 16x larger batch: raise the learning rate.
 sim --workers 16 --mode sync:16 "${budget[@]}" --out "$out/sync16-lr" --sweep "lr=0.05,0.2,0.4,0.8"

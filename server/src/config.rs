@@ -55,7 +55,8 @@ pub struct ServeArgs {
     #[arg(long, default_value = "async")]
     pub consistency: String,
     /// Staleness policy for async/SSP pushes: `accept`, or a comma list of `drop:N` (reject
-    /// staler than N), `scale` (lr / staleness), `dc:LAMBDA` (DC-ASGD delay compensation).
+    /// staler than N), `scale` (lr x min(1, mean staleness / staleness)), `scale:abs`
+    /// (lr / staleness), `dc:LAMBDA` (DC-ASGD delay compensation).
     #[arg(long, default_value = "accept")]
     pub staleness: String,
     /// Seconds without a frame after which a worker drops out of the SSP clock.

@@ -1113,7 +1113,7 @@ mod tests {
         assert_eq!(runs[1].1.consistency, Consistency::Ssp { bound: 2 });
         let runs = sweep_configs(&a, "staleness=accept;drop:8,scale").unwrap();
         assert_eq!(runs[1].0, "staleness=drop:8,scale");
-        assert!(runs[1].1.staleness.scale_lr);
+        assert!(runs[1].1.staleness.scale_lr.is_some());
         let runs = sweep_configs(&a, "workers=1,4").unwrap();
         assert_eq!(runs[1].1.partitions, 4, "one partition per worker");
         assert_eq!(slug("staleness=drop:8,scale"), "staleness=drop_8_scale");

@@ -1,16 +1,19 @@
 //! An in-memory parameter server for tests and benchmarks of the core worker without a network:
-//! [`Loopback`] answers a [`Worker`]'s frames the way the real shards do (Welcome, Params, Ack
-//! after applying the push with the run's optimizer), and [`synthetic_run`] makes a join reply
+//! [`Loopback`] answers a [`Worker`]'s frames with the real shard side, core's
+//! [`ShardSession`] over a [`ShardState`] (so pushes go through `ShardCore` like on the
+//! server), and [`synthetic_run`] makes a join reply
 //! and an MNIST-shaped dataset from a seed. Used by `tests/parity.rs` (natively and as wasm) and
 //! `examples/step_time.rs` (native step timing, to compare with the browser's).
 
 use crowdgrad_core::data::{encode_idx, Dataset};
 use crowdgrad_core::model::{Model, ModelSpec};
-use crowdgrad_core::optim::{self, OptState, OptimizerConfig};
-use crowdgrad_core::partition::{partition, KeyRange};
+use crowdgrad_core::optim::OptimizerConfig;
+use crowdgrad_core::partition::partition;
 use crowdgrad_core::rng::Rng;
+use crowdgrad_core::session::{Action, ShardConfig, ShardSession, ShardState};
+use crowdgrad_core::shard::{Consistency, ShardCore, StalenessPolicy};
 use crowdgrad_core::spec::{DataInfo, JoinResponse, PartitionInfo, RunSpec, ShardInfo};
-use crowdgrad_core::wire::{self, Message, Welcome, PROTOCOL_VERSION};
+use crowdgrad_core::wire::{self, Message, PROTOCOL_VERSION};
 use crowdgrad_core::worker::Worker;
 use crowdgrad_core::{Error, Result};
 use std::collections::VecDeque;
@@ -90,13 +93,10 @@ pub fn synthetic_run(
 /// In-memory shards answering one worker.
 #[derive(Debug)]
 pub struct Loopback {
-    ranges: Vec<KeyRange>,
-    optimizer: OptimizerConfig,
-    params: Vec<Vec<f32>>,
-    states: Vec<OptState>,
-    versions: Vec<u64>,
+    shards: Vec<(ShardState, ShardSession)>,
     replies: VecDeque<(usize, Vec<u8>)>,
-    grad: Vec<f32>,
+    /// Loopback time, seconds: advanced by a microsecond per frame (no clock of its own).
+    now: f64,
 }
 
 impl Loopback {
@@ -107,98 +107,86 @@ impl Loopback {
     pub fn new(join: &JoinResponse, init_seed: u64) -> Result<Self> {
         let slicer = join.run.validate()?;
         let init = Model::new(join.run.model.clone())?.init_params(init_seed);
-        let ranges = slicer.ranges().to_vec();
+        let consistency = Consistency::parse(&join.run.consistency)?;
+        let shards = slicer
+            .ranges()
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let core = ShardCore::new(
+                    init[r.start..r.end].to_vec(),
+                    join.run.optimizer,
+                    StalenessPolicy::default(),
+                    consistency,
+                );
+                let cfg = ShardConfig {
+                    id: i as u32,
+                    range: *r,
+                    consistency,
+                    heartbeat: 5.0,
+                    sync_timeout: 2.0,
+                };
+                Ok((ShardState::new(cfg, core)?, ShardSession::new(cfg)))
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(Self {
-            params: ranges
-                .iter()
-                .map(|r| init[r.start..r.end].to_vec())
-                .collect(),
-            states: ranges
-                .iter()
-                .map(|r| OptState::new(&join.run.optimizer.rule, r.len()))
-                .collect(),
-            versions: vec![0; ranges.len()],
-            optimizer: join.run.optimizer,
+            shards,
             replies: VecDeque::new(),
-            grad: Vec::new(),
-            ranges,
+            now: 0.0,
         })
     }
 
     /// The shards' parameters, concatenated.
     pub fn params(&self) -> Vec<f32> {
-        self.params.concat()
+        self.shards
+            .iter()
+            .flat_map(|(s, _)| s.values().iter().copied())
+            .collect()
+    }
+
+    /// The shards' versions.
+    pub fn versions(&self) -> Vec<u64> {
+        self.shards.iter().map(|(s, _)| s.version()).collect()
     }
 
     /// Answers every frame the worker queued (showing each to `observe` with its shard), then
     /// delivers the answers to the worker, in order.
     ///
     /// # Errors
-    /// When the worker sends a frame a shard would refuse, or refuses an answer.
+    /// When the worker sends a frame a shard would refuse (the shard's error frame and close
+    /// are delivered first), or refuses an answer.
     pub fn exchange(
         &mut self,
         worker: &mut Worker,
         mut observe: impl FnMut(usize, &[u8], &Message<'_>),
     ) -> Result<()> {
+        let mut refused = None;
         while let Some(out) = worker.poll_transmit() {
             let s = out.shard;
+            let Some((state, session)) = self.shards.get_mut(s) else {
+                return Err(Error::Protocol(format!("no shard {s}")));
+            };
             let msg = wire::decode(&out.frame, usize::MAX)?;
             observe(s, &out.frame, &msg);
-            let reply = match msg {
-                Message::Hello { request_id, .. } => wire::encode(&Message::Welcome {
-                    request_id,
-                    shard: s as u32,
-                    welcome: Welcome {
-                        protocol: PROTOCOL_VERSION,
-                        range: self.ranges[s],
-                        version: self.versions[s],
-                    },
-                }),
-                Message::Pull { request_id, .. } => {
-                    wire::encode_params(request_id, s as u32, self.versions[s], &self.params[s])
+            self.now += 1e-6;
+            session.handle_frame(state, &out.frame, self.now);
+            while let Some(a) = session.poll_action() {
+                match a {
+                    Action::Send(frame) => self.replies.push_back((s, frame)),
+                    Action::Close(why) => refused = Some(why),
+                    Action::Record(_) => {}
                 }
-                Message::Push {
-                    request_id,
-                    base_version,
-                    grad,
-                    ..
-                } => {
-                    self.grad.resize(grad.len(), 0.0);
-                    grad.copy_into(&mut self.grad)?;
-                    if self.grad.len() != self.params[s].len() {
-                        return Err(Error::WrongLength {
-                            expected: self.params[s].len(),
-                            got: self.grad.len(),
-                        });
-                    }
-                    optim::step(
-                        &self.optimizer,
-                        &mut self.states[s],
-                        &mut self.params[s],
-                        &self.grad,
-                        1.0,
-                    );
-                    self.versions[s] += 1;
-                    let staleness = self.versions[s] - 1 - base_version.min(self.versions[s] - 1);
-                    wire::encode(&Message::Ack {
-                        request_id,
-                        shard: s as u32,
-                        version: self.versions[s],
-                        staleness: staleness as u32,
-                    })
-                }
-                other => {
-                    return Err(Error::Protocol(format!(
-                        "a worker sent a shard-side frame: {other:?}"
-                    )))
-                }
-            };
-            self.replies.push_back((s, reply));
+            }
         }
         while let Some((s, bytes)) = self.replies.pop_front() {
             worker.receive(s, &bytes)?;
         }
-        Ok(())
+        match refused {
+            Some(why) => Err(Error::Protocol(format!(
+                "a shard closed the connection: {why}"
+            ))),
+            None => Ok(()),
+        }
     }
 }
 
@@ -235,7 +223,7 @@ mod tests {
         assert_eq!((st.steps, st.pushes_accepted, st.pushes_lost), (5, 15, 0));
         // 3 hellos, 5 rounds of 3 pulls, 5 rounds of 3 pushes.
         assert_eq!(frames, 3 + 15 + 15);
-        assert_eq!(shards.versions, vec![5, 5, 5]);
+        assert_eq!(shards.versions(), vec![5, 5, 5]);
         assert_ne!(
             shards.params(),
             Model::new(ModelSpec::parse("softmax", 784, 10).unwrap())
