@@ -116,7 +116,7 @@ pub struct Status {
     pub uptime_s: f64,
     /// Per shard.
     pub shards: Vec<ShardStatus>,
-    /// Per worker, newest first.
+    /// The newest workers (at most [`crate::registry::RECENT_WORKERS`]); `/api/workers` pages all.
     pub workers: Vec<WorkerRecord>,
     /// Workers with at least one open connection.
     pub workers_connected: usize,
@@ -165,7 +165,7 @@ impl App {
                     counters,
                 })
                 .collect(),
-            workers_connected: workers.iter().filter(|w| w.connected).count(),
+            workers_connected: totals.workers.map_or(0, |w| w.connected as usize),
             workers,
             totals: Totals {
                 counters: totals,

@@ -1,11 +1,12 @@
-//! The HTTP surface: join, status, events (SSE), parameters, data partitions, shard WebSockets
-//! and the static page.
+//! The HTTP surface: join, status, events (SSE), the worker list (paged), parameters, data
+//! partitions, shard WebSockets and the static page.
 
 use crate::app::App;
 use crate::handler::{self, Inbound, Outbound};
+use crate::registry::{MAX_PAGE, RECENT_WORKERS};
 use axum::body::Bytes;
 use axum::extract::ws::{CloseFrame, Message as WsMessage, WebSocket, WebSocketUpgrade};
-use axum::extract::{Path, State};
+use axum::extract::{Path, RawQuery, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -27,6 +28,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/api/join", post(join))
         .route("/api/status", get(status))
         .route("/api/events", get(events))
+        .route("/api/workers", get(workers))
         .route("/api/params", get(params))
         .route("/api/reads", get(reads))
         .route("/api/data/{tag}/train/{index}/{file}", get(data))
@@ -89,6 +91,42 @@ async fn join(State(app): State<Arc<App>>, body: Bytes) -> Response {
 
 async fn status(State(app): State<Arc<App>>) -> Response {
     Json(app.status()).into_response()
+}
+
+/// `offset` and `limit` of `GET /api/workers?offset=&limit=`: both optional (0 and
+/// [`RECENT_WORKERS`]), `limit` in `1..=MAX_PAGE`; anything else is refused with a message.
+fn page_params(query: Option<&str>) -> Result<(usize, usize), String> {
+    let (mut offset, mut limit) = (0, RECENT_WORKERS);
+    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+        let parse = |what: &str| {
+            value
+                .parse::<usize>()
+                .map_err(|_| format!("{what} must be a non-negative integer, got {value:?}"))
+        };
+        match key {
+            "offset" => offset = parse("offset")?,
+            "limit" => limit = parse("limit")?,
+            _ => {
+                return Err(format!(
+                    "unknown parameter {key:?} (expected offset and limit)"
+                ))
+            }
+        }
+    }
+    if !(1..=MAX_PAGE).contains(&limit) {
+        return Err(format!(
+            "limit must be between 1 and {MAX_PAGE}, got {limit}"
+        ));
+    }
+    Ok((offset, limit))
+}
+
+async fn workers(State(app): State<Arc<App>>, RawQuery(query): RawQuery) -> Response {
+    match page_params(query.as_deref()) {
+        Ok((offset, limit)) => Json(app.registry.workers(offset, limit)).into_response(),
+        Err(m) => error(StatusCode::BAD_REQUEST, m),
+    }
 }
 
 async fn events(
@@ -227,4 +265,28 @@ async fn connection(socket: WebSocket, shard: crate::shard::Shard, app: Arc<App>
         app.shutdown.clone(),
     )
     .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn page_params_default_and_validate() {
+        assert_eq!(page_params(None), Ok((0, RECENT_WORKERS)));
+        assert_eq!(page_params(Some("")), Ok((0, RECENT_WORKERS)));
+        assert_eq!(page_params(Some("offset=200&limit=50")), Ok((200, 50)));
+        assert_eq!(page_params(Some("limit=1000&")), Ok((0, 1000)));
+        for (bad, says) in [
+            ("limit=0", "between 1 and 1000"),
+            ("limit=1001", "between 1 and 1000"),
+            ("offset=-1", "offset must be a non-negative integer"),
+            ("limit=ten", "limit must be a non-negative integer"),
+            ("offset", "offset must be"),
+            ("page=2", "unknown parameter \"page\""),
+        ] {
+            let e = page_params(Some(bad)).unwrap_err();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+    }
 }

@@ -1,17 +1,67 @@
 //! Who is connected and what happened to every frame: per worker and per shard counters of
-//! pulls, applied and rejected pushes (by reason), samples and staleness. Everything
-//! `/api/status` shows comes from here and from the shards' versions.
+//! pulls, applied and rejected pushes (by reason), other rejected frames (by reason), samples and
+//! staleness. Everything `/api/status` and `/api/workers` show comes from here and from the
+//! shards' versions.
+//!
+//! A public server may hold 10,000 workers, so the status carries only the
+//! [`RECENT_WORKERS`] newest ones plus [`WorkerTotals`] by kind, and [`Registry::workers`] pages
+//! the rest ([`MAX_PAGE`] at a time). Workers are kept in id order (ids grow with joins), so both
+//! are cheap and a page is stable while workers come and go.
 
 use crate::shard::Read;
 use crowdgrad_core::shard::Outcome;
 use crowdgrad_core::wire::{ClientKind, ErrorCode};
 use serde::Serialize;
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 /// Staleness histogram buckets: 0, 1, ..., 15 exactly, then `16+`.
 pub const STALENESS_BUCKETS: usize = 17;
+
+/// Workers `/api/status` carries, newest first; `/api/workers` pages the rest.
+pub const RECENT_WORKERS: usize = 100;
+
+/// Most workers one [`Registry::workers`] page holds.
+pub const MAX_PAGE: usize = 1000;
+
+/// Workers of one kind.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct KindCount {
+    /// Registered (joined and not forgotten), connected or not.
+    pub registered: u64,
+    /// With at least one shard connection open.
+    pub connected: u64,
+}
+
+/// Worker counts over the whole registry, by kind: what the status reports instead of listing
+/// every worker.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct WorkerTotals {
+    /// Registered workers of every kind.
+    pub registered: u64,
+    /// Connected workers of every kind.
+    pub connected: u64,
+    /// `crowdgrad work` processes.
+    pub native: KindCount,
+    /// Browser tabs.
+    pub browser: KindCount,
+}
+
+impl WorkerTotals {
+    fn count(&mut self, client: ClientKind, connected: bool) {
+        let kind = match client {
+            ClientKind::Native => &mut self.native,
+            ClientKind::Browser => &mut self.browser,
+        };
+        kind.registered += 1;
+        self.registered += 1;
+        if connected {
+            kind.connected += 1;
+            self.connected += 1;
+        }
+    }
+}
 
 /// Counters shared by shards and workers.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -22,10 +72,15 @@ pub struct Counters {
     pub pushes_applied: u64,
     /// Sync mode: pushes buffered for an aggregate (included in `pushes_applied`).
     pub pushes_buffered: u64,
-    /// Pushes (or other frames) rejected.
+    /// Pushes rejected (other refused frames are `frames_rejected`).
     pub pushes_rejected: u64,
-    /// Rejections by error code name.
+    /// Push rejections by error code name.
     pub rejected_by_reason: BTreeMap<&'static str, u64>,
+    /// Frames other than pushes refused with an error frame: malformed or oversized frames, text
+    /// messages, a bad Hello, anything before Hello but a push, frames for another shard.
+    pub frames_rejected: u64,
+    /// Those refusals by error code name.
+    pub frames_rejected_by_reason: BTreeMap<&'static str, u64>,
     /// Examples behind the applied pushes (counted on shard 0 for workers and totals).
     pub samples: u64,
     /// Sum of staleness of applied pushes.
@@ -45,6 +100,9 @@ pub struct Counters {
     pub read_skew_max: u64,
     #[serde(skip)]
     read_skew_sum: u64,
+    /// Totals only (`None` per shard and per worker): the workers by kind.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub workers: Option<WorkerTotals>,
 }
 
 impl Counters {
@@ -86,6 +144,14 @@ impl Counters {
         self.pushes_rejected += 1;
         *self.rejected_by_reason.entry(code.name()).or_default() += 1;
     }
+
+    fn reject_frame(&mut self, code: ErrorCode) {
+        self.frames_rejected += 1;
+        *self
+            .frames_rejected_by_reason
+            .entry(code.name())
+            .or_default() += 1;
+    }
 }
 
 /// One registered worker.
@@ -107,7 +173,7 @@ pub struct WorkerRecord {
     pub last_seen_s: f64,
     /// Seconds since it joined.
     pub joined_s: f64,
-    /// Last rejection reason.
+    /// Last rejection reason (of a push or any other frame).
     pub last_rejection: Option<String>,
     /// What it did.
     #[serde(flatten)]
@@ -143,7 +209,8 @@ pub const READ_LOG: usize = 50_000;
 #[derive(Debug, Default)]
 struct Inner {
     next_id: u64,
-    workers: HashMap<u64, WorkerRecord>,
+    /// By id, so the newest are last and pages are ranges.
+    workers: BTreeMap<u64, WorkerRecord>,
     shards: Vec<Counters>,
     totals: Counters,
     reads: VecDeque<ReadEntry>,
@@ -249,6 +316,7 @@ impl Registry {
         if let Some(c) = g.shards.get_mut(shard as usize) {
             c.pulls += 1;
         }
+        g.totals.pulls += 1;
         let Some(id) = worker else { return };
         let time_s = g.epoch.map_or(0.0, |e| e.elapsed().as_secs_f64());
         if g.reads.len() >= READ_LOG {
@@ -286,8 +354,9 @@ impl Registry {
         }
     }
 
-    /// Records a push outcome (or any rejected frame) on `shard` from `worker`. Samples count
-    /// once per step: on shard 0.
+    /// Records a push's outcome on `shard` from `worker` (`None` when it came before Hello).
+    /// Samples count once per step: on shard 0. Refused frames that are not pushes go to
+    /// [`Registry::frame_rejected`].
     pub fn pushed(&self, shard: u32, worker: Option<u64>, outcome: &Outcome, samples: u32) {
         let mut g = self.lock();
         let samples = (shard == 0).then_some(samples);
@@ -304,6 +373,22 @@ impl Registry {
         }
     }
 
+    /// A frame that is not a push was refused on `shard` with `code` (from `worker`, `None`
+    /// before Hello): counted per shard, per worker and in the totals as `frames_rejected`,
+    /// never as a rejected push.
+    pub fn frame_rejected(&self, shard: u32, worker: Option<u64>, code: ErrorCode) {
+        let mut g = self.lock();
+        if let Some(c) = g.shards.get_mut(shard as usize) {
+            c.reject_frame(code);
+        }
+        g.totals.reject_frame(code);
+        if let Some(w) = worker.and_then(|id| g.workers.get_mut(&id)) {
+            w.counters.reject_frame(code);
+            w.last_seen = Some(Instant::now());
+            w.last_rejection = Some(code.name().to_string());
+        }
+    }
+
     /// The server's read log, oldest first.
     pub fn reads(&self) -> Vec<ReadEntry> {
         self.lock().reads.iter().copied().collect()
@@ -314,26 +399,229 @@ impl Registry {
         self.lock().read_skew_hist.clone()
     }
 
-    /// Snapshot of the workers (newest first), shard counters and totals.
+    /// Snapshot of the [`RECENT_WORKERS`] newest workers (newest first), the shard counters,
+    /// and the totals with [`Counters::workers`] filled in.
     pub fn view(&self) -> (Vec<WorkerRecord>, Vec<Counters>, Counters) {
         let g = self.lock();
         let now = Instant::now();
-        let mut workers: Vec<WorkerRecord> = g
+        let recent = g
             .workers
             .values()
-            .map(|w| {
-                let mut w = w.clone();
-                w.connected = w.shards_connected > 0;
-                w.last_seen_s = w
-                    .last_seen
-                    .map_or(0.0, |t| now.duration_since(t).as_secs_f64());
-                w.joined_s = w
-                    .joined
-                    .map_or(0.0, |t| now.duration_since(t).as_secs_f64());
-                w
-            })
+            .rev()
+            .take(RECENT_WORKERS)
+            .map(|w| present(w, now))
             .collect();
-        workers.sort_by_key(|w| std::cmp::Reverse(w.id));
-        (workers, g.shards.clone(), g.totals.clone())
+        let mut by_kind = WorkerTotals::default();
+        for w in g.workers.values() {
+            by_kind.count(w.client, w.shards_connected > 0);
+        }
+        let mut totals = g.totals.clone();
+        totals.workers = Some(by_kind);
+        (recent, g.shards.clone(), totals)
+    }
+
+    /// Workers newest first, skipping `offset` and taking at most `limit` (capped at
+    /// [`MAX_PAGE`]); `offset` past the end gives an empty page.
+    pub fn workers(&self, offset: usize, limit: usize) -> WorkersPage {
+        let g = self.lock();
+        let now = Instant::now();
+        let limit = limit.min(MAX_PAGE);
+        WorkersPage {
+            total: g.workers.len(),
+            offset,
+            limit,
+            workers: g
+                .workers
+                .values()
+                .rev()
+                .skip(offset)
+                .take(limit)
+                .map(|w| present(w, now))
+                .collect(),
+        }
+    }
+}
+
+/// One page of workers, the body of `GET /api/workers`.
+#[derive(Debug, Clone, Serialize)]
+pub struct WorkersPage {
+    /// Workers registered now (all pages).
+    pub total: usize,
+    /// Workers skipped (newest first).
+    pub offset: usize,
+    /// Largest page asked for (after the cap).
+    pub limit: usize,
+    /// This page, newest first.
+    pub workers: Vec<WorkerRecord>,
+}
+
+/// `w` as reported at `now`: connected flag and ages filled in.
+fn present(w: &WorkerRecord, now: Instant) -> WorkerRecord {
+    let mut w = w.clone();
+    w.connected = w.shards_connected > 0;
+    w.last_seen_s = w
+        .last_seen
+        .map_or(0.0, |t| now.duration_since(t).as_secs_f64());
+    w.joined_s = w
+        .joined
+        .map_or(0.0, |t| now.duration_since(t).as_secs_f64());
+    w
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shard::Snapshot;
+
+    fn read(version: u64) -> Read {
+        Read {
+            snapshot: Snapshot {
+                version,
+                values: Arc::default(),
+            },
+            clock: None,
+            min_clock: None,
+        }
+    }
+
+    fn applied(staleness: u64) -> Outcome {
+        Outcome::Applied {
+            version: 1,
+            staleness,
+            lr_scale: 1.0,
+            merged: 1,
+        }
+    }
+
+    #[test]
+    fn refused_frames_are_not_rejected_pushes() {
+        let r = Registry::new(2, 10);
+        let (id, _) = r.join(ClientKind::Native, None, 1).unwrap();
+        r.pushed(0, Some(id), &applied(0), 32);
+        r.pushed(
+            1,
+            Some(id),
+            &Outcome::Rejected {
+                code: ErrorCode::TooStale,
+                message: "old".into(),
+            },
+            32,
+        );
+        r.frame_rejected(1, Some(id), ErrorCode::Malformed);
+        r.frame_rejected(1, None, ErrorCode::Protocol);
+        r.frame_rejected(7, None, ErrorCode::WrongShard);
+        let (workers, shards, totals) = r.view();
+        let w = &workers[0].counters;
+        assert_eq!(
+            (w.pushes_applied, w.pushes_rejected, w.frames_rejected),
+            (1, 1, 1)
+        );
+        assert_eq!(w.rejected_by_reason.get("too_stale"), Some(&1));
+        assert_eq!(w.frames_rejected_by_reason.get("malformed"), Some(&1));
+        assert_eq!(workers[0].last_rejection.as_deref(), Some("malformed"));
+        assert_eq!(
+            (shards[1].pushes_rejected, shards[1].frames_rejected),
+            (1, 2)
+        );
+        assert_eq!(shards[0].frames_rejected, 0);
+        // The totals count every refusal once, even on a shard that does not exist.
+        assert_eq!((totals.pushes_rejected, totals.frames_rejected), (1, 3));
+        assert_eq!(totals.rejected_by_reason.len(), 1);
+        assert_eq!(
+            totals.frames_rejected_by_reason.get("wrong_shard"),
+            Some(&1)
+        );
+        assert_eq!(
+            totals.samples, 32,
+            "samples count once per step, on shard 0"
+        );
+    }
+
+    #[test]
+    fn totals_count_pulls() {
+        let r = Registry::new(2, 10);
+        let (id, _) = r.join(ClientKind::Browser, None, 1).unwrap();
+        for v in 0..3 {
+            r.pulled(0, Some(id), &read(v));
+            r.pulled(1, Some(id), &read(v + 2));
+        }
+        r.pulled(1, None, &read(0));
+        let (workers, shards, totals) = r.view();
+        assert_eq!((shards[0].pulls, shards[1].pulls), (3, 4));
+        assert_eq!(totals.pulls, 7);
+        assert_eq!(workers[0].counters.pulls, 6);
+        assert_eq!(workers[0].counters.read_skew_max, 2);
+    }
+
+    #[test]
+    fn the_view_carries_the_newest_workers_and_totals_by_kind() {
+        let r = Registry::new(1, 20_000);
+        let mut ids = Vec::new();
+        for i in 0..10_000u64 {
+            let kind = if i % 4 == 0 {
+                ClientKind::Native
+            } else {
+                ClientKind::Browser
+            };
+            ids.push(r.join(kind, None, 6).unwrap().0);
+        }
+        // Workers 0, 4, 8, ... (native) and 1 (browser) connect.
+        for &id in ids.iter().step_by(4).chain(std::iter::once(&ids[1])) {
+            r.connection(id, true);
+        }
+        let (workers, shards, totals) = r.view();
+        assert_eq!(workers.len(), RECENT_WORKERS);
+        let newest: Vec<u64> = ids.iter().rev().take(RECENT_WORKERS).copied().collect();
+        assert_eq!(workers.iter().map(|w| w.id).collect::<Vec<_>>(), newest);
+        assert!(shards[0].workers.is_none(), "only the totals count workers");
+        let by_kind = totals.workers.unwrap();
+        assert_eq!((by_kind.registered, by_kind.connected), (10_000, 2_501));
+        assert_eq!(
+            by_kind.native,
+            KindCount {
+                registered: 2_500,
+                connected: 2_500
+            }
+        );
+        assert_eq!(
+            by_kind.browser,
+            KindCount {
+                registered: 7_500,
+                connected: 1
+            }
+        );
+        // Small enough to stream every second: the 100 workers dominate.
+        let json = serde_json::to_string(&(&workers, &totals)).unwrap();
+        assert!(json.len() < 200_000, "{} bytes", json.len());
+    }
+
+    #[test]
+    fn pages_walk_every_worker_newest_first() {
+        let r = Registry::new(1, 1_000);
+        let ids: Vec<u64> = (0..250)
+            .map(|_| r.join(ClientKind::Native, None, 6).unwrap().0)
+            .collect();
+        let mut seen = Vec::new();
+        let mut offset = 0;
+        loop {
+            let page = r.workers(offset, 64);
+            assert_eq!((page.total, page.offset, page.limit), (250, offset, 64));
+            if page.workers.is_empty() {
+                break;
+            }
+            assert!(page.workers.len() <= 64);
+            offset += page.workers.len();
+            seen.extend(page.workers.iter().map(|w| w.id));
+        }
+        assert_eq!(seen, ids.iter().rev().copied().collect::<Vec<_>>());
+        // The first page is what the status carries; limits are capped.
+        let first = r.workers(0, RECENT_WORKERS);
+        let (recent, _, _) = r.view();
+        assert_eq!(
+            first.workers.iter().map(|w| w.id).collect::<Vec<_>>(),
+            recent.iter().map(|w| w.id).collect::<Vec<_>>()
+        );
+        assert_eq!(r.workers(0, 1_000_000).limit, MAX_PAGE);
+        assert!(r.workers(10_000, 10).workers.is_empty());
     }
 }
