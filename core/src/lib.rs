@@ -8,6 +8,7 @@
 //! - [`partition`]: [`partition::KeyRange`], [`partition::partition`], [`partition::Slicer`].
 //! - [`wire`]: frames, [`wire::decode`] / [`wire::encode`]; spec in docs/protocol.md.
 //! - [`data`]: IDX parsing, [`data::Dataset`], [`data::BatchSampler`].
+//! - [`eval`]: [`eval::evaluate`], loss and accuracy of parameters on a dataset.
 //! - [`spec`]: the run spec and join messages.
 //! - [`worker`]: the sans-IO [`worker::Worker`] state machine.
 //! - [`shard`]: [`shard::ShardCore`] (the one apply path), consistency modes, staleness
@@ -22,6 +23,7 @@
 pub mod backoff;
 pub mod data;
 pub mod error;
+pub mod eval;
 pub mod model;
 pub mod optim;
 pub mod partition;

@@ -4,7 +4,8 @@ use crate::config::ServeConfig;
 use crate::registry::{Counters, Registry, WorkerRecord};
 use crate::shard::Shard;
 use crowdgrad_core::data::Dataset;
-use crowdgrad_core::model::{BatchStats, Model};
+use crowdgrad_core::eval::evaluate;
+use crowdgrad_core::model::Model;
 use crowdgrad_core::optim::OptimizerConfig;
 use crowdgrad_core::partition::KeyRange;
 use crowdgrad_core::spec::RunSpec;
@@ -197,33 +198,6 @@ impl App {
         r.push((now, samples));
         r.retain(|(t, _)| now.duration_since(*t) <= Duration::from_secs(5));
     }
-}
-
-/// Evaluates `params` on the whole test set, in chunks.
-pub fn evaluate(model: &Model, params: &[f32], test: &Dataset) -> BatchStats {
-    const CHUNK: usize = 1000;
-    let mut ws = model.workspace(CHUNK);
-    let mut x = ndarray::Array2::zeros((CHUNK, test.features));
-    let mut y = vec![0u8; CHUNK];
-    let mut total = BatchStats::default();
-    let mut start = 0;
-    while start < test.len() {
-        let n = CHUNK.min(test.len() - start);
-        fill_rows(test, start, n, &mut x, &mut y);
-        let xs = x.slice(ndarray::s![..n, ..]);
-        if let Ok(s) = model.evaluate(params, xs, &y[..n], &mut ws) {
-            total.merge(s);
-        }
-        start += n;
-    }
-    total
-}
-
-/// Fills the first `n` rows of `x`/`y` with examples `start..start+n`.
-fn fill_rows(d: &Dataset, start: usize, n: usize, x: &mut ndarray::Array2<f32>, y: &mut [u8]) {
-    let idx: Vec<u32> = (start as u32..(start + n) as u32).collect();
-    let mut view = x.slice_mut(ndarray::s![..n, ..]);
-    d.fill_batch(&idx, &mut view, &mut y[..n]);
 }
 
 /// The side-car evaluator (like TF2's): every `eval_every`, if any shard moved, evaluate the

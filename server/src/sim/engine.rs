@@ -917,7 +917,7 @@ impl<'a> Engine<'a> {
             self.params.extend_from_slice(s.driver.state().values());
         }
         let set = if full { self.test } else { &self.test_subset };
-        let stats = crate::app::evaluate(&self.model, &self.params, set);
+        let stats = crowdgrad_core::eval::evaluate(&self.model, &self.params, set);
         let (sum, count, max) = std::mem::take(&mut self.interval);
         Row {
             samples: self.totals.samples,
