@@ -12,7 +12,6 @@ use crate::registry::Registry;
 use crate::shard::{Read, Shard, Snapshot};
 use bytes::Bytes;
 use crowdgrad_core::session::{Action, Record, ShardSession};
-use crowdgrad_core::shard::Outcome;
 use futures_util::{Sink, SinkExt, Stream, StreamExt};
 use std::sync::Arc;
 use tokio::sync::watch;
@@ -148,15 +147,7 @@ fn record(registry: &Registry, shard: u32, r: Record) {
             outcome,
             samples,
         } => registry.pushed(shard, worker, &outcome, samples),
-        Record::Rejected { worker, code } => registry.pushed(
-            shard,
-            worker,
-            &Outcome::Rejected {
-                code,
-                message: String::new(),
-            },
-            0,
-        ),
+        Record::Rejected { worker, code } => registry.frame_rejected(shard, worker, code),
     }
 }
 
