@@ -1,5 +1,7 @@
 // The page: a volunteer panel driving one Web Worker (web/worker.js, which hosts the Rust
-// BrowserWorker), and a live dashboard fed by the server's status stream (/api/events).
+// BrowserWorker), and a live dashboard fed by the server's status stream (/api/events). The
+// status carries only the newest 100 workers and totals by kind; older pages of the worker
+// table come from /api/workers.
 // No training logic lives here: the numbers shown come from the worker's progress reports and
 // the server's status.
 import uPlot from './vendor/uPlot.esm.js';
@@ -207,10 +209,68 @@ function cell(text, cls) {
   return td;
 }
 
+// The worker table shows one page of PAGE workers, newest first. Page 0 is the status's own
+// list (live with every status event); later pages are fetched from /api/workers and refreshed
+// on each status event while shown, one request at a time.
+const PAGE = 100;
+const workerPages = { offset: 0, total: 0, recent: [], loading: false };
+
+function renderWorkerPager() {
+  const { offset, total } = workerPages;
+  const to = Math.min(total, offset + PAGE);
+  $('workers-range').textContent = total === 0 ? 'no workers yet'
+    : `${num(Math.min(offset + 1, total))}–${num(to)} of ${num(total)}, newest first`;
+  $('workers-newer').disabled = offset === 0;
+  $('workers-older').disabled = offset + PAGE >= total;
+  $('workers-pager').hidden = total <= PAGE && offset === 0;
+}
+
+async function loadWorkerPage() {
+  if (workerPages.offset === 0 || workerPages.loading) return;
+  const offset = workerPages.offset;
+  workerPages.loading = true;
+  try {
+    const r = await fetch(`/api/workers?offset=${offset}&limit=${PAGE}`);
+    const page = await r.json();
+    if (!r.ok) throw new Error(page.error || r.statusText);
+    if (offset !== workerPages.offset) return; // the user moved on meanwhile
+    workerPages.total = page.total;
+    if (page.workers.length === 0 && offset > 0) {
+      // Workers were forgotten since: show the last page that still exists.
+      workerPages.offset = Math.max(0, Math.ceil(page.total / PAGE) - 1) * PAGE;
+      if (workerPages.offset === 0) renderWorkers(workerPages.recent);
+    } else {
+      renderWorkers(page.workers);
+    }
+  } catch (err) {
+    console.warn('crowdgrad: could not load workers', err);
+  } finally {
+    workerPages.loading = false;
+    renderWorkerPager();
+  }
+}
+
+function moveWorkerPage(pages) {
+  const last = Math.max(0, Math.ceil(workerPages.total / PAGE) - 1) * PAGE;
+  workerPages.offset = Math.min(last, Math.max(0, workerPages.offset + pages * PAGE));
+  if (workerPages.offset === 0) renderWorkers(workerPages.recent);
+  else loadWorkerPage();
+  renderWorkerPager();
+}
+
+$('workers-newer').addEventListener('click', () => moveWorkerPage(-1));
+$('workers-older').addEventListener('click', () => moveWorkerPage(1));
+
+function kindSummary(k) {
+  if (!k) return '–';
+  const part = (name, c) => `${name} ${num(c && c.connected)} / ${num(c && c.registered)}`;
+  return `${part('native', k.native)} · ${part('browser', k.browser)}`;
+}
+
 function renderWorkers(workers) {
   const body = $('workers');
-  // Online workers first, then by id.
-  const rows = [...workers].sort((a, b) => (b.connected - a.connected) || (a.id - b.id));
+  // Online workers first, then newest first (as the pages are).
+  const rows = [...workers].sort((a, b) => (b.connected - a.connected) || (b.id - a.id));
   body.replaceChildren(...rows.map((w) => {
     const tr = document.createElement('tr');
     tr.dataset.connected = String(!!w.connected);
@@ -283,10 +343,16 @@ function renderStatus(st) {
   $('kpi-workers').textContent = num(st.workers_connected);
   $('kpi-samples').textContent = num(t.samples);
   $('kpi-pushes').textContent = `${num(t.pushes_applied)} / ${num(t.pushes_rejected)}`;
+  $('kpi-frames').textContent = num(t.frames_rejected);
+  $('kpi-kinds').textContent = kindSummary(t.workers);
   $('kpi-mode').textContent = st.consistency || '–';
   $('kpi-policy').textContent = st.staleness_policy || '–';
   $('kpi-skew').textContent = t.read_steps ? `${fixed(t.read_skew_mean, 2)} / ${num(t.read_skew_max)}` : '–';
-  renderWorkers(st.workers || []);
+  workerPages.recent = st.workers || [];
+  workerPages.total = t.workers ? t.workers.registered : workerPages.recent.length;
+  if (workerPages.offset === 0) renderWorkers(workerPages.recent);
+  else loadWorkerPage();
+  renderWorkerPager();
   renderShards(st.shards || []);
   renderHist(st);
   const h = st.eval_history || [];
