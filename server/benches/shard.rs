@@ -1,4 +1,4 @@
-//! Shard apply throughput through the real writer thread (decode, validate, copy, update,
+//! Shard apply throughput through the server's real push path (decode, validate, copy, update,
 //! publish), per optimizer. Run: `cargo bench -p crowdgrad --bench shard`.
 
 use criterion::{criterion_main, Criterion, Throughput};
