@@ -7,6 +7,8 @@
 //! - [`optim`]: update rules ([`optim::step`]) over slices with explicit [`optim::OptState`].
 //! - [`partition`]: [`partition::KeyRange`], [`partition::partition`], [`partition::Slicer`].
 //! - [`wire`]: frames, [`wire::decode`] / [`wire::encode`]; spec in docs/protocol.md.
+//! - [`codec`]: payload encodings ([`codec::Encoding`]: f32, bf16, int8 blocks) and
+//!   [`codec::ErrorFeedback`].
 //! - [`data`]: IDX parsing, [`data::Dataset`], [`data::BatchSampler`].
 //! - [`eval`]: [`eval::evaluate`], loss and accuracy of parameters on a dataset.
 //! - [`spec`]: the run spec and join messages.
@@ -21,6 +23,7 @@
 //! - [`rng`]: the deterministic PRNG everything seeds from.
 
 pub mod backoff;
+pub mod codec;
 pub mod data;
 pub mod error;
 pub mod eval;
