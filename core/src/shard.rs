@@ -50,9 +50,10 @@ use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
 use std::sync::Arc;
 
-/// How a run keeps workers consistent.
+/// How a run keeps workers consistent. In JSON (the join reply's `run.consistency`) it is the
+/// same text as on the command line: `"async"`, `"ssp:2"`, `"sync:4"`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "mode", rename_all = "snake_case")]
+#[serde(into = "String", try_from = "String")]
 pub enum Consistency {
     /// Apply every push on receipt (Hogwild / Downpour / TensorFlow's async PS).
     Async,
@@ -86,16 +87,43 @@ impl Consistency {
         } else if let Some(s) = t.strip_prefix("ssp:") {
             Ok(Consistency::Ssp { bound: num(s)? })
         } else if let Some(k) = t.strip_prefix("sync:") {
-            match num(k)? {
-                0 => Err(Error::Config("sync:K needs K >= 1".into())),
-                k if k > 65_536 => Err(Error::Config("sync:K needs K <= 65536".into())),
-                k => Ok(Consistency::Sync { k: k as usize }),
-            }
+            let k = usize::try_from(num(k)?).unwrap_or(usize::MAX);
+            let c = Consistency::Sync { k };
+            c.validate()?;
+            Ok(c)
         } else {
             Err(Error::Config(format!(
                 "unknown consistency mode {t:?}: use async, ssp:S or sync:K"
             )))
         }
+    }
+
+    /// Checks a mode made in code (a parsed one always passes): sync:K needs 1 <= K <= 65536.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for K out of range.
+    pub fn validate(&self) -> Result<()> {
+        match *self {
+            Consistency::Sync { k: 0 } => Err(Error::Config("sync:K needs K >= 1".into())),
+            Consistency::Sync { k } if k > 65_536 => {
+                Err(Error::Config("sync:K needs K <= 65536".into()))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+impl From<Consistency> for String {
+    fn from(c: Consistency) -> Self {
+        c.to_string()
+    }
+}
+
+impl TryFrom<String> for Consistency {
+    type Error = Error;
+
+    fn try_from(text: String) -> Result<Self> {
+        Consistency::parse(&text)
     }
 }
 
@@ -604,9 +632,10 @@ mod tests {
             Consistency::parse("sync:4").unwrap(),
             Consistency::Sync { k: 4 }
         );
-        for bad in ["sync:0", "ssp:x", "bsp", "sync:-1"] {
+        for bad in ["sync:0", "ssp:x", "bsp", "sync:-1", "sync:65537"] {
             assert!(Consistency::parse(bad).is_err(), "{bad}");
         }
+        assert!(Consistency::Sync { k: 0 }.validate().is_err());
         let p = StalenessPolicy::parse("drop:8,scale,dc:0.04").unwrap();
         assert_eq!(
             p,

@@ -1,10 +1,17 @@
 //! What a worker learns when it joins: the run spec (model, optimizer, shard map, batch size,
-//! seed, dataset) and its own id and data partition. Sent as JSON by `POST /api/join`.
+//! seed, consistency mode, dataset) and its own id and data partition. Sent as JSON by
+//! `POST /api/join`.
+//!
+//! A [`RunSpec`] is made in one place, [`RunSpec::build`] from [`RunParams`] (the server, the
+//! simulator, the loopback and the tests all call it), and checked again with
+//! [`RunSpec::validate`] by whoever receives one.
 
+use crate::data::Dataset;
 use crate::error::{Error, Result};
 use crate::model::ModelSpec;
 use crate::optim::OptimizerConfig;
-use crate::partition::{KeyRange, Slicer};
+use crate::partition::{partition, KeyRange, Slicer};
+use crate::shard::Consistency;
 use crate::wire::{ClientKind, PROTOCOL_VERSION};
 use serde::{Deserialize, Serialize};
 
@@ -47,6 +54,43 @@ pub struct DataInfo {
     pub test_len: usize,
 }
 
+impl DataInfo {
+    /// The description of a training and a test set called `name`; the class count is the
+    /// larger of the two sets' (a label seen only in the test set still needs an output).
+    pub fn of(name: impl Into<String>, train: &Dataset, test: &Dataset) -> Self {
+        Self {
+            name: name.into(),
+            image_dims: train.image_dims.clone(),
+            classes: train.classes().max(test.classes()),
+            train_len: train.len(),
+            test_len: test.len(),
+        }
+    }
+}
+
+/// What a run is made of, unchecked: [`RunSpec::build`] resolves the model against the
+/// dataset, cuts the parameters into shards and checks the result.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunParams {
+    /// Distinguishes runs (a restarted server starts a new one).
+    pub run_id: String,
+    /// Model text, `softmax` or `mlp:W1[,W2...]` ([`ModelSpec::parse`]); the input and output
+    /// sizes come from `dataset`.
+    pub model: String,
+    /// The shards' optimizer.
+    pub optimizer: OptimizerConfig,
+    /// Examples per gradient.
+    pub batch_size: usize,
+    /// Seed for initial weights and each worker's batch order.
+    pub seed: u64,
+    /// Consistency mode.
+    pub consistency: Consistency,
+    /// Number of parameter shards (contiguous, near-equal key ranges at `/ws/shard/{i}`).
+    pub shards: usize,
+    /// The dataset.
+    pub dataset: DataInfo,
+}
+
 /// Everything about a run that a worker needs to train.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunSpec {
@@ -60,8 +104,9 @@ pub struct RunSpec {
     pub batch_size: usize,
     /// Seed for initial weights and each worker's batch order.
     pub seed: u64,
-    /// Consistency mode: `async`, `ssp:S` or `sync:K` (see [`crate::shard::Consistency`]).
-    pub consistency: String,
+    /// Consistency mode; in JSON the string `"async"`, `"ssp:S"` or `"sync:K"`
+    /// ([`Consistency::parse`] / `Display`).
+    pub consistency: Consistency,
     /// The shard map.
     pub shards: Vec<ShardInfo>,
     /// The dataset.
@@ -69,15 +114,45 @@ pub struct RunSpec {
 }
 
 impl RunSpec {
-    /// Checks the spec is self-consistent: a valid model, shards that tile its parameters, a
-    /// positive batch size, and a dataset the model fits.
+    /// The one way to make a run spec: parses `p.model` for the dataset's image size and
+    /// classes, cuts its parameters into `p.shards` ranges (the shard map of
+    /// [`shard_map`]) and validates the whole ([`RunSpec::validate`]).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a bad model text, a shard count that is zero or larger than the
+    /// parameter count, or anything [`RunSpec::validate`] rejects.
+    pub fn build(p: RunParams) -> Result<Self> {
+        let features = p.dataset.image_dims.iter().product();
+        let model = ModelSpec::parse(&p.model, features, p.dataset.classes)?;
+        let ranges = partition(model.param_len(), p.shards)?;
+        let spec = Self {
+            run_id: p.run_id,
+            model,
+            optimizer: p.optimizer,
+            batch_size: p.batch_size,
+            seed: p.seed,
+            consistency: p.consistency,
+            shards: shard_map(&ranges),
+            dataset: p.dataset,
+        };
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    /// The shards' key ranges, in shard order.
+    pub fn ranges(&self) -> Vec<KeyRange> {
+        self.shards.iter().map(|s| s.range).collect()
+    }
+
+    /// Checks the spec is self-consistent: a valid model, optimizer and consistency mode,
+    /// shards that tile its parameters, a positive batch size, and a dataset the model fits.
     ///
     /// # Errors
     /// [`Error::Config`] naming the problem.
     pub fn validate(&self) -> Result<Slicer> {
         self.model.validate()?;
         self.optimizer.validate()?;
-        crate::shard::Consistency::parse(&self.consistency)?;
+        self.consistency.validate()?;
         if self.batch_size == 0 || self.batch_size > 65_536 {
             return Err(Error::Config(format!(
                 "batch size {} is out of range",
@@ -92,7 +167,7 @@ impl RunSpec {
                 )));
             }
         }
-        let slicer = Slicer::new(self.shards.iter().map(|s| s.range).collect())?;
+        let slicer = Slicer::new(self.ranges())?;
         if slicer.total() != self.model.param_len() {
             return Err(Error::Config(format!(
                 "shards cover {} parameters, the model has {}",
@@ -158,4 +233,80 @@ pub struct JoinResponse {
     pub run: RunSpec,
     /// The data to train on.
     pub partition: PartitionInfo,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params() -> RunParams {
+        RunParams {
+            run_id: "t".into(),
+            model: "mlp:8".into(),
+            optimizer: OptimizerConfig::default(),
+            batch_size: 4,
+            seed: 1,
+            consistency: Consistency::Ssp { bound: 2 },
+            shards: 3,
+            dataset: DataInfo {
+                name: "toy".into(),
+                image_dims: vec![2, 3],
+                classes: 4,
+                train_len: 10,
+                test_len: 5,
+            },
+        }
+    }
+
+    #[test]
+    fn build_resolves_the_model_and_tiles_the_shards() {
+        let spec = RunSpec::build(params()).unwrap();
+        assert_eq!(spec.model, ModelSpec::parse("mlp:8", 6, 4).unwrap());
+        let n = spec.model.param_len();
+        assert_eq!(spec.ranges(), partition(n, 3).unwrap());
+        assert_eq!(spec.shards, shard_map(&spec.ranges()));
+        assert_eq!(spec.shards[2].path, "/ws/shard/2");
+        assert_eq!(spec.validate().unwrap().total(), n);
+    }
+
+    #[test]
+    fn build_rejects_what_validate_rejects() {
+        type Edit = fn(&mut RunParams);
+        let cases: [(&str, Edit); 6] = [
+            ("model", |p| p.model = "cnn".into()),
+            ("no shards", |p| p.shards = 0),
+            ("more shards than parameters", |p| p.shards = 10_000),
+            ("batch", |p| p.batch_size = 0),
+            ("sync:0", |p| p.consistency = Consistency::Sync { k: 0 }),
+            ("lr", |p| p.optimizer.lr = f32::NAN),
+        ];
+        for (what, edit) in cases {
+            let mut p = params();
+            edit(&mut p);
+            assert!(RunSpec::build(p).is_err(), "{what}");
+        }
+    }
+
+    #[test]
+    fn consistency_is_its_command_line_text_in_json() {
+        let spec = RunSpec::build(params()).unwrap();
+        let json = serde_json::to_value(&spec).unwrap();
+        assert_eq!(json["consistency"], "ssp:2");
+        let back: RunSpec = serde_json::from_value(json.clone()).unwrap();
+        assert_eq!(back, spec);
+        for (mode, text) in [
+            (Consistency::Async, "async"),
+            (Consistency::Sync { k: 4 }, "sync:4"),
+        ] {
+            assert_eq!(serde_json::to_value(mode).unwrap(), text);
+            assert_eq!(
+                serde_json::from_value::<Consistency>(text.into()).unwrap(),
+                mode
+            );
+        }
+        // A bad mode from the network is a decode error, not a run with a broken mode.
+        let mut bad = json;
+        bad["consistency"] = "sync:0".into();
+        assert!(serde_json::from_value::<RunSpec>(bad).is_err());
+    }
 }

@@ -186,10 +186,7 @@ impl Worker {
             next_request: 1,
             frame_limit: HEADER_LEN + MAX_META_LEN + 4 * largest,
             max_steps,
-            sync: matches!(
-                Consistency::parse(&join.run.consistency)?,
-                Consistency::Sync { .. }
-            ),
+            sync: matches!(join.run.consistency, Consistency::Sync { .. }),
             stats: WorkerStats::default(),
             data,
             model,
@@ -470,35 +467,24 @@ impl Worker {
 mod tests {
     use super::*;
     use crate::data::encode_idx;
-    use crate::model::ModelSpec;
     use crate::optim::OptimizerConfig;
-    use crate::partition::{partition, KeyRange};
-    use crate::spec::{DataInfo, PartitionInfo, RunSpec, ShardInfo};
+    use crate::partition::KeyRange;
+    use crate::spec::{DataInfo, PartitionInfo, RunParams, RunSpec};
     use crate::wire::{Bye, Welcome};
 
     /// A softmax over 2x2 "images" with 3 classes: 15 parameters, cut into `shards`.
     fn join(consistency: &str, shards: usize) -> JoinResponse {
-        let model = ModelSpec::parse("softmax", 4, 3).unwrap();
-        let ranges = partition(model.param_len(), shards).unwrap();
         JoinResponse {
             protocol: PROTOCOL_VERSION,
             worker_id: 42,
-            run: RunSpec {
+            run: RunSpec::build(RunParams {
                 run_id: "test".into(),
-                model,
+                model: "softmax".into(),
                 optimizer: OptimizerConfig::default(),
                 batch_size: 2,
                 seed: 1,
-                consistency: consistency.to_string(),
-                shards: ranges
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &range)| ShardInfo {
-                        id: i as u32,
-                        path: format!("/ws/shard/{i}"),
-                        range,
-                    })
-                    .collect(),
+                consistency: Consistency::parse(consistency).unwrap(),
+                shards,
                 dataset: DataInfo {
                     name: "toy".into(),
                     image_dims: vec![2, 2],
@@ -506,7 +492,8 @@ mod tests {
                     train_len: 6,
                     test_len: 0,
                 },
-            },
+            })
+            .unwrap(),
             partition: PartitionInfo {
                 index: 0,
                 count: 1,
@@ -1134,7 +1121,9 @@ mod tests {
             Worker::new(join("async", 2), many, ClientKind::Native, None),
             Err(Error::Data(_))
         ));
-        // An unknown consistency mode.
-        assert!(Worker::new(join("eventually", 2), data(), ClientKind::Native, None).is_err());
+        // An unknown consistency mode never reaches a worker: the join reply does not decode.
+        let mut json = serde_json::to_value(join("async", 2)).unwrap();
+        json["run"]["consistency"] = "eventually".into();
+        assert!(serde_json::from_value::<JoinResponse>(json).is_err());
     }
 }

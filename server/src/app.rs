@@ -147,7 +147,7 @@ impl App {
             run_id: self.spec.run_id.clone(),
             model: self.model.spec().to_string(),
             params: self.model.param_len(),
-            consistency: self.spec.consistency.clone(),
+            consistency: self.spec.consistency.to_string(),
             staleness_policy: self.cfg.staleness.to_string(),
             read_skew_hist: self.registry.read_skew_hist(),
             batch_size: self.spec.batch_size,

@@ -28,9 +28,8 @@ pub use error::{Error, Result};
 
 use app::App;
 use config::ServeConfig;
-use crowdgrad_core::model::{Model, ModelSpec};
-use crowdgrad_core::partition::partition;
-use crowdgrad_core::spec::{shard_map, DataInfo, RunSpec};
+use crowdgrad_core::model::Model;
+use crowdgrad_core::spec::{DataInfo, RunParams, RunSpec};
 use data::TrainTest;
 use shard::Shard;
 use std::future::Future;
@@ -56,10 +55,24 @@ pub async fn run(
     data: TrainTest,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
-    let classes = data.train.classes().max(data.test.classes());
-    let spec = ModelSpec::parse(&cfg.model, data.train.features, classes)?;
-    let model = Model::new(spec.clone())?;
-    let ranges = partition(model.param_len(), cfg.shards)?;
+    let run_id = format!(
+        "{:x}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis())
+    );
+    let spec = RunSpec::build(RunParams {
+        run_id,
+        model: cfg.model.clone(),
+        optimizer: cfg.optimizer,
+        batch_size: cfg.batch_size,
+        seed: cfg.seed,
+        consistency: cfg.consistency,
+        shards: cfg.shards,
+        dataset: DataInfo::of(cfg.dataset.clone(), &data.train, &data.test),
+    })?;
+    let model = Model::new(spec.model.clone())?;
+    let ranges = spec.ranges();
     let initial = model.init_params(cfg.seed);
     let mut shards = Vec::new();
     for (i, r) in ranges.iter().enumerate() {
@@ -83,29 +96,6 @@ pub async fn run(
         h.truncate(12);
         format!("{h}-{}", cfg.partitions)
     };
-    let run_id = format!(
-        "{:x}",
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis())
-    );
-    let spec = RunSpec {
-        run_id,
-        model: spec,
-        optimizer: cfg.optimizer,
-        batch_size: cfg.batch_size,
-        seed: cfg.seed,
-        consistency: cfg.consistency.to_string(),
-        shards: shard_map(&ranges),
-        dataset: DataInfo {
-            name: cfg.dataset.clone(),
-            image_dims: data.train.image_dims.clone(),
-            classes,
-            train_len: data.train.len(),
-            test_len: data.test.len(),
-        },
-    };
-    spec.validate()?;
     let (stop_tx, stop_rx) = watch::channel(false);
     let app = Arc::new(App {
         registry: registry::Registry::new(cfg.shards, cfg.max_workers),

@@ -3,10 +3,9 @@
 
 use crate::util::mnist;
 use crowdgrad::sim::{self, DropoutKind, Fault, SimConfig, SpeedDist};
-use crowdgrad_core::model::{Model, ModelSpec};
-use crowdgrad_core::partition::partition;
+use crowdgrad_core::model::Model;
 use crowdgrad_core::shard::{Consistency, Outcome, ShardCore, StalenessPolicy};
-use crowdgrad_core::spec::{DataInfo, JoinResponse, PartitionInfo, RunSpec};
+use crowdgrad_core::spec::{DataInfo, JoinResponse, PartitionInfo, RunParams, RunSpec};
 use crowdgrad_core::wire::{self, ClientKind, Message, Welcome, PROTOCOL_VERSION};
 use crowdgrad_core::worker::Worker;
 
@@ -131,10 +130,19 @@ fn one_worker_without_delay_equals_applying_its_gradients_through_shardcore() {
     assert_eq!(r.totals.staleness_max, 0, "a lone worker is never stale");
 
     // The reference: the same worker (id 1, the whole training set), driven by hand.
-    let classes = data.train.classes();
-    let spec = ModelSpec::parse(&cfg.model, data.train.features, classes).expect("model");
-    let model = Model::new(spec.clone()).expect("model");
-    let ranges = partition(model.param_len(), cfg.shards).expect("ranges");
+    let run = RunSpec::build(RunParams {
+        run_id: "reference".into(),
+        model: cfg.model.clone(),
+        optimizer: cfg.optimizer,
+        batch_size: cfg.batch_size,
+        seed: cfg.seed,
+        consistency: cfg.consistency,
+        shards: cfg.shards,
+        dataset: DataInfo::of("mnist", &data.train, &data.test),
+    })
+    .expect("run spec");
+    let model = Model::new(run.model.clone()).expect("model");
+    let ranges = run.ranges();
     let init = model.init_params(cfg.seed);
     let mut shards: Vec<ShardCore> = ranges
         .iter()
@@ -147,22 +155,6 @@ fn one_worker_without_delay_equals_applying_its_gradients_through_shardcore() {
             )
         })
         .collect();
-    let run = RunSpec {
-        run_id: "reference".into(),
-        model: spec,
-        optimizer: cfg.optimizer,
-        batch_size: cfg.batch_size,
-        seed: cfg.seed,
-        consistency: cfg.consistency.to_string(),
-        shards: crowdgrad_core::spec::shard_map(&ranges),
-        dataset: DataInfo {
-            name: "mnist".into(),
-            image_dims: data.train.image_dims.clone(),
-            classes,
-            train_len: data.train.len(),
-            test_len: data.test.len(),
-        },
-    };
     let join = JoinResponse {
         protocol: PROTOCOL_VERSION,
         worker_id: 1,

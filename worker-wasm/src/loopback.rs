@@ -6,13 +6,12 @@
 //! `examples/step_time.rs` (native step timing, to compare with the browser's).
 
 use crowdgrad_core::data::{encode_idx, Dataset};
-use crowdgrad_core::model::{Model, ModelSpec};
+use crowdgrad_core::model::Model;
 use crowdgrad_core::optim::OptimizerConfig;
-use crowdgrad_core::partition::partition;
 use crowdgrad_core::rng::Rng;
 use crowdgrad_core::session::{Action, ShardConfig, ShardSession, ShardState};
 use crowdgrad_core::shard::{Consistency, ShardCore, StalenessPolicy};
-use crowdgrad_core::spec::{DataInfo, JoinResponse, PartitionInfo, RunSpec, ShardInfo};
+use crowdgrad_core::spec::{DataInfo, JoinResponse, PartitionInfo, RunParams, RunSpec};
 use crowdgrad_core::wire::{self, Message, PROTOCOL_VERSION};
 use crowdgrad_core::worker::Worker;
 use crowdgrad_core::{Error, Result};
@@ -49,27 +48,17 @@ pub fn synthetic_run(
     examples: usize,
     seed: u64,
 ) -> Result<(JoinResponse, Dataset)> {
-    let spec = ModelSpec::parse(model, 784, 10)?;
-    let ranges = partition(spec.param_len(), shards)?;
     let join = JoinResponse {
         protocol: PROTOCOL_VERSION,
         worker_id: 3,
-        run: RunSpec {
+        run: RunSpec::build(RunParams {
             run_id: "loopback".into(),
-            model: spec,
+            model: model.into(),
             optimizer,
             batch_size: batch,
             seed,
-            consistency: "async".into(),
-            shards: ranges
-                .iter()
-                .enumerate()
-                .map(|(i, &range)| ShardInfo {
-                    id: i as u32,
-                    path: format!("/ws/shard/{i}"),
-                    range,
-                })
-                .collect(),
+            consistency: Consistency::Async,
+            shards,
             dataset: DataInfo {
                 name: "synthetic".into(),
                 image_dims: vec![28, 28],
@@ -77,7 +66,7 @@ pub fn synthetic_run(
                 train_len: examples,
                 test_len: 0,
             },
-        },
+        })?,
         partition: PartitionInfo {
             index: 0,
             count: 1,
@@ -107,7 +96,7 @@ impl Loopback {
     pub fn new(join: &JoinResponse, init_seed: u64) -> Result<Self> {
         let slicer = join.run.validate()?;
         let init = Model::new(join.run.model.clone())?.init_params(init_seed);
-        let consistency = Consistency::parse(&join.run.consistency)?;
+        let consistency = join.run.consistency;
         let shards = slicer
             .ranges()
             .iter()
@@ -193,6 +182,7 @@ impl Loopback {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crowdgrad_core::model::ModelSpec;
     use crowdgrad_core::optim::Rule;
     use crowdgrad_core::wire::ClientKind;
 

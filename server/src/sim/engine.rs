@@ -24,7 +24,7 @@ use crowdgrad_core::partition::partition;
 use crowdgrad_core::rng::Rng;
 use crowdgrad_core::session::{Record, ShardConfig, ShardState};
 use crowdgrad_core::shard::{Outcome, ShardCore};
-use crowdgrad_core::spec::{DataInfo, JoinResponse, PartitionInfo, RunSpec};
+use crowdgrad_core::spec::{DataInfo, JoinResponse, PartitionInfo, RunParams, RunSpec};
 use crowdgrad_core::wire::{self, ClientKind, ErrorCode, Message, PROTOCOL_VERSION};
 use crowdgrad_core::worker::{Worker, WorkerStats};
 use std::cmp::Ordering;
@@ -291,23 +291,16 @@ impl<'a> Engine<'a> {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let spec = RunSpec {
+        let spec = RunSpec::build(RunParams {
             run_id: format!("sim-{}", cfg.seed),
-            model: spec,
+            model: cfg.model.clone(),
             optimizer: cfg.optimizer,
             batch_size: cfg.batch_size,
             seed: cfg.seed,
-            consistency: cfg.consistency.to_string(),
-            shards: crowdgrad_core::spec::shard_map(&ranges),
-            dataset: DataInfo {
-                name: "mnist".into(),
-                image_dims: train.image_dims.clone(),
-                classes,
-                train_len: train.len(),
-                test_len: data.test.len(),
-            },
-        };
-        spec.validate()?;
+            consistency: cfg.consistency,
+            shards: cfg.shards,
+            dataset: DataInfo::of("mnist", train, &data.test),
+        })?;
         if cfg.partitions > train.len() {
             return Err(Error::Config(format!(
                 "--partitions {} exceeds the {} training examples",
