@@ -51,7 +51,7 @@ use crate::error::Error;
 use crate::partition::KeyRange;
 use crate::shard::{Consistency, Outcome, ShardCore, SspClock};
 use crate::wire::{
-    self, Bye, ErrorCode, F32Le, Message, Welcome, HEADER_LEN, MAGIC, MAX_META_LEN,
+    self, Bye, ErrorCode, Message, Payload, Welcome, HEADER_LEN, MAGIC, MAX_META_LEN,
     PROTOCOL_VERSION,
 };
 use std::collections::{BTreeMap, VecDeque};
@@ -228,7 +228,7 @@ impl ShardState {
     }
 
     /// Validates `grad` (length, finite) into scratch and applies it (rule 1 included).
-    fn push(&mut self, worker: u64, base_version: u64, grad: F32Le<'_>, now: f64) -> Outcome {
+    fn push(&mut self, worker: u64, base_version: u64, grad: Payload<'_>, now: f64) -> Outcome {
         if let Err(e) = grad.copy_into(&mut self.scratch) {
             return Outcome::Rejected {
                 code: ErrorCode::from(&e),

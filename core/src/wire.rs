@@ -6,20 +6,26 @@
 //! offset size field
 //!      0    2 magic      b"CG"
 //!      2    1 wire       wire format version (1)
-//!      3    1 kind       Message kind (see Kind)
+//!      3    1 kind       low 4 bits: message kind (see Kind); high 4 bits: the payload
+//!                        encoding of Params/Push (0 = f32, 1 = bf16, 2 = int8 blocks of 256,
+//!                        see crate::codec), 0 for every other kind
 //!      4    4 request_id echoed by the reply
 //!      8    4 shard      shard the frame is for / from
 //!     12    4 aux        per kind: Push = samples, Ack = staleness, Error = error code
 //!     16    8 version    per kind: Pull = min version, Params = shard version, Push = base
 //!                        version, Ack = new version
 //!     24    4 meta_len   bytes of JSON meta after the header
-//!     28    4 count      number of f32 values after the meta
+//!     28    4 count      number of values after the meta (their bytes depend on the
+//!                        encoding: 4, 2, or 1 + 4/256 per value)
 //! ```
 //!
 //! Decoding is two-step, like mini-redis' `check`/`parse`: [`Header::parse`] validates the fixed
 //! part and the exact total length, [`decode`] then types the frame. Neither panics on any input.
-//! Payload values are validated (finite) when copied out with [`F32Le::copy_into`].
+//! Payload values are decoded and validated (length, finite values and scales) when copied
+//! out with [`Payload::copy_into`]. A frame in a compressed encoding is only sent to a peer
+//! that asked for it in the handshake, so version-1 peers never see a nonzero high nibble.
 
+use crate::codec::{self, Encoding, ErrorFeedback};
 use crate::error::{Error, Result};
 use crate::partition::KeyRange;
 use serde::{Deserialize, Serialize};
@@ -82,6 +88,8 @@ impl Kind {
 pub struct Header {
     /// Message kind.
     pub kind: Kind,
+    /// Payload encoding (Params and Push; [`Encoding::F32`] for every other kind).
+    pub encoding: Encoding,
     /// Request id; replies echo it.
     pub request_id: u32,
     /// Shard index.
@@ -92,14 +100,25 @@ pub struct Header {
     pub version: u64,
     /// Bytes of JSON meta following the header.
     pub meta_len: u32,
-    /// f32 values following the meta.
+    /// Values following the meta.
     pub count: u32,
+}
+
+/// The wire id of an encoding (the kind byte's high nibble).
+fn encoding_nibble(e: Encoding) -> u8 {
+    e.id()
+}
+
+fn encoding_from_nibble(n: u8) -> Result<Encoding> {
+    Encoding::from_id(n, codec::DEFAULT_INT8_BLOCK)
 }
 
 impl Header {
     /// Total frame length this header announces.
     pub fn frame_len(&self) -> usize {
-        HEADER_LEN + self.meta_len as usize + 4 * self.count as usize
+        HEADER_LEN
+            .saturating_add(self.meta_len as usize)
+            .saturating_add(self.encoding.encoded_len(self.count as usize))
     }
 
     /// Validates the fixed part of `bytes` and that the frame is exactly as long as announced and
@@ -133,8 +152,16 @@ impl Header {
             |o: usize| u32::from_le_bytes([bytes[o], bytes[o + 1], bytes[o + 2], bytes[o + 3]]);
         let mut v = [0u8; 8];
         v.copy_from_slice(&bytes[16..24]);
+        let kind = Kind::from_u8(bytes[3] & 0x0f).map_err(|_| Error::UnknownKind(bytes[3]))?;
+        let encoding = match bytes[3] >> 4 {
+            0 => Encoding::F32,
+            n if matches!(kind, Kind::Params | Kind::Push) => encoding_from_nibble(n)
+                .map_err(|_| Error::Malformed(format!("unknown payload encoding {n}")))?,
+            _ => return Err(Error::UnknownKind(bytes[3])),
+        };
         let h = Header {
-            kind: Kind::from_u8(bytes[3])?,
+            kind,
+            encoding,
             request_id: u32_at(4),
             shard: u32_at(8),
             aux: u32_at(12),
@@ -148,8 +175,15 @@ impl Header {
                 h.meta_len
             )));
         }
-        // u64 arithmetic: 4 * count cannot overflow.
-        let announced = HEADER_LEN as u64 + u64::from(h.meta_len) + 4 * u64::from(h.count);
+        // u64 arithmetic: the payload length of a u32 count cannot overflow.
+        let payload = match h.encoding {
+            Encoding::F32 => 4 * u64::from(h.count),
+            Encoding::Bf16 => 2 * u64::from(h.count),
+            Encoding::Int8Block { block } => {
+                u64::from(h.count) + 4 * u64::from(h.count).div_ceil(u64::from(block.max(1)))
+            }
+        };
+        let announced = HEADER_LEN as u64 + u64::from(h.meta_len) + payload;
         if announced != bytes.len() as u64 {
             return Err(Error::Malformed(format!(
                 "header announces {announced} bytes but the frame has {}",
@@ -162,7 +196,7 @@ impl Header {
     fn write(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&MAGIC);
         out.push(WIRE_VERSION);
-        out.push(self.kind as u8);
+        out.push(self.kind as u8 | (encoding_nibble(self.encoding) << 4));
         out.extend_from_slice(&self.request_id.to_le_bytes());
         out.extend_from_slice(&self.shard.to_le_bytes());
         out.extend_from_slice(&self.aux.to_le_bytes());
@@ -323,66 +357,80 @@ pub struct Bye {
     pub reason: String,
 }
 
-/// A borrowed run of little-endian f32 values (any alignment).
+/// A borrowed payload: `len` values in `encoding` (any alignment).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct F32Le<'a>(&'a [u8]);
+pub struct Payload<'a> {
+    encoding: Encoding,
+    len: usize,
+    bytes: &'a [u8],
+}
 
-impl<'a> F32Le<'a> {
+impl<'a> Payload<'a> {
+    /// Raw little-endian f32 bytes (`bytes.len() / 4` values).
+    pub fn f32(bytes: &'a [u8]) -> Self {
+        Self {
+            encoding: Encoding::F32,
+            len: bytes.len() / 4,
+            bytes,
+        }
+    }
+
     /// Number of values.
     pub fn len(&self) -> usize {
-        self.0.len() / 4
+        self.len
     }
 
     /// True when there is no value.
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.len == 0
+    }
+
+    /// How the values are encoded.
+    pub fn encoding(&self) -> Encoding {
+        self.encoding
     }
 
     /// The raw bytes.
     pub fn bytes(&self) -> &'a [u8] {
-        self.0
+        self.bytes
     }
 
-    /// The values, unchecked.
+    /// The values, unchecked (decoded one by one; for tests and tools, not hot paths).
     pub fn iter(&self) -> impl Iterator<Item = f32> + 'a {
-        self.0
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        let (enc, n, b) = (self.encoding, self.len, self.bytes);
+        (0..n).map(move |i| {
+            let at = |o: usize| b.get(o..o + 4).map_or([0; 4], |c| [c[0], c[1], c[2], c[3]]);
+            match enc {
+                Encoding::F32 => f32::from_le_bytes(at(4 * i)),
+                Encoding::Bf16 => {
+                    let h = b.get(2 * i..2 * i + 2).map_or([0; 2], |c| [c[0], c[1]]);
+                    f32::from_bits(u32::from(u16::from_le_bytes(h)) << 16)
+                }
+                Encoding::Int8Block { block } => {
+                    let block = block.max(1) as usize;
+                    let scales = 4 * n.div_ceil(block);
+                    let scale = f32::from_le_bytes(at(4 * (i / block)));
+                    let q = b.get(scales + i).map_or(0, |&q| q as i8);
+                    f32::from(q) * scale
+                }
+            }
+        })
     }
 
-    /// Copies the values into `out`, checking the length and that every value is finite. On
-    /// error `out` may be partly written; callers copy into scratch, never into live state.
+    /// Decodes the values into `out`, checking the length and that every value (or scale) is
+    /// finite. On error `out` may be partly written; callers decode into scratch, never into
+    /// live state.
     ///
     /// # Errors
-    /// [`Error::WrongLength`] or [`Error::NotFinite`].
+    /// [`Error::WrongLength`], [`Error::NotFinite`] or [`Error::Malformed`].
     pub fn copy_into(&self, out: &mut [f32]) -> Result<()> {
-        if out.len() != self.len() {
+        if out.len() != self.len {
             return Err(Error::WrongLength {
                 expected: out.len(),
-                got: self.len(),
+                got: self.len,
             });
         }
-        if cfg!(target_endian = "little") {
-            // The bytes are already the values: one memcpy, whatever the input's alignment.
-            bytemuck::cast_slice_mut::<f32, u8>(out).copy_from_slice(self.0);
-        } else {
-            for (o, v) in out.iter_mut().zip(self.iter()) {
-                *o = v;
-            }
-        }
-        // Branch-free so it vectorises: a value is not finite iff its exponent bits are all set.
-        let any_bad = out.iter().fold(0u32, |acc, v| {
-            acc | u32::from(v.to_bits() & 0x7f80_0000 == 0x7f80_0000)
-        });
-        if any_bad != 0 {
-            let (index, &value) = out
-                .iter()
-                .enumerate()
-                .find(|(_, v)| !v.is_finite())
-                .unwrap_or((0, &f32::NAN));
-            return Err(Error::NotFinite { index, value });
-        }
-        Ok(())
+        self.encoding.decode(self.bytes, out)
     }
 }
 
@@ -426,7 +474,7 @@ pub enum Message<'a> {
         /// Number of updates applied to the shard when it was read.
         version: u64,
         /// The values of the shard's key range.
-        values: F32Le<'a>,
+        values: Payload<'a>,
     },
     /// A gradient slice computed from the shard at `base_version`.
     Push {
@@ -439,7 +487,7 @@ pub enum Message<'a> {
         /// Examples the gradient was averaged over.
         samples: u32,
         /// The gradient for the shard's key range.
-        grad: F32Le<'a>,
+        grad: Payload<'a>,
     },
     /// The push was applied, making the shard `version`.
     Ack {
@@ -483,7 +531,11 @@ pub fn decode(bytes: &[u8], limit: usize) -> Result<Message<'_>> {
     let h = Header::parse(bytes, limit)?;
     let meta_end = HEADER_LEN + h.meta_len as usize;
     let meta_bytes = &bytes[HEADER_LEN..meta_end];
-    let payload = F32Le(&bytes[meta_end..]);
+    let payload = Payload {
+        encoding: h.encoding,
+        len: h.count as usize,
+        bytes: &bytes[meta_end..],
+    };
     let has_meta = matches!(
         h.kind,
         Kind::Hello | Kind::Welcome | Kind::Error | Kind::Bye
@@ -545,7 +597,9 @@ pub fn decode(bytes: &[u8], limit: usize) -> Result<Message<'_>> {
 
 fn frame(mut h: Header, meta: &[u8], payload: &[u8]) -> Vec<u8> {
     h.meta_len = meta.len() as u32;
-    h.count = (payload.len() / 4) as u32;
+    if h.count == 0 {
+        h.count = (payload.len() / 4) as u32;
+    }
     let mut out = Vec::with_capacity(HEADER_LEN + meta.len() + payload.len());
     h.write(&mut out);
     out.extend_from_slice(meta);
@@ -556,6 +610,7 @@ fn frame(mut h: Header, meta: &[u8], payload: &[u8]) -> Vec<u8> {
 fn header(kind: Kind, request_id: u32, shard: u32, aux: u32, version: u64) -> Header {
     Header {
         kind,
+        encoding: Encoding::F32,
         request_id,
         shard,
         aux,
@@ -600,6 +655,84 @@ pub fn encode_push(
         header(Kind::Push, request_id, shard, samples, base_version),
         &[],
         &f32_bytes(grad),
+    )
+}
+
+/// Encodes a data frame of `kind` whose payload is `values` in `encoding`, appending the
+/// payload straight after the header (no intermediate copy). With `feedback`, the values are
+/// first corrected by the residual of earlier lossy pushes and the new residual is kept
+/// ([`ErrorFeedback::encode_with_feedback`]).
+#[allow(clippy::too_many_arguments)]
+fn encode_data(
+    kind: Kind,
+    encoding: Encoding,
+    request_id: u32,
+    shard: u32,
+    aux: u32,
+    version: u64,
+    values: &[f32],
+    feedback: Option<&mut ErrorFeedback>,
+) -> Result<Vec<u8>> {
+    let h = Header {
+        encoding,
+        count: u32::try_from(values.len())
+            .map_err(|_| Error::Malformed("payload of more than 2^32 values".into()))?,
+        ..header(kind, request_id, shard, aux, version)
+    };
+    let mut out = Vec::with_capacity(HEADER_LEN + encoding.encoded_len(values.len()));
+    h.write(&mut out);
+    match feedback {
+        Some(ef) => ef.encode_with_feedback(values, encoding, &mut out)?,
+        None => encoding.encode(values, &mut out)?,
+    }
+    Ok(out)
+}
+
+/// Encodes a `Params` frame in `encoding`.
+///
+/// # Errors
+/// [`Error::NotFinite`] when a value cannot be encoded (callers hold finite parameters).
+pub fn encode_params_as(
+    encoding: Encoding,
+    request_id: u32,
+    shard: u32,
+    version: u64,
+    values: &[f32],
+) -> Result<Vec<u8>> {
+    encode_data(
+        Kind::Params,
+        encoding,
+        request_id,
+        shard,
+        0,
+        version,
+        values,
+        None,
+    )
+}
+
+/// Encodes a `Push` frame in `encoding`, with error feedback when given.
+///
+/// # Errors
+/// [`Error::NotFinite`] for a gradient that cannot be encoded (the feedback is unchanged).
+pub fn encode_push_as(
+    encoding: Encoding,
+    request_id: u32,
+    shard: u32,
+    base_version: u64,
+    samples: u32,
+    grad: &[f32],
+    feedback: Option<&mut ErrorFeedback>,
+) -> Result<Vec<u8>> {
+    encode_data(
+        Kind::Push,
+        encoding,
+        request_id,
+        shard,
+        samples,
+        base_version,
+        grad,
+        feedback,
     )
 }
 
@@ -656,7 +789,11 @@ pub fn encode(msg: &Message<'_>) -> Vec<u8> {
             version,
             values,
         } => frame(
-            header(Kind::Params, *request_id, *shard, 0, *version),
+            Header {
+                encoding: values.encoding(),
+                count: values.len() as u32,
+                ..header(Kind::Params, *request_id, *shard, 0, *version)
+            },
             &[],
             values.bytes(),
         ),
@@ -667,7 +804,11 @@ pub fn encode(msg: &Message<'_>) -> Vec<u8> {
             samples,
             grad,
         } => frame(
-            header(Kind::Push, *request_id, *shard, *samples, *base_version),
+            Header {
+                encoding: grad.encoding(),
+                count: grad.len() as u32,
+                ..header(Kind::Push, *request_id, *shard, *samples, *base_version)
+            },
             &[],
             grad.bytes(),
         ),
@@ -730,14 +871,14 @@ mod tests {
                 request_id: 9,
                 shard: 0,
                 version: 42,
-                values: F32Le(payload),
+                values: Payload::f32(payload),
             },
             Message::Push {
                 request_id: 10,
                 shard: 3,
                 base_version: 41,
                 samples: 32,
-                grad: F32Le(payload),
+                grad: Payload::f32(payload),
             },
             Message::Ack {
                 request_id: 10,
@@ -875,7 +1016,85 @@ mod tests {
         assert!(ErrorCode::from_u32(0).is_none());
     }
 
+    #[test]
+    fn encoded_frames_round_trip_and_say_their_encoding() {
+        let v: Vec<f32> = (0..600).map(|i| (i as f32 - 300.0) * 0.01).collect();
+        for enc in [Encoding::F32, Encoding::Bf16, Encoding::INT8] {
+            let f = encode_push_as(enc, 7, 1, 9, 32, &v, None).unwrap();
+            assert_eq!(f.len(), HEADER_LEN + enc.encoded_len(v.len()));
+            assert_eq!(f[3] >> 4, enc.id(), "the kind byte's high nibble");
+            let Message::Push {
+                request_id: 7,
+                shard: 1,
+                base_version: 9,
+                samples: 32,
+                grad,
+            } = decode(&f, LIMIT).unwrap()
+            else {
+                panic!("{enc}")
+            };
+            assert_eq!((grad.encoding(), grad.len()), (enc, 600));
+            let mut out = vec![0.0; 600];
+            grad.copy_into(&mut out).unwrap();
+            assert!(grad.iter().zip(&out).all(|(a, b)| a == *b), "iter agrees");
+            let tol = match enc {
+                Encoding::F32 => 0.0,
+                Encoding::Bf16 => 3.0 / 256.0,
+                Encoding::Int8Block { .. } => 3.0 / 254.0,
+            };
+            assert!(
+                v.iter().zip(&out).all(|(a, b)| (a - b).abs() <= tol),
+                "{enc}"
+            );
+            // Re-encoding the decoded message gives the same bytes.
+            assert_eq!(encode(&decode(&f, LIMIT).unwrap()), f);
+            let p = encode_params_as(enc, 8, 1, 3, &v).unwrap();
+            assert!(matches!(
+                decode(&p, LIMIT).unwrap(),
+                Message::Params { request_id: 8, version: 3, values, .. } if values.encoding() == enc
+            ));
+        }
+        // An encoding nibble on a kind without a payload, or an unknown one, is refused.
+        let mut pull = encode(&Message::Pull {
+            request_id: 1,
+            shard: 0,
+            min_version: 0,
+        });
+        pull[3] |= 1 << 4;
+        assert!(matches!(decode(&pull, LIMIT), Err(Error::UnknownKind(_))));
+        let mut push = encode_push(1, 0, 0, 1, &[1.0; 4]);
+        push[3] |= 9 << 4;
+        assert!(matches!(decode(&push, LIMIT), Err(Error::Malformed(_))));
+        // An int8 frame with a NaN scale decodes as a frame but is refused when copied out.
+        let mut q = encode_push_as(Encoding::INT8, 1, 0, 0, 1, &[1.0; 4], None).unwrap();
+        q[HEADER_LEN..HEADER_LEN + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+        let Message::Push { grad, .. } = decode(&q, LIMIT).unwrap() else {
+            panic!()
+        };
+        assert!(grad.copy_into(&mut [0.0; 4]).is_err());
+        // Error feedback carries the rounding residual into the next push.
+        let mut ef = ErrorFeedback::new(4);
+        let g = [0.001, 1.0, -1.0, 0.5];
+        encode_push_as(Encoding::INT8, 1, 0, 0, 1, &g, Some(&mut ef)).unwrap();
+        assert!(ef.residual().iter().any(|&r| r != 0.0));
+    }
+
     proptest! {
+        #[test]
+        fn decoding_arbitrary_encoded_frames_never_panics(
+            kind in 0u8..=255, count in 0u32..64, tail in proptest::collection::vec(any::<u8>(), 0..400)
+        ) {
+            let mut f = encode_push(1, 0, 0, 1, &[]);
+            f[3] = kind;
+            f[28..32].copy_from_slice(&count.to_le_bytes());
+            f.extend_from_slice(&tail);
+            if let Ok(Message::Push { grad, .. } | Message::Params { values: grad, .. }) = decode(&f, LIMIT) {
+                let mut out = vec![0.0; grad.len()];
+                let _ = grad.copy_into(&mut out);
+                let _ = grad.iter().count();
+            }
+        }
+
         #[test]
         fn decoding_arbitrary_bytes_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
             let _ = decode(&bytes, LIMIT);
