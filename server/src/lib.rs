@@ -2,7 +2,8 @@
 //!
 //! # Layout
 //! - [`run`] / [`start`]: the server (mini-redis' `server::run(listener, shutdown)`).
-//! - [`config`]: `serve` flags and their checked form.
+//! - [`config`]: `serve` flags and their checked form; [`config::TrainingArgs`], the training
+//!   flags `serve` and `sim` share.
 //! - [`shard`]: [`shard::Shard`], lock-free snapshots and the single-writer apply thread.
 //! - [`handler`]: one WebSocket connection to one shard, generic over Sink/Stream.
 //! - [`registry`]: workers and per-worker/per-shard counters.

@@ -27,9 +27,10 @@
 //! - `engine` (private): the event loop, simulated shards and workers. `plot`: SVG charts.
 
 mod engine;
-pub mod shard;
 mod plot;
+pub mod shard;
 
+use crate::config::TrainingArgs;
 use crate::data::TrainTest;
 use crate::error::{Error, Result};
 use clap::Args;
@@ -41,9 +42,14 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-/// Flags of `crowdgrad sim`. Model, optimizer, consistency and staleness flags mean what they
-/// mean for `crowdgrad serve`.
+/// Flags of `crowdgrad sim`. The training flags ([`TrainingArgs`]: model, optimizer, batch,
+/// seed, shards, consistency, staleness, timeouts) are `crowdgrad serve`'s, flattened; `--mode`
+/// is kept as an alias of `--consistency`.
 #[derive(Debug, Clone, Args)]
+#[command(
+    mut_arg("consistency", |a| a.visible_alias("mode")),
+    mut_arg("shards", |a| a.default_value("1")), // SIM_SHARDS
+)]
 pub struct SimArgs {
     /// Directory holding the four IDX files (raw or .gz).
     #[arg(long, default_value = "data/mnist")]
@@ -57,44 +63,12 @@ pub struct SimArgs {
     /// Simulated workers.
     #[arg(long, default_value_t = 8)]
     pub workers: usize,
-    /// Consistency mode: `async`, `ssp:S` or `sync:K`.
-    #[arg(long, default_value = "async")]
-    pub mode: String,
-    /// Staleness policy for async/SSP pushes: `accept`, or a comma list of `drop:N`, `scale`,
-    /// `dc:LAMBDA`.
-    #[arg(long, default_value = "accept")]
-    pub staleness: String,
-    /// Model: `softmax` or `mlp:W1[,W2...]`.
-    #[arg(long, default_value = "mlp:128")]
-    pub model: String,
-    /// Optimizer: sgd, momentum, nesterov, adagrad, rmsprop, adam.
-    #[arg(long, default_value = "adagrad")]
-    pub optimizer: String,
-    /// Learning rate [default: as `serve`: sgd 0.1, momentum/nesterov 0.01, adagrad 0.05,
-    /// rmsprop/adam 0.001].
-    #[arg(long)]
-    pub lr: Option<f32>,
-    /// Momentum coefficient for momentum/nesterov.
-    #[arg(long)]
-    pub momentum: Option<f32>,
-    /// L2 weight decay.
-    #[arg(long, default_value_t = 0.0)]
-    pub weight_decay: f32,
-    /// Workers clip their full gradient to this L2 norm before pushing.
-    #[arg(long)]
-    pub clip_norm: Option<f32>,
-    /// Examples per worker gradient.
-    #[arg(long, default_value_t = 32)]
-    pub batch_size: usize,
-    /// Parameter shards (each with its own ShardCore and SSP clock, as in the server).
-    #[arg(long, default_value_t = 1)]
-    pub shards: usize,
+    /// Model, optimizer, batch, seed, shards, consistency, staleness and timeouts (as `serve`).
+    #[command(flatten)]
+    pub training: TrainingArgs,
     /// Data partitions; worker i trains on partition i mod partitions [default: one per worker].
     #[arg(long)]
     pub partitions: Option<usize>,
-    /// Seed for initial weights, batch order and every simulated random draw.
-    #[arg(long, default_value_t = 42)]
-    pub seed: u64,
     /// Budget: training examples (summed over workers) [default: 200000 unless --sim-seconds].
     #[arg(long)]
     pub samples: Option<u64>,
@@ -144,14 +118,9 @@ pub struct SimArgs {
     /// gradient's norm) or `scale:F` (the gradient times F).
     #[arg(long, default_value = "nan")]
     pub fault: String,
-    /// Seconds without a frame after which a worker drops out of the SSP clock (as `serve`).
-    #[arg(long, default_value_t = 5.0)]
-    pub heartbeat_timeout: f64,
-    /// sync:K: seconds a waiting pull waits before the partial aggregate is applied (as `serve`).
-    #[arg(long, default_value_t = 2.0)]
-    pub sync_timeout: f64,
-    /// Run one simulation per value: PARAM=V1,V2,... with PARAM one of mode, workers, ssp,
-    /// staleness, lr, faulty, fault, dropout-every, dropout-kind, delay-ms, step-ms, batch-size.
+    /// Run one simulation per value: PARAM=V1,V2,... with PARAM one of consistency (or mode),
+    /// workers, ssp, staleness, lr, faulty, fault, dropout-every, dropout-kind, delay-ms,
+    /// step-ms, batch-size.
     /// Separate values with `;` when they contain commas (staleness=accept;drop:8,scale).
     #[arg(long)]
     pub sweep: Option<String>,
@@ -326,6 +295,9 @@ impl Default for SimConfig {
     }
 }
 
+/// `--shards` of `crowdgrad sim` when not given.
+pub const SIM_SHARDS: usize = 1;
+
 /// Default budget when neither `--samples` nor `--sim-seconds` is given.
 pub const DEFAULT_SAMPLES: u64 = 200_000;
 
@@ -335,14 +307,8 @@ impl SimArgs {
     /// # Errors
     /// [`Error::Config`] naming the first bad flag.
     pub fn check(&self) -> Result<SimConfig> {
-        // The same flags and per-rule defaults as `serve`.
-        let optimizer = crate::config::optimizer_from_flags(
-            &self.optimizer,
-            self.lr,
-            self.momentum,
-            self.weight_decay,
-            self.clip_norm,
-        )?;
+        // The same flags, defaults and checks as `serve`.
+        let t = self.training.check(SIM_SHARDS)?;
         let dropout_kind = match self.dropout_kind.trim() {
             "disconnect" => DropoutKind::Disconnect,
             "pause" => DropoutKind::Pause,
@@ -358,14 +324,14 @@ impl SimArgs {
         };
         let cfg = SimConfig {
             workers: self.workers,
-            shards: self.shards,
+            shards: t.shards,
             partitions: self.partitions.unwrap_or(self.workers),
-            model: self.model.clone(),
-            optimizer,
-            batch_size: self.batch_size,
-            consistency: Consistency::parse(&self.mode)?,
-            staleness: StalenessPolicy::parse(&self.staleness)?,
-            seed: self.seed,
+            model: t.model,
+            optimizer: t.optimizer,
+            batch_size: t.batch_size,
+            consistency: t.consistency,
+            staleness: t.staleness,
+            seed: t.seed,
             samples,
             sim_seconds: self.sim_seconds,
             eval_every: self.eval_every,
@@ -381,8 +347,8 @@ impl SimArgs {
             dropout_kind,
             faulty: self.faulty,
             fault: Fault::parse(&self.fault)?,
-            heartbeat: self.heartbeat_timeout,
-            sync_timeout: self.sync_timeout,
+            heartbeat: t.heartbeat_timeout,
+            sync_timeout: t.sync_timeout,
             log_reads: false,
         };
         cfg.validate()?;
@@ -489,7 +455,7 @@ impl SimConfig {
         if param != "workers" {
             parts.push(format!("{} workers", self.workers));
         }
-        if !matches!(param, "mode" | "ssp") {
+        if !matches!(param, "consistency" | "mode" | "ssp") {
             parts.push(self.consistency.to_string());
         }
         if param != "staleness" {
@@ -782,7 +748,8 @@ pub fn run_with(
 }
 
 /// Names of the parameters `--sweep` accepts.
-pub const SWEEP_PARAMS: [&str; 12] = [
+pub const SWEEP_PARAMS: [&str; 13] = [
+    "consistency",
     "mode",
     "workers",
     "ssp",
@@ -833,11 +800,11 @@ pub fn sweep_configs(base: &SimArgs, spec: &str) -> Result<Vec<(String, SimConfi
         let mut a = base.clone();
         let num = |what: &str| Error::Config(format!("--sweep {param}: bad {what} {v:?}"));
         match param {
-            "mode" => a.mode = v.into(),
+            "consistency" | "mode" => a.training.consistency = v.into(),
             "workers" => a.workers = v.parse().map_err(|_| num("worker count"))?,
-            "ssp" => a.mode = format!("ssp:{v}"),
-            "staleness" => a.staleness = v.into(),
-            "lr" => a.lr = Some(v.parse().map_err(|_| num("learning rate"))?),
+            "ssp" => a.training.consistency = format!("ssp:{v}"),
+            "staleness" => a.training.staleness = v.into(),
+            "lr" => a.training.lr = Some(v.parse().map_err(|_| num("learning rate"))?),
             "faulty" => a.faulty = v.parse().map_err(|_| num("fraction"))?,
             "fault" => a.fault = v.into(),
             "dropout-kind" => a.dropout_kind = v.into(),
@@ -846,7 +813,7 @@ pub fn sweep_configs(base: &SimArgs, spec: &str) -> Result<Vec<(String, SimConfi
             }
             "delay-ms" => a.delay_ms = v.parse().map_err(|_| num("delay"))?,
             "step-ms" => a.step_ms = v.parse().map_err(|_| num("step time"))?,
-            _ => a.batch_size = v.parse().map_err(|_| num("batch size"))?,
+            _ => a.training.batch_size = v.parse().map_err(|_| num("batch size"))?,
         }
         let cfg = a
             .check()
@@ -1064,14 +1031,42 @@ pub fn cli(args: &SimArgs) -> Result<()> {
 mod tests {
     use super::*;
 
-    fn args() -> SimArgs {
+    fn parse(flags: &[&str]) -> SimArgs {
         use clap::Parser;
         #[derive(Parser)]
         struct P {
             #[command(flatten)]
             a: SimArgs,
         }
-        P::parse_from(["sim"]).a
+        P::try_parse_from(std::iter::once("sim").chain(flags.iter().copied()))
+            .expect("flags parse")
+            .a
+    }
+
+    fn args() -> SimArgs {
+        parse(&[])
+    }
+
+    #[test]
+    fn consistency_is_the_serve_flag_and_mode_its_alias() {
+        assert_eq!(SimConfig::default().consistency, Consistency::Async);
+        assert_eq!(SimConfig::default().shards, SIM_SHARDS);
+        for flag in ["--consistency", "--mode"] {
+            let c = parse(&[flag, "ssp:2"]).check().unwrap();
+            assert_eq!(c.consistency, Consistency::Ssp { bound: 2 }, "{flag}");
+        }
+        let c = parse(&[
+            "--shards",
+            "3",
+            "--heartbeat-timeout",
+            "1.5",
+            "--staleness",
+            "scale",
+        ])
+        .check()
+        .unwrap();
+        assert_eq!((c.shards, c.heartbeat), (3, 1.5));
+        assert!(c.staleness.scale_lr.is_some());
     }
 
     #[test]
@@ -1083,20 +1078,20 @@ mod tests {
         type Edit = fn(&mut SimArgs);
         let cases: [(&str, Edit); 15] = [
             ("workers", |a| a.workers = 0),
-            ("mode", |a| a.mode = "bsp".into()),
-            ("staleness", |a| a.staleness = "drop".into()),
+            ("consistency", |a| a.training.consistency = "bsp".into()),
+            ("staleness", |a| a.training.staleness = "drop".into()),
             ("speed", |a| a.speed = "uniform:1.5".into()),
             ("fault", |a| a.fault = "scale:x".into()),
             ("kind", |a| a.dropout_kind = "vanish".into()),
             ("faulty", |a| a.faulty = 1.5),
             ("step", |a| a.step_ms = f64::NAN),
             ("delay", |a| a.delay_ms = -1.0),
-            ("lr", |a| a.lr = Some(-0.1)),
-            ("model", |a| a.model = "cnn".into()),
+            ("lr", |a| a.training.lr = Some(-0.1)),
+            ("model", |a| a.training.model = "cnn".into()),
             ("eval", |a| a.eval_every = 0),
             ("samples", |a| a.samples = Some(0)),
             ("seconds", |a| a.sim_seconds = Some(f64::INFINITY)),
-            ("momentum", |a| a.momentum = Some(0.5)),
+            ("momentum", |a| a.training.momentum = Some(0.5)),
         ];
         for (what, f) in cases {
             let mut a = args();
@@ -1111,6 +1106,9 @@ mod tests {
         let runs = sweep_configs(&a, "mode=async,ssp:2,sync:4").unwrap();
         assert_eq!(runs.len(), 3);
         assert_eq!(runs[1].1.consistency, Consistency::Ssp { bound: 2 });
+        let runs = sweep_configs(&a, "consistency=async,sync:4").unwrap();
+        assert_eq!(runs[1].0, "consistency=sync:4");
+        assert_eq!(runs[1].1.consistency, Consistency::Sync { k: 4 });
         let runs = sweep_configs(&a, "staleness=accept;drop:8,scale").unwrap();
         assert_eq!(runs[1].0, "staleness=drop:8,scale");
         assert!(runs[1].1.staleness.scale_lr.is_some());
