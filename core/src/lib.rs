@@ -20,6 +20,8 @@
 //! - [`session`]: the shard side of the protocol as sans-IO state machines:
 //!   [`session::ShardState`] (what a shard's connections share) and [`session::ShardSession`]
 //!   (one connection), driven by the server, the simulator and the loopback.
+//! - [`local`]: [`local::LocalSteps`] (inner steps per push) and the controller that picks
+//!   them ([`local::Controller`]).
 //! - [`rng`]: the deterministic PRNG everything seeds from.
 
 pub mod backoff;
@@ -27,6 +29,7 @@ pub mod codec;
 pub mod data;
 pub mod error;
 pub mod eval;
+pub mod local;
 pub mod model;
 pub mod optim;
 pub mod partition;

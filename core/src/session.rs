@@ -285,6 +285,17 @@ impl ShardState {
     }
 }
 
+/// The answer to a Hello's identity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    /// Go ahead.
+    Admitted,
+    /// No such worker joined the run.
+    Unknown,
+    /// The worker joined, but the credential is missing or not its own.
+    BadCredential,
+}
+
 enum Gate {
     Open,
     Wait(f64),
@@ -298,8 +309,9 @@ pub trait ShardAccess {
     /// Runs `f` with exclusive access to the shared state; the driver publishes a new snapshot
     /// afterwards when the version moved, and wakes the other sessions when the epoch moved.
     fn with<R>(&mut self, f: impl FnOnce(&mut ShardState) -> R) -> R;
-    /// Whether `worker` joined the run (`POST /api/join` on the server).
-    fn knows(&self, worker: u64) -> bool;
+    /// Whether `worker` may speak on this shard: it joined the run (`POST /api/join` on the
+    /// server) and, where the driver requires one, `credential` is the one its join handed out.
+    fn admit(&self, worker: u64, credential: Option<&str>) -> Admission;
 }
 
 impl ShardAccess for ShardState {
@@ -309,8 +321,8 @@ impl ShardAccess for ShardState {
     fn with<R>(&mut self, f: impl FnOnce(&mut ShardState) -> R) -> R {
         f(self)
     }
-    fn knows(&self, _worker: u64) -> bool {
-        true
+    fn admit(&self, _worker: u64, _credential: Option<&str>) -> Admission {
+        Admission::Admitted
     }
 }
 
@@ -682,12 +694,24 @@ impl ShardSession {
                     );
                     return self.fail(shard, request_id, ErrorCode::ProtocolVersion, m, None, now);
                 }
-                if !shard.knows(hello.worker_id) {
-                    let m = format!(
-                        "worker id {} is unknown; POST /api/join first",
-                        hello.worker_id
-                    );
-                    return self.fail(shard, request_id, ErrorCode::UnknownWorker, m, None, now);
+                match shard.admit(hello.worker_id, hello.credential.as_deref()) {
+                    Admission::Admitted => {}
+                    Admission::Unknown => {
+                        let m = format!(
+                            "worker id {} is unknown; POST /api/join first",
+                            hello.worker_id
+                        );
+                        let code = ErrorCode::UnknownWorker;
+                        return self.fail(shard, request_id, code, m, None, now);
+                    }
+                    Admission::BadCredential => {
+                        let m = format!(
+                            "the credential does not belong to worker {}; use the one from its join",
+                            hello.worker_id
+                        );
+                        let code = ErrorCode::Unauthorized;
+                        return self.fail(shard, request_id, code, m, None, now);
+                    }
                 }
                 let worker = hello.worker_id;
                 self.worker = Some(worker);
@@ -704,6 +728,9 @@ impl ShardSession {
                         protocol: PROTOCOL_VERSION,
                         range: self.cfg.range,
                         version,
+                        pull_encoding: Default::default(),
+                        push_encoding: Default::default(),
+                        reports: false,
                     },
                 }));
             }
@@ -800,6 +827,7 @@ mod tests {
                 protocol: PROTOCOL_VERSION,
                 worker_id: worker,
                 client: ClientKind::Native,
+                ..Default::default()
             },
         })
     }

@@ -217,7 +217,8 @@ pub enum ClientKind {
     Browser,
 }
 
-/// Meta of a `Hello`.
+/// Meta of a `Hello`. Fields after `client` were added after protocol version 1 shipped: a
+/// receiver takes their absence as the version-1 behaviour.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Hello {
     /// Protocol version the worker speaks ([`PROTOCOL_VERSION`]).
@@ -227,6 +228,38 @@ pub struct Hello {
     /// Kind of client.
     #[serde(default)]
     pub client: ClientKind,
+    /// Encodings the worker can decode in `Params`; empty means f32 only. Unknown names are
+    /// skipped.
+    #[serde(
+        default,
+        deserialize_with = "crate::codec::known_encodings",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub pull_encodings: Vec<Encoding>,
+    /// Encodings the worker can send in `Push`; empty means f32 only.
+    #[serde(
+        default,
+        deserialize_with = "crate::codec::known_encodings",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub push_encodings: Vec<Encoding>,
+    /// The session credential from the join reply, proving the worker id is this worker's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credential: Option<String>,
+}
+
+impl Default for Hello {
+    /// A version-1 Hello from worker 0 (fill in the rest with struct update syntax).
+    fn default() -> Self {
+        Self {
+            protocol: PROTOCOL_VERSION,
+            worker_id: 0,
+            client: ClientKind::Native,
+            pull_encodings: Vec::new(),
+            push_encodings: Vec::new(),
+            credential: None,
+        }
+    }
 }
 
 /// Meta of a `Welcome`.
@@ -238,6 +271,19 @@ pub struct Welcome {
     pub range: KeyRange,
     /// The shard's current version (number of applied updates).
     pub version: u64,
+    /// The encoding of this connection's `Params` (absent: f32).
+    #[serde(default, skip_serializing_if = "is_f32")]
+    pub pull_encoding: Encoding,
+    /// The encoding this connection's `Push` frames must use (absent: f32).
+    #[serde(default, skip_serializing_if = "is_f32")]
+    pub push_encoding: Encoding,
+    /// The shard takes `Report` frames (absent: false; never send one then).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub reports: bool,
+}
+
+fn is_f32(e: &Encoding) -> bool {
+    *e == Encoding::F32
 }
 
 /// Why a request failed. Codes marked fatal close the connection after the error frame.
@@ -273,6 +319,8 @@ pub enum ErrorCode {
     ShuttingDown = 13,
     /// The server is overloaded or failed internally (not fatal).
     Busy = 14,
+    /// A Hello's credential is missing or not the worker's own (fatal).
+    Unauthorized = 15,
 }
 
 impl ErrorCode {
@@ -299,6 +347,7 @@ impl ErrorCode {
             UnknownWorker,
             ShuttingDown,
             Busy,
+            Unauthorized,
         ]
         .into_iter()
         .find(|c| *c as u32 == v)
@@ -322,6 +371,7 @@ impl ErrorCode {
             UnknownWorker => "unknown_worker",
             ShuttingDown => "shutting_down",
             Busy => "busy",
+            Unauthorized => "unauthorized",
         }
     }
 }
@@ -851,6 +901,7 @@ mod tests {
                     protocol: PROTOCOL_VERSION,
                     worker_id: 77,
                     client: ClientKind::Browser,
+                    ..Default::default()
                 },
             },
             Message::Welcome {
@@ -860,6 +911,9 @@ mod tests {
                     protocol: 1,
                     range: KeyRange { start: 10, end: 20 },
                     version: 5,
+                    pull_encoding: Default::default(),
+                    push_encoding: Default::default(),
+                    reports: false,
                 },
             },
             Message::Pull {
@@ -970,6 +1024,7 @@ mod tests {
                 protocol: 1,
                 worker_id: 1,
                 client: ClientKind::Native,
+                ..Default::default()
             },
         });
         let n = hello.len();
@@ -1005,7 +1060,7 @@ mod tests {
 
     #[test]
     fn error_codes_are_stable() {
-        for v in 1..=14 {
+        for v in 1..=15 {
             let c = ErrorCode::from_u32(v).unwrap();
             assert_eq!(c as u32, v);
             assert_eq!(
@@ -1104,7 +1159,7 @@ mod tests {
         fn decoding_mutated_frames_never_panics(idx in 0usize..64, val in any::<u8>(), cut in 0usize..80) {
             let mut f = encode(&Message::Hello {
                 request_id: 1, shard: 0,
-                hello: Hello { protocol: 1, worker_id: 5, client: ClientKind::Native },
+                hello: Hello { protocol: 1, worker_id: 5, client: ClientKind::Native, ..Default::default() },
             });
             let i = idx % f.len();
             f[i] = val;

@@ -236,6 +236,7 @@ impl Worker {
                 protocol: PROTOCOL_VERSION,
                 worker_id: self.join.worker_id,
                 client: self.client,
+                ..Default::default()
             },
         });
         if let Some(s) = self.shards.get_mut(shard) {
@@ -601,6 +602,9 @@ mod tests {
                 protocol: PROTOCOL_VERSION,
                 range: range(w, shard),
                 version,
+                pull_encoding: Default::default(),
+                push_encoding: Default::default(),
+                reports: false,
             },
         })
     }
@@ -682,6 +686,7 @@ mod tests {
                 protocol: PROTOCOL_VERSION,
                 worker_id: 42,
                 client: ClientKind::Native,
+                ..Default::default()
             }
         );
         // A connection to a shard the run does not have is ignored.
@@ -912,6 +917,9 @@ mod tests {
                 protocol: PROTOCOL_VERSION,
                 range: range(&w, 1),
                 version: 0,
+                pull_encoding: Default::default(),
+                push_encoding: Default::default(),
+                reports: false,
             },
         });
         assert!(matches!(w.receive(0, &bad_range), Err(Error::Protocol(_))));
@@ -923,6 +931,9 @@ mod tests {
                 protocol: PROTOCOL_VERSION + 1,
                 range: range(&w, 0),
                 version: 0,
+                pull_encoding: Default::default(),
+                push_encoding: Default::default(),
+                reports: false,
             },
         });
         assert!(matches!(

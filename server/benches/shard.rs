@@ -1,12 +1,15 @@
-//! Shard apply throughput through the server's real push path (decode, validate, copy, update,
-//! publish), per optimizer. Run: `cargo bench -p crowdgrad --bench shard`.
+//! Shard apply throughput through the server's real push path (the shard session decodes,
+//! validates and copies the frame, `ShardCore` updates, the server publishes the snapshot), per
+//! optimizer. Run: `cargo bench -p crowdgrad --bench shard`.
 
 use criterion::{criterion_main, Criterion, Throughput};
+use crowdgrad::registry::Registry;
 use crowdgrad::shard::{Shard, ShardOptions};
 use crowdgrad_core::optim::{OptimizerConfig, Rule};
 use crowdgrad_core::partition::KeyRange;
+use crowdgrad_core::session::{Action, ShardSession};
 use crowdgrad_core::shard::{Consistency, StalenessPolicy};
-use crowdgrad_core::wire;
+use crowdgrad_core::wire::{self, ClientKind, Hello, Message};
 use std::time::Duration;
 
 const N: usize = 101_770;
@@ -29,10 +32,31 @@ fn apply(c: &mut Criterion) {
         };
         let shard = Shard::start(0, KeyRange { start: 0, end: N }, vec![0.1; N], opts);
         let grad = vec![1e-3f32; N];
+        let registry = Registry::new(1, 10);
+        let Some((id, _)) = registry.join(ClientKind::Native, None, 1) else {
+            panic!("join")
+        };
+        let mut access = shard.access(&registry);
+        let mut session = ShardSession::new(shard.config());
+        let hello = wire::encode(&Message::Hello {
+            request_id: 1,
+            shard: 0,
+            hello: Hello {
+                worker_id: id,
+                ..Default::default()
+            },
+        });
+        session.handle_frame(&mut access, &hello, 0.0);
+        while session.poll_action().is_some() {}
         g.bench_function(name, |b| {
             b.iter(|| {
                 let frame = wire::encode_push(1, 0, shard.version(), 32, &grad);
-                shard.push(None, &frame)
+                session.handle_frame(&mut access, &frame, 0.0);
+                let mut acked = false;
+                while let Some(a) = session.poll_action() {
+                    acked |= matches!(a, Action::Send(_));
+                }
+                acked
             })
         });
     }

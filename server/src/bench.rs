@@ -235,6 +235,7 @@ pub async fn roundtrip(data: TrainTest, params: usize, iters: usize) -> Result<R
             protocol: PROTOCOL_VERSION,
             worker_id: joined.worker_id,
             client: ClientKind::Native,
+            ..Default::default()
         },
     });
     ws.send(Message::Binary(hello.into()))

@@ -196,6 +196,7 @@ mod tests {
                 protocol: 1,
                 worker_id: id,
                 client: ClientKind::Native,
+                ..Default::default()
             },
         });
         in_tx.unbounded_send(Inbound::Frame(hello.into())).unwrap();

@@ -18,7 +18,7 @@ use crate::registry::Registry;
 use arc_swap::ArcSwap;
 use crowdgrad_core::optim::OptimizerConfig;
 use crowdgrad_core::partition::KeyRange;
-use crowdgrad_core::session::{ShardAccess, ShardConfig, ShardState};
+use crowdgrad_core::session::{Admission, ShardAccess, ShardConfig, ShardState};
 use crowdgrad_core::shard::{Consistency, ShardCore, StalenessPolicy};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -204,8 +204,12 @@ impl ShardAccess for Access<'_> {
         r
     }
 
-    fn knows(&self, worker: u64) -> bool {
-        self.registry.knows(worker)
+    fn admit(&self, worker: u64, _credential: Option<&str>) -> Admission {
+        if self.registry.knows(worker) {
+            Admission::Admitted
+        } else {
+            Admission::Unknown
+        }
     }
 }
 

@@ -84,6 +84,7 @@ fn hello(rid: u32, shard: u32, worker: u64, protocol: u32) -> Vec<u8> {
             protocol,
             worker_id: worker,
             client: ClientKind::Native,
+            ..Default::default()
         },
     })
 }

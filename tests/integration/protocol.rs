@@ -90,11 +90,17 @@ async fn rejected(handshake: bool, bad: Message, code: ErrorCode, request_id: u3
     // Counted once: as a rejected push when the frame decoded as a push, else as a refused
     // frame (issue 7: `pushes_rejected` counts pushes only).
     let shard = &after["shards"][0];
-    let as_push = shard["rejected_by_reason"][code.name()].as_u64().unwrap_or(0);
+    let as_push = shard["rejected_by_reason"][code.name()]
+        .as_u64()
+        .unwrap_or(0);
     let as_frame = shard["frames_rejected_by_reason"][code.name()]
         .as_u64()
         .unwrap_or(0);
-    assert_eq!((as_push + as_frame, as_push.min(as_frame)), (1, 0), "{shard}");
+    assert_eq!(
+        (as_push + as_frame, as_push.min(as_frame)),
+        (1, 0),
+        "{shard}"
+    );
     still_serving(&running, other).await;
     running.stop().await.expect("clean shutdown");
 }
@@ -171,6 +177,7 @@ async fn wrong_protocol_version_in_hello() {
             protocol: 99,
             worker_id: 1,
             client: ClientKind::Native,
+            ..Default::default()
         },
     });
     rejected(false, bin(f), ErrorCode::ProtocolVersion, 4).await;
@@ -227,6 +234,7 @@ async fn unknown_worker_id() {
             protocol: 1,
             worker_id: 424_242,
             client: ClientKind::Native,
+            ..Default::default()
         },
     });
     rejected(false, bin(f), ErrorCode::UnknownWorker, 3).await;

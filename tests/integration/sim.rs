@@ -177,6 +177,9 @@ fn one_worker_without_delay_equals_applying_its_gradients_through_shardcore() {
                 protocol: PROTOCOL_VERSION,
                 range: ranges[i],
                 version: s.version(),
+                pull_encoding: Default::default(),
+                push_encoding: Default::default(),
+                reports: false,
             },
         });
         w.receive(i, &welcome).expect("welcome");

@@ -139,6 +139,7 @@ pub async fn hello(running: &Running, worker_id: u64, shard: u32) -> (Ws, u64) {
             protocol: PROTOCOL_VERSION,
             worker_id,
             client: ClientKind::Native,
+            ..Default::default()
         },
     });
     send(&mut ws, h).await;

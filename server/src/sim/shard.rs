@@ -4,7 +4,7 @@
 //! what the server does. The conformance test plays the same conversations through this driver
 //! and through the server over real sockets and compares the frames.
 
-use crowdgrad_core::session::{Action, Record, ShardAccess, ShardSession, ShardState};
+use crowdgrad_core::session::{Action, Admission, Record, ShardAccess, ShardSession, ShardState};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
@@ -53,8 +53,12 @@ impl ShardAccess for Host {
     fn with<R>(&mut self, f: impl FnOnce(&mut ShardState) -> R) -> R {
         f(&mut self.state)
     }
-    fn knows(&self, worker: u64) -> bool {
-        self.known.contains(&worker)
+    fn admit(&self, worker: u64, _credential: Option<&str>) -> Admission {
+        if self.known.contains(&worker) {
+            Admission::Admitted
+        } else {
+            Admission::Unknown
+        }
     }
 }
 
