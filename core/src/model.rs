@@ -1,17 +1,30 @@
-//! Models over a flat parameter vector: softmax regression and ReLU MLPs with softmax
-//! cross-entropy, forward and backward on f32 with ndarray (blocked GEMM through
-//! `matrixmultiply`). All scratch lives in a [`Workspace`] sized once, so a training step does not
-//! allocate.
+//! Models as a list of layers over a flat parameter vector: dense, conv2d (stride, padding),
+//! max- and average-pooling, ReLU, flatten and dropout, with softmax cross-entropy on top;
+//! forward and backward on f32 with ndarray. Dense layers and convolutions (through im2col)
+//! use the same blocked GEMM (`matrixmultiply`). All scratch lives in a [`Workspace`] sized
+//! once, so a training step does not allocate.
 //!
-//! Layout of the flat vector, layer by layer: `layer{i}.weight` `[fan_in, fan_out]` row-major,
-//! then `layer{i}.bias` `[fan_out]`.
+//! - [`ModelSpec`] (in `model/spec.rs`): the layers, their text grammar (`--model`) and checks;
+//!   `softmax` and `mlp:W` are names for layer lists, [`CNN`] the default convolutional one.
+//! - [`Model`]: the compiled stages, [`Model::loss_and_grad`], [`Model::evaluate`].
+//! - `model/kernels.rs`: im2col / col2im and the pooling loops.
+//!
+//! Layout of the flat vector, for the i-th layer with parameters in order: `layer{i}.weight`
+//! (dense `[fan_in, units]`, convolution `[KH, KW, C, filters]`, row-major), then
+//! `layer{i}.bias` `[units]` / `[filters]`. [`ParamLayout`] lists every tensor's name, shape and
+//! offset.
+
+mod kernels;
+mod spec;
+
+use kernels::{col2im, im2col, pool_backward, pool_forward, ConvGeom, PoolGeom};
+pub use spec::{Layer, ModelSpec, Resolved, Shape, CNN, MAX_ACTIVATIONS, MAX_PARAMS, MAX_PATCHES};
 
 use crate::error::{Error, Result};
 use crate::rng::Rng;
 use ndarray::linalg::general_mat_mul;
-use ndarray::{s, Array2, ArrayView1, ArrayView2, ArrayViewMut2, Axis};
+use ndarray::{ArrayView1, ArrayView2, ArrayViewMut2, Axis};
 use serde::{Deserialize, Serialize};
-use std::fmt;
 
 /// Which tensor lives at which offset of the flat parameter vector.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -70,108 +83,6 @@ impl ParamLayout {
     }
 }
 
-/// Architecture of a model: `inputs -> hidden... -> classes`, ReLU between layers, softmax on
-/// top. No hidden layer is softmax (multinomial logistic) regression.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ModelSpec {
-    /// Input features (784 for MNIST).
-    pub inputs: usize,
-    /// Widths of the hidden ReLU layers; empty for softmax regression.
-    pub hidden: Vec<usize>,
-    /// Number of classes.
-    pub classes: usize,
-}
-
-impl ModelSpec {
-    /// Parses `softmax` or `mlp:W1[,W2...]` (e.g. `mlp:128`, `mlp:256,128`) for the given input
-    /// and class counts.
-    ///
-    /// # Errors
-    /// [`Error::Config`] on any other text, a zero width, or zero inputs/classes.
-    pub fn parse(text: &str, inputs: usize, classes: usize) -> Result<Self> {
-        let hidden = match text.trim() {
-            "softmax" => Vec::new(),
-            t => {
-                let widths = t.strip_prefix("mlp:").ok_or_else(|| {
-                    Error::Config(format!(
-                        "unknown model {t:?}: use `softmax` or `mlp:W1,W2,...`"
-                    ))
-                })?;
-                widths
-                    .split(',')
-                    .map(|w| match w.trim().parse::<usize>() {
-                        Ok(n) if (1..=65_536).contains(&n) => Ok(n),
-                        _ => Err(Error::Config(format!("bad hidden width {w:?} in {t:?}"))),
-                    })
-                    .collect::<Result<Vec<_>>>()?
-            }
-        };
-        let spec = Self {
-            inputs,
-            hidden,
-            classes,
-        };
-        spec.validate()?;
-        Ok(spec)
-    }
-
-    /// Checks the dimensions are usable.
-    ///
-    /// # Errors
-    /// [`Error::Config`] for zero inputs, fewer than 2 classes, a zero width, or more than
-    /// 2^31 parameters.
-    pub fn validate(&self) -> Result<()> {
-        if self.inputs == 0 || self.classes < 2 || self.hidden.contains(&0) {
-            return Err(Error::Config(format!("unusable model dimensions {self}")));
-        }
-        let mut n: u128 = 0;
-        for w in self.dims().windows(2) {
-            n += (w[0] as u128 + 1) * w[1] as u128;
-        }
-        if n > (1u128 << 31) {
-            return Err(Error::Config(format!(
-                "model {self} has {n} parameters, too many"
-            )));
-        }
-        Ok(())
-    }
-
-    /// Layer widths including input and output: `[inputs, hidden..., classes]`.
-    pub fn dims(&self) -> Vec<usize> {
-        let mut d = vec![self.inputs];
-        d.extend(&self.hidden);
-        d.push(self.classes);
-        d
-    }
-
-    /// The flat parameter layout.
-    pub fn layout(&self) -> ParamLayout {
-        let mut l = ParamLayout::default();
-        for (i, w) in self.dims().windows(2).enumerate() {
-            l.push(format!("layer{i}.weight"), vec![w[0], w[1]]);
-            l.push(format!("layer{i}.bias"), vec![w[1]]);
-        }
-        l
-    }
-
-    /// Number of parameters.
-    pub fn param_len(&self) -> usize {
-        self.layout().len()
-    }
-}
-
-impl fmt::Display for ModelSpec {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let dims: Vec<String> = self.dims().iter().map(ToString::to_string).collect();
-        let kind = if self.hidden.is_empty() {
-            "softmax"
-        } else {
-            "mlp"
-        };
-        write!(f, "{kind} {}", dims.join("-"))
-    }
-}
-
 /// Loss and accuracy counts over a batch.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct BatchStats {
@@ -202,22 +113,98 @@ impl BatchStats {
     }
 }
 
-/// Scratch for forward and backward passes of up to `capacity` examples.
+/// im2col scratch budget (floats): a convolution processes as many examples at once as fit.
+const COLS_BUDGET: usize = 1 << 20;
+
+/// What one stage computes.
+#[derive(Debug, Clone, Copy)]
+enum Op {
+    /// `out = in W + b`; `t` is the index of the weight tensor in the layout.
+    Dense {
+        t: usize,
+        fan_in: usize,
+        fan_out: usize,
+    },
+    /// im2col + GEMM.
+    Conv { t: usize, g: ConvGeom },
+    /// Max or average pooling.
+    Pool { g: PoolGeom },
+}
+
+/// A layer that writes its own output buffer, with the element-wise layers after it (ReLU,
+/// dropout) applied in place on that buffer; flatten is free (the layout is already flat).
+#[derive(Debug, Clone)]
+struct Stage {
+    op: Op,
+    in_len: usize,
+    out_len: usize,
+    relu: bool,
+    /// Dropout rate, 0 for none.
+    dropout: f32,
+    /// Layers of the stage in the grammar, e.g. `conv:16x5x5+relu`.
+    label: String,
+}
+
+/// Scratch for forward and backward passes of up to `capacity` examples, sized once.
 #[derive(Debug, Clone)]
 pub struct Workspace {
     capacity: usize,
-    /// Output of every layer (post-ReLU for hidden layers, logits for the last).
-    acts: Vec<Array2<f32>>,
-    /// Loss gradient with respect to each layer's pre-activation.
-    deltas: Vec<Array2<f32>>,
+    /// Output of every stage (after its ReLU and dropout), `capacity x out_len`.
+    acts: Vec<Vec<f32>>,
+    /// Loss gradient with respect to every stage's output; empty in an inference workspace.
+    deltas: Vec<Vec<f32>>,
+    /// Max-pooling winners per output (training only).
+    argmax: Vec<Vec<u32>>,
+    /// Dropout multipliers (0 or `1 / (1 - rate)`) per output (training only).
+    masks: Vec<Vec<f32>>,
+    /// im2col scratch shared by the convolutions.
+    cols: Vec<f32>,
+    /// Examples per im2col chunk, per stage (1 for non-convolutions).
+    chunks: Vec<usize>,
+    train: bool,
 }
 
-/// A model: its spec and precomputed layout.
+/// Seconds spent per stage in [`Model::loss_and_grad_timed`], accumulated over calls.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LayerTimes {
+    /// The stages ([`Model::stage_names`]).
+    pub names: Vec<String>,
+    /// Forward seconds per stage.
+    pub forward: Vec<f64>,
+    /// Backward seconds per stage (parameter and input gradients).
+    pub backward: Vec<f64>,
+    /// Softmax cross-entropy and its gradient.
+    pub loss: f64,
+}
+
+/// A model: its spec, layout and the compiled stages.
 #[derive(Debug, Clone)]
 pub struct Model {
     spec: ModelSpec,
-    dims: Vec<usize>,
     layout: ParamLayout,
+    stages: Vec<Stage>,
+}
+
+struct Clock<'a> {
+    now: &'a mut dyn FnMut() -> f64,
+    times: &'a mut LayerTimes,
+    last: f64,
+}
+
+impl Clock<'_> {
+    fn lap(&mut self) -> f64 {
+        let t = (self.now)();
+        let d = t - self.last;
+        self.last = t;
+        d
+    }
+}
+
+fn tick(clock: &mut Option<Clock<'_>>, f: impl FnOnce(&mut LayerTimes, f64)) {
+    if let Some(c) = clock {
+        let d = c.lap();
+        f(c.times, d);
+    }
 }
 
 impl Model {
@@ -226,11 +213,96 @@ impl Model {
     /// # Errors
     /// As [`ModelSpec::validate`].
     pub fn new(spec: ModelSpec) -> Result<Self> {
-        spec.validate()?;
+        let resolved = spec.resolve()?;
+        let layout = spec.layout();
+        let mut stages: Vec<Stage> = Vec::new();
+        let mut t = 0;
+        for r in &resolved {
+            let op = match (r.layer, r.input, r.output) {
+                (Layer::Dense { units }, input, _) => {
+                    t += 2;
+                    Op::Dense {
+                        t: t - 2,
+                        fan_in: input.len(),
+                        fan_out: units,
+                    }
+                }
+                (
+                    Layer::Conv {
+                        filters,
+                        kernel,
+                        stride,
+                        padding,
+                    },
+                    Shape::Image { h, w, c },
+                    Shape::Image { h: oh, w: ow, .. },
+                ) => {
+                    t += 2;
+                    Op::Conv {
+                        t: t - 2,
+                        g: ConvGeom {
+                            h,
+                            w,
+                            c,
+                            kh: kernel[0],
+                            kw: kernel[1],
+                            filters,
+                            stride,
+                            pad: padding,
+                            oh,
+                            ow,
+                        },
+                    }
+                }
+                (
+                    Layer::MaxPool { size, stride } | Layer::AvgPool { size, stride },
+                    Shape::Image { h, w, c },
+                    Shape::Image { h: oh, w: ow, .. },
+                ) => Op::Pool {
+                    g: PoolGeom {
+                        h,
+                        w,
+                        c,
+                        size,
+                        stride,
+                        oh,
+                        ow,
+                        max: matches!(r.layer, Layer::MaxPool { .. }),
+                    },
+                },
+                (Layer::Relu | Layer::Dropout { .. } | Layer::Flatten, ..) => {
+                    let Some(last) = stages.last_mut() else {
+                        // resolve() refuses ReLU/dropout first; a leading flatten is free.
+                        continue;
+                    };
+                    match r.layer {
+                        Layer::Relu => last.relu = true,
+                        Layer::Dropout { rate } => last.dropout = rate,
+                        _ => continue,
+                    }
+                    last.label.push_str(&format!("+{}", r.layer));
+                    continue;
+                }
+                _ => {
+                    return Err(Error::Config(format!(
+                        "layer {} has an unexpected input {}",
+                        r.layer, r.input
+                    )))
+                }
+            };
+            stages.push(Stage {
+                op,
+                in_len: r.input.len(),
+                out_len: r.output.len(),
+                relu: false,
+                dropout: 0.0,
+                label: r.layer.to_string(),
+            });
+        }
         Ok(Self {
-            dims: spec.dims(),
-            layout: spec.layout(),
             spec,
+            layout,
+            stages,
         })
     }
 
@@ -249,35 +321,106 @@ impl Model {
         self.layout.len()
     }
 
-    /// Scratch for batches of up to `capacity` rows.
-    pub fn workspace(&self, capacity: usize) -> Workspace {
+    /// The computing stages, e.g. `["conv:16x5x5+relu", "pool:2", ...]`: a layer with
+    /// parameters or a pooling layer, with the ReLU/dropout after it.
+    pub fn stage_names(&self) -> Vec<String> {
+        self.stages.iter().map(|s| s.label.clone()).collect()
+    }
+
+    /// True when the model has a dropout layer (its gradient depends on a seed).
+    pub fn has_dropout(&self) -> bool {
+        self.stages.iter().any(|s| s.dropout > 0.0)
+    }
+
+    fn make_workspace(&self, capacity: usize, train: bool) -> Workspace {
         let capacity = capacity.max(1);
-        let layers = &self.dims[1..];
+        let chunks: Vec<usize> = self
+            .stages
+            .iter()
+            .map(|s| match s.op {
+                Op::Conv { g, .. } => {
+                    (COLS_BUDGET / (g.positions() * g.patch()).max(1)).clamp(1, capacity)
+                }
+                _ => 1,
+            })
+            .collect();
+        let cols = self
+            .stages
+            .iter()
+            .zip(&chunks)
+            .map(|(s, &n)| match s.op {
+                Op::Conv { g, .. } => n * g.positions() * g.patch(),
+                _ => 0,
+            })
+            .max()
+            .unwrap_or(0);
+        let per = |f: &dyn Fn(&Stage) -> bool| -> Vec<usize> {
+            self.stages
+                .iter()
+                .map(|s| {
+                    if train && f(s) {
+                        capacity * s.out_len
+                    } else {
+                        0
+                    }
+                })
+                .collect()
+        };
         Workspace {
             capacity,
-            acts: layers
+            acts: self
+                .stages
                 .iter()
-                .map(|&d| Array2::zeros((capacity, d)))
+                .map(|s| vec![0.0; capacity * s.out_len])
                 .collect(),
-            deltas: layers
-                .iter()
-                .map(|&d| Array2::zeros((capacity, d)))
+            deltas: per(&|_| true).into_iter().map(|n| vec![0.0; n]).collect(),
+            argmax: per(&|s| matches!(s.op, Op::Pool { g } if g.max))
+                .into_iter()
+                .map(|n| vec![0; n])
                 .collect(),
+            masks: per(&|s| s.dropout > 0.0)
+                .into_iter()
+                .map(|n| vec![0.0; n])
+                .collect(),
+            cols: vec![0.0; cols],
+            chunks,
+            train,
         }
     }
 
-    /// Deterministic initial parameters: He-normal weights for ReLU layers, Glorot-normal for the
-    /// output layer, zero biases.
+    /// Scratch for training (and evaluating) batches of up to `capacity` rows.
+    pub fn workspace(&self, capacity: usize) -> Workspace {
+        self.make_workspace(capacity, true)
+    }
+
+    /// Scratch for evaluating batches of up to `capacity` rows: no gradient buffers (about
+    /// half the memory of [`Model::workspace`]); [`Model::loss_and_grad`] refuses it.
+    pub fn inference_workspace(&self, capacity: usize) -> Workspace {
+        self.make_workspace(capacity, false)
+    }
+
+    /// Deterministic initial parameters: He-normal weights for the hidden layers (fan-in
+    /// `KH * KW * C` for a convolution), Glorot-normal for the output layer, zero biases; the
+    /// weights are drawn from one stream in layout order.
     pub fn init_params(&self, seed: u64) -> Vec<f32> {
         let mut rng = Rng::new(seed);
         let mut p = vec![0.0f32; self.param_len()];
-        let last = self.dims.len() - 2;
-        for (i, w) in self.dims.windows(2).enumerate() {
-            let t = &self.layout.tensors[2 * i];
-            let std = if i == last {
-                (2.0 / (w[0] + w[1]) as f64).sqrt()
+        let weights: Vec<usize> = self
+            .stages
+            .iter()
+            .filter_map(|s| match s.op {
+                Op::Dense { t, .. } | Op::Conv { t, .. } => Some(t),
+                Op::Pool { .. } => None,
+            })
+            .collect();
+        for (i, &t) in weights.iter().enumerate() {
+            let t = &self.layout.tensors[t];
+            let fan_out = *t.shape.last().unwrap_or(&1);
+            let fan_in = t.len() / fan_out.max(1);
+            let std = if i + 1 == weights.len() {
+                (2.0 / (fan_in + fan_out) as f64).sqrt()
             } else {
-                (2.0 / w[0] as f64).sqrt()
+                (2.0 / fan_in as f64).sqrt()
             };
             for v in &mut p[t.offset..t.offset + t.len()] {
                 *v = (rng.normal() * std) as f32;
@@ -286,17 +429,18 @@ impl Model {
         p
     }
 
-    fn weight<'a>(&self, params: &'a [f32], layer: usize) -> ArrayView2<'a, f32> {
-        let t = &self.layout.tensors[2 * layer];
+    fn weight<'a>(&self, params: &'a [f32], t: usize) -> ArrayView2<'a, f32> {
+        let t = &self.layout.tensors[t];
+        let rows = t.len() / t.shape.last().copied().unwrap_or(1).max(1);
         ArrayView2::from_shape(
-            (t.shape[0], t.shape[1]),
+            (rows, t.len() / rows.max(1)),
             &params[t.offset..t.offset + t.len()],
         )
         .expect("layout matches shape")
     }
 
-    fn bias<'a>(&self, params: &'a [f32], layer: usize) -> ArrayView1<'a, f32> {
-        let t = &self.layout.tensors[2 * layer + 1];
+    fn bias<'a>(&self, params: &'a [f32], t: usize) -> ArrayView1<'a, f32> {
+        let t = &self.layout.tensors[t + 1];
         ArrayView1::from(&params[t.offset..t.offset + t.len()])
     }
 
@@ -313,7 +457,16 @@ impl Model {
                 got: params.len(),
             });
         }
-        if x.ncols() != self.spec.inputs || x.nrows() != y.len() || x.nrows() > ws.capacity {
+        if x.ncols() != self.spec.inputs
+            || x.nrows() != y.len()
+            || x.nrows() > ws.capacity
+            || ws.acts.len() != self.stages.len()
+            || ws
+                .acts
+                .iter()
+                .zip(&self.stages)
+                .any(|(a, s)| a.len() != ws.capacity * s.out_len)
+        {
             return Err(Error::Config(format!(
                 "batch of {}x{} with {} labels does not fit model {} / workspace {}",
                 x.nrows(),
@@ -322,6 +475,12 @@ impl Model {
                 self.spec,
                 ws.capacity
             )));
+        }
+        let first_is_dense = matches!(self.stages.first().map(|s| s.op), Some(Op::Dense { .. }));
+        if !first_is_dense && x.as_slice().is_none() {
+            return Err(Error::Config(
+                "an image batch must be in standard (row-major) layout".into(),
+            ));
         }
         if let Some(&bad) = y.iter().find(|&&c| c as usize >= self.spec.classes) {
             return Err(Error::Data(format!(
@@ -333,35 +492,92 @@ impl Model {
     }
 
     /// Forward pass; leaves logits in the last activation and returns loss/accuracy counts.
+    /// `dropout` is `Some(seed)` in training.
     fn forward(
         &self,
         params: &[f32],
         x: ArrayView2<'_, f32>,
         y: &[u8],
         ws: &mut Workspace,
+        dropout: Option<u64>,
+        clock: &mut Option<Clock<'_>>,
     ) -> BatchStats {
         let b = x.nrows();
-        let layers = self.dims.len() - 1;
-        for l in 0..layers {
-            let (done, rest) = ws.acts.split_at_mut(l);
-            let mut out = rest[0].slice_mut(s![..b, ..]);
-            out.assign(
-                &self
-                    .bias(params, l)
-                    .broadcast((b, self.dims[l + 1]))
-                    .expect("bias broadcast"),
-            );
-            let input = if l == 0 {
-                x.view()
-            } else {
-                done[l - 1].slice(s![..b, ..])
-            };
-            general_mat_mul(1.0, &input, &self.weight(params, l), 1.0, &mut out);
-            if l + 1 < layers {
-                out.mapv_inplace(|v| v.max(0.0));
+        let train = ws.train;
+        let xs = x.as_slice().unwrap_or(&[]);
+        for (i, st) in self.stages.iter().enumerate() {
+            let (done, rest) = ws.acts.split_at_mut(i);
+            let out = &mut rest[0][..b * st.out_len];
+            match st.op {
+                Op::Dense { t, fan_out, fan_in } => {
+                    let mut o = ArrayViewMut2::from_shape((b, fan_out), &mut *out).expect("sized");
+                    o.assign(&self.bias(params, t).broadcast((b, fan_out)).expect("bias"));
+                    let input = if i == 0 {
+                        x.view()
+                    } else {
+                        ArrayView2::from_shape((b, fan_in), &done[i - 1][..b * fan_in])
+                            .expect("sized")
+                    };
+                    general_mat_mul(1.0, &input, &self.weight(params, t), 1.0, &mut o);
+                }
+                Op::Conv { t, g } => {
+                    let input = stage_input(xs, done, i, b * st.in_len);
+                    let w = self.weight(params, t);
+                    let bias = self.bias(params, t);
+                    let (per_in, per_out, patch) = (st.in_len, st.out_len, g.patch());
+                    let mut e0 = 0;
+                    while e0 < b {
+                        let n = ws.chunks[i].min(b - e0);
+                        let rows = n * g.positions();
+                        let cols = &mut ws.cols[..rows * patch];
+                        im2col(&g, &input[e0 * per_in..(e0 + n) * per_in], n, cols);
+                        let cols = ArrayView2::from_shape((rows, patch), &*cols).expect("sized");
+                        let mut o = ArrayViewMut2::from_shape(
+                            (rows, g.filters),
+                            &mut out[e0 * per_out..(e0 + n) * per_out],
+                        )
+                        .expect("sized");
+                        o.assign(&bias.broadcast((rows, g.filters)).expect("bias"));
+                        general_mat_mul(1.0, &cols, &w, 1.0, &mut o);
+                        e0 += n;
+                    }
+                }
+                Op::Pool { g } => {
+                    let input = stage_input(xs, done, i, b * st.in_len);
+                    let argmax = if train && g.max {
+                        Some(&mut ws.argmax[i][..b * st.out_len])
+                    } else {
+                        None
+                    };
+                    pool_forward(&g, input, b, out, argmax);
+                }
             }
+            if st.relu {
+                out.iter_mut().for_each(|v| *v = v.max(0.0));
+            }
+            if let (Some(seed), true) = (dropout, st.dropout > 0.0 && train) {
+                let mask = &mut ws.masks[i][..b * st.out_len];
+                let mut rng = Rng::new(seed ^ (i as u64 + 1).wrapping_mul(0xD1B5_4A32_D192_ED03));
+                let keep = 1.0 / (1.0 - st.dropout);
+                // Drop when 24 random bits fall below rate * 2^24.
+                let cut = (f64::from(st.dropout) * (1u64 << 24) as f64) as u64;
+                for (m, v) in mask.iter_mut().zip(out.iter_mut()) {
+                    *m = if rng.next_u64() >> 40 < cut {
+                        0.0
+                    } else {
+                        keep
+                    };
+                    *v *= *m;
+                }
+            }
+            tick(clock, |t, d| t.forward[i] += d);
         }
-        let logits = ws.acts[layers - 1].slice(s![..b, ..]);
+        let last = self.stages.len() - 1;
+        let logits = ArrayView2::from_shape(
+            (b, self.spec.classes),
+            &ws.acts[last][..b * self.spec.classes],
+        )
+        .expect("sized");
         let mut stats = BatchStats {
             count: b,
             ..BatchStats::default()
@@ -384,12 +600,14 @@ impl Model {
         stats
     }
 
-    /// Mean softmax cross-entropy of the batch and its gradient, written into `grad` (same layout
-    /// as `params`, overwritten).
+    /// Mean softmax cross-entropy of the batch and its gradient, written into `grad` (same
+    /// layout as `params`, overwritten). Dropout, if the model has any, is seeded from the
+    /// batch itself (a hash of `x` and `y`), so the gradient is a function of the parameters
+    /// and the batch; [`Model::loss_and_grad_seeded`] takes the seed explicitly.
     ///
     /// # Errors
     /// When `params`/`grad` have the wrong length, the batch does not fit the model or the
-    /// workspace, or a label is out of range.
+    /// workspace (or the workspace is an inference one), or a label is out of range.
     pub fn loss_and_grad(
         &self,
         params: &[f32],
@@ -398,21 +616,104 @@ impl Model {
         grad: &mut [f32],
         ws: &mut Workspace,
     ) -> Result<BatchStats> {
+        let seed = if self.has_dropout() {
+            batch_hash(&x, y)
+        } else {
+            0
+        };
+        self.loss_and_grad_seeded(params, x, y, seed, grad, ws)
+    }
+
+    /// [`Model::loss_and_grad`] with dropout masks drawn from `seed` (a worker passes one
+    /// derived from its batch seed and step, so a gradient is reproducible from the
+    /// parameters, the batch indices and the seed). Models without dropout ignore it.
+    ///
+    /// # Errors
+    /// As [`Model::loss_and_grad`].
+    pub fn loss_and_grad_seeded(
+        &self,
+        params: &[f32],
+        x: ArrayView2<'_, f32>,
+        y: &[u8],
+        seed: u64,
+        grad: &mut [f32],
+        ws: &mut Workspace,
+    ) -> Result<BatchStats> {
+        self.train_step(params, x, y, seed, grad, ws, &mut None)
+    }
+
+    /// [`Model::loss_and_grad_seeded`], adding the seconds each stage takes to `times`
+    /// (reset it with [`Model::layer_times`]); `now` is a clock in seconds (core has none of
+    /// its own: natively `Instant`, in a browser `performance.now()`).
+    ///
+    /// # Errors
+    /// As [`Model::loss_and_grad`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn loss_and_grad_timed(
+        &self,
+        params: &[f32],
+        x: ArrayView2<'_, f32>,
+        y: &[u8],
+        seed: u64,
+        grad: &mut [f32],
+        ws: &mut Workspace,
+        now: &mut dyn FnMut() -> f64,
+        times: &mut LayerTimes,
+    ) -> Result<BatchStats> {
+        if times.names.len() != self.stages.len() {
+            *times = self.layer_times();
+        }
+        let last = now();
+        let mut clock = Some(Clock { now, times, last });
+        self.train_step(params, x, y, seed, grad, ws, &mut clock)
+    }
+
+    /// Zeroed [`LayerTimes`] for this model's stages.
+    pub fn layer_times(&self) -> LayerTimes {
+        LayerTimes {
+            names: self.stage_names(),
+            forward: vec![0.0; self.stages.len()],
+            backward: vec![0.0; self.stages.len()],
+            loss: 0.0,
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn train_step(
+        &self,
+        params: &[f32],
+        x: ArrayView2<'_, f32>,
+        y: &[u8],
+        seed: u64,
+        grad: &mut [f32],
+        ws: &mut Workspace,
+        clock: &mut Option<Clock<'_>>,
+    ) -> Result<BatchStats> {
         self.check(params, &x, y, ws)?;
+        if !ws.train {
+            return Err(Error::Config(
+                "an inference workspace cannot compute gradients".into(),
+            ));
+        }
         if grad.len() != params.len() {
             return Err(Error::WrongLength {
                 expected: params.len(),
                 got: grad.len(),
             });
         }
-        let stats = self.forward(params, x.view(), y, ws);
+        let stats = self.forward(params, x.view(), y, ws, Some(seed), clock);
         let b = x.nrows();
-        let layers = self.dims.len() - 1;
+        let xs = x.as_slice().unwrap_or(&[]);
+        let last = self.stages.len() - 1;
+        let classes = self.spec.classes;
         let inv_b = 1.0 / b as f32;
         // dL/dlogits = (softmax - onehot) / B
         {
-            let logits = ws.acts[layers - 1].slice(s![..b, ..]);
-            let mut d = ws.deltas[layers - 1].slice_mut(s![..b, ..]);
+            let logits =
+                ArrayView2::from_shape((b, classes), &ws.acts[last][..b * classes]).expect("sized");
+            let mut d =
+                ArrayViewMut2::from_shape((b, classes), &mut ws.deltas[last][..b * classes])
+                    .expect("sized");
             for ((lrow, mut drow), &label) in logits.outer_iter().zip(d.outer_iter_mut()).zip(y) {
                 let max = lrow.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let mut sum = 0.0;
@@ -425,48 +726,101 @@ impl Model {
                 drow[label as usize] -= inv_b;
             }
         }
-        for l in (0..layers).rev() {
-            let tw = &self.layout.tensors[2 * l];
-            let tb = &self.layout.tensors[2 * l + 1];
-            let (gw, gb) = grad[tw.offset..tb.offset + tb.len()].split_at_mut(tw.len());
-            let mut gw = ArrayViewMut2::from_shape((tw.shape[0], tw.shape[1]), gw).expect("layout");
-            {
-                let delta = ws.deltas[l].slice(s![..b, ..]);
-                let input = if l == 0 {
-                    x.view()
-                } else {
-                    ws.acts[l - 1].slice(s![..b, ..])
-                };
-                general_mat_mul(1.0, &input.t(), &delta, 0.0, &mut gw);
-                for (g, col) in gb.iter_mut().zip(delta.axis_iter(Axis(1))) {
-                    *g = col.sum();
+        tick(clock, |t, d| t.loss += d);
+        for (i, st) in self.stages.iter().enumerate().rev() {
+            let (lower, upper) = ws.deltas.split_at_mut(i);
+            let delta = &mut upper[0][..b * st.out_len];
+            if st.dropout > 0.0 {
+                for (d, &m) in delta.iter_mut().zip(&ws.masks[i][..b * st.out_len]) {
+                    *d *= m;
                 }
             }
-            if l > 0 {
-                let (lower, upper) = ws.deltas.split_at_mut(l);
-                let mut dprev = lower[l - 1].slice_mut(s![..b, ..]);
-                general_mat_mul(
-                    1.0,
-                    &upper[0].slice(s![..b, ..]),
-                    &self.weight(params, l).t(),
-                    0.0,
-                    &mut dprev,
-                );
-                let act = ws.acts[l - 1].slice(s![..b, ..]);
-                ndarray::Zip::from(&mut dprev).and(&act).for_each(|d, &a| {
+            if st.relu {
+                for (d, &a) in delta.iter_mut().zip(&ws.acts[i][..b * st.out_len]) {
                     if a <= 0.0 {
                         *d = 0.0;
                     }
-                });
+                }
             }
+            let delta = &*delta;
+            match st.op {
+                Op::Dense { t, fan_in, fan_out } => {
+                    let (tw, tb) = (&self.layout.tensors[t], &self.layout.tensors[t + 1]);
+                    let (gw, gb) = grad[tw.offset..tb.offset + tb.len()].split_at_mut(tw.len());
+                    let mut gw = ArrayViewMut2::from_shape((fan_in, fan_out), gw).expect("layout");
+                    let delta = ArrayView2::from_shape((b, fan_out), delta).expect("sized");
+                    let input = if i == 0 {
+                        x.view()
+                    } else {
+                        ArrayView2::from_shape((b, fan_in), &ws.acts[i - 1][..b * fan_in])
+                            .expect("sized")
+                    };
+                    general_mat_mul(1.0, &input.t(), &delta, 0.0, &mut gw);
+                    for (g, col) in gb.iter_mut().zip(delta.axis_iter(Axis(1))) {
+                        *g = col.sum();
+                    }
+                    if i > 0 {
+                        let mut dprev =
+                            ArrayViewMut2::from_shape((b, fan_in), &mut lower[i - 1][..b * fan_in])
+                                .expect("sized");
+                        general_mat_mul(1.0, &delta, &self.weight(params, t).t(), 0.0, &mut dprev);
+                    }
+                }
+                Op::Conv { t, g } => {
+                    let (tw, tb) = (&self.layout.tensors[t], &self.layout.tensors[t + 1]);
+                    let (gw, gb) = grad[tw.offset..tb.offset + tb.len()].split_at_mut(tw.len());
+                    let patch = g.patch();
+                    let mut gw = ArrayViewMut2::from_shape((patch, g.filters), gw).expect("layout");
+                    gw.fill(0.0);
+                    gb.fill(0.0);
+                    let w = self.weight(params, t);
+                    let input = stage_input(xs, &ws.acts, i, b * st.in_len);
+                    let (per_in, per_out) = (st.in_len, st.out_len);
+                    let mut e0 = 0;
+                    while e0 < b {
+                        let n = ws.chunks[i].min(b - e0);
+                        let rows = n * g.positions();
+                        let d = ArrayView2::from_shape(
+                            (rows, g.filters),
+                            &delta[e0 * per_out..(e0 + n) * per_out],
+                        )
+                        .expect("sized");
+                        for row in d.outer_iter() {
+                            for (gv, &dv) in gb.iter_mut().zip(row) {
+                                *gv += dv;
+                            }
+                        }
+                        let cols = &mut ws.cols[..rows * patch];
+                        im2col(&g, &input[e0 * per_in..(e0 + n) * per_in], n, cols);
+                        let cv = ArrayView2::from_shape((rows, patch), &*cols).expect("sized");
+                        general_mat_mul(1.0, &cv.t(), &d, 1.0, &mut gw);
+                        if i > 0 {
+                            let mut dc = ArrayViewMut2::from_shape((rows, patch), &mut *cols)
+                                .expect("sized");
+                            general_mat_mul(1.0, &d, &w.t(), 0.0, &mut dc);
+                            let dprev = &mut lower[i - 1][e0 * per_in..(e0 + n) * per_in];
+                            dprev.fill(0.0);
+                            col2im(&g, cols, n, dprev);
+                        }
+                        e0 += n;
+                    }
+                }
+                Op::Pool { g } => {
+                    if i > 0 {
+                        let am = if g.max { &ws.argmax[i][..] } else { &[][..] };
+                        pool_backward(&g, delta, am, b, &mut lower[i - 1][..b * st.in_len]);
+                    }
+                }
+            }
+            tick(clock, |t, d| t.backward[i] += d);
         }
         Ok(stats)
     }
 
-    /// Loss and accuracy on a batch without computing gradients.
+    /// Loss and accuracy on a batch without computing gradients (no dropout).
     ///
     /// # Errors
-    /// As [`Model::loss_and_grad`].
+    /// As [`Model::loss_and_grad`] (an inference workspace is fine here).
     pub fn evaluate(
         &self,
         params: &[f32],
@@ -475,13 +829,35 @@ impl Model {
         ws: &mut Workspace,
     ) -> Result<BatchStats> {
         self.check(params, &x, y, ws)?;
-        Ok(self.forward(params, x, y, ws))
+        Ok(self.forward(params, x, y, ws, None, &mut None))
     }
+}
+
+/// The input of stage `i`: the batch for the first, the previous stage's output otherwise.
+fn stage_input<'a>(x: &'a [f32], acts: &'a [Vec<f32>], i: usize, len: usize) -> &'a [f32] {
+    if i == 0 {
+        &x[..len.min(x.len())]
+    } else {
+        &acts[i - 1][..len]
+    }
+}
+
+/// FNV-1a over a batch's labels and pixel bits: the dropout seed of [`Model::loss_and_grad`].
+fn batch_hash(x: &ArrayView2<'_, f32>, y: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |v: u64| {
+        h ^= v;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    };
+    y.iter().for_each(|&l| eat(u64::from(l)));
+    x.iter().for_each(|v| eat(u64::from(v.to_bits())));
+    h
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ndarray::Array2;
 
     fn toy_batch(rows: usize, cols: usize, classes: usize, seed: u64) -> (Array2<f32>, Vec<u8>) {
         let mut r = Rng::new(seed);
@@ -490,7 +866,32 @@ mod tests {
         (x, y)
     }
 
+    /// Which side of every kink the batch sits on: ReLU signs and max-pool winners.
+    fn kinks(model: &Model, ws: &Workspace, b: usize) -> Vec<u32> {
+        let mut sig = Vec::new();
+        for (i, st) in model.stages.iter().enumerate() {
+            if st.relu {
+                sig.extend(
+                    ws.acts[i][..b * st.out_len]
+                        .iter()
+                        .map(|&v| u32::from(v > 0.0)),
+                );
+            }
+            if matches!(st.op, Op::Pool { g } if g.max) {
+                sig.extend_from_slice(&ws.argmax[i][..b * st.out_len]);
+            }
+        }
+        sig
+    }
+
+    /// Central differences against the analytic gradient, for every parameter. The loss is
+    /// piecewise smooth: a perturbation that flips a ReLU or a max-pool winner crosses a kink
+    /// and the difference is meaningless there, so such parameters are skipped (and counted).
     fn finite_difference_check(spec: ModelSpec) {
+        finite_difference_check_h(spec, 1e-2);
+    }
+
+    fn finite_difference_check_h(spec: ModelSpec, h: f32) {
         let model = Model::new(spec).unwrap();
         let mut params = model.init_params(3);
         // Non-zero biases so every path is exercised.
@@ -508,36 +909,28 @@ mod tests {
         let (x, y) = toy_batch(5, model.spec().inputs, model.spec().classes, 4);
         let mut ws = model.workspace(8);
         let mut grad = vec![0.0; params.len()];
+        let seed = 77;
         model
-            .loss_and_grad(&params, x.view(), &y, &mut grad, &mut ws)
+            .loss_and_grad_seeded(&params, x.view(), &y, seed, &mut grad, &mut ws)
             .unwrap();
-        // The loss is piecewise smooth: a perturbation that flips a ReLU crosses a kink and the
-        // central difference is meaningless there, so such parameters are skipped (and counted).
-        let hidden = model.spec().hidden.len();
-        let eval = |p: &[f32], ws: &mut Workspace| -> (f64, Vec<bool>) {
-            let l = model.evaluate(p, x.view(), &y, ws).unwrap().mean_loss();
-            let mask = ws.acts[..hidden]
-                .iter()
-                .flat_map(|a| {
-                    a.slice(s![..x.nrows(), ..])
-                        .iter()
-                        .map(|&v| v > 0.0)
-                        .collect::<Vec<_>>()
-                })
-                .collect();
-            (l, mask)
+        let mut scratch = vec![0.0; params.len()];
+        let mut eval = |p: &[f32], ws: &mut Workspace| -> (f64, Vec<u32>) {
+            let l = model
+                .loss_and_grad_seeded(p, x.view(), &y, seed, &mut scratch, ws)
+                .unwrap()
+                .mean_loss();
+            (l, kinks(&model, ws, x.nrows()))
         };
-        let (_, base_mask) = eval(&params, &mut ws);
-        let h = 1e-2f32;
+        let (_, base) = eval(&params, &mut ws);
         let mut worst = 0.0f64;
         let mut skipped = 0;
         for i in 0..params.len() {
             let mut p = params.clone();
             p[i] += h;
-            let (up, m_up) = eval(&p, &mut ws);
+            let (up, k_up) = eval(&p, &mut ws);
             p[i] -= 2.0 * h;
-            let (down, m_down) = eval(&p, &mut ws);
-            if m_up != base_mask || m_down != base_mask {
+            let (down, k_down) = eval(&p, &mut ws);
+            if k_up != base || k_down != base {
                 skipped += 1;
                 continue;
             }
@@ -551,7 +944,17 @@ mod tests {
             "{skipped} of {} parameters sit on a kink",
             params.len()
         );
-        assert!(worst < 2e-2, "worst relative error {worst}");
+        assert!(
+            worst < 2e-2,
+            "{}: worst relative error {worst}",
+            model.spec()
+        );
+        // And the gradient is not trivially zero.
+        assert!(grad.iter().any(|&g| g.abs() > 1e-4));
+    }
+
+    fn shaped(text: &str, shape: &[usize], classes: usize) -> ModelSpec {
+        ModelSpec::parse_shaped(text, shape, classes).unwrap()
     }
 
     #[test]
@@ -566,16 +969,296 @@ mod tests {
     }
 
     #[test]
-    fn layout_and_parse() {
+    fn conv_with_padding_and_max_pool_match_finite_differences() {
+        finite_difference_check(shaped("conv:3x3x3/p1,pool:2,dense:5", &[7, 6, 2], 3));
+    }
+
+    #[test]
+    fn strided_conv_avg_pool_and_dropout_match_finite_differences() {
+        finite_difference_check(shaped(
+            "conv:2x3x3/s2p1,avgpool:2,dense:4,dropout:0.4",
+            &[6, 6],
+            3,
+        ));
+    }
+
+    #[test]
+    fn stacked_convs_rectangular_kernels_and_overlapping_pools_match_finite_differences() {
+        // The second convolution and the pools need input gradients (col2im, pool backward).
+        // Overlapping max-pool windows put many winners near a tie: a smaller step.
+        finite_difference_check_h(
+            shaped(
+                "conv:3x2x3,conv:2x3x3/p1,avgpool:2/s1,pool:2/s1,flatten,dropout:0.2",
+                &[5, 6, 3],
+                3,
+            ),
+            2e-3,
+        );
+        // A pool first: the first stage has no parameters and no input gradient.
+        finite_difference_check(shaped("pool:2,conv:2x2x2,dense:3", &[6, 6, 2], 4));
+    }
+
+    #[test]
+    fn mlp_layout_and_text_are_unchanged() {
         let s = ModelSpec::parse("mlp:128", 784, 10).unwrap();
         assert_eq!(s.param_len(), 784 * 128 + 128 + 128 * 10 + 10);
         let l = s.layout();
+        let names: Vec<&str> = l.tensors.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "layer0.weight",
+                "layer0.bias",
+                "layer1.weight",
+                "layer1.bias"
+            ]
+        );
         assert_eq!(l.get("layer1.weight").unwrap().offset, 784 * 128 + 128);
+        assert_eq!(l.get("layer1.weight").unwrap().shape, [128, 10]);
         assert_eq!(s.to_string(), "mlp 784-128-10");
+        assert_eq!(s.mlp_widths(), Some(vec![128]));
+        assert_eq!(ModelSpec::parse("dense:128", 784, 10).unwrap(), s);
+        let soft = ModelSpec::parse("softmax", 784, 10).unwrap();
+        assert_eq!(soft.to_string(), "softmax 784-10");
+        assert_eq!(soft.layers, [Layer::Dense { units: 10 }]);
         assert!(ModelSpec::parse("mlp:", 784, 10).is_err());
         assert!(ModelSpec::parse("mlp:0", 784, 10).is_err());
-        assert!(ModelSpec::parse("cnn", 784, 10).is_err());
         assert!(ModelSpec::parse("softmax", 784, 1).is_err());
+    }
+
+    #[test]
+    fn cnn_layout_names_shapes_and_offsets() {
+        let s = shaped("cnn", &[28, 28], 10);
+        assert_eq!(s.layers_text(), CNN);
+        assert_eq!(s.to_string(), format!("{CNN} 28x28x1-10"));
+        let l = s.layout();
+        let got: Vec<(&str, Vec<usize>, usize)> = l
+            .tensors
+            .iter()
+            .map(|t| (t.name.as_str(), t.shape.clone(), t.offset))
+            .collect();
+        let c1 = 5 * 5 * 16;
+        let c2 = 5 * 5 * 16 * 32;
+        let d1 = 4 * 4 * 32 * 128;
+        assert_eq!(
+            got,
+            [
+                ("layer0.weight", vec![5, 5, 1, 16], 0),
+                ("layer0.bias", vec![16], c1),
+                ("layer1.weight", vec![5, 5, 16, 32], c1 + 16),
+                ("layer1.bias", vec![32], c1 + 16 + c2),
+                ("layer2.weight", vec![512, 128], c1 + 16 + c2 + 32),
+                ("layer2.bias", vec![128], c1 + 16 + c2 + 32 + d1),
+                ("layer3.weight", vec![128, 10], c1 + 16 + c2 + 32 + d1 + 128),
+                ("layer3.bias", vec![10], c1 + 16 + c2 + 32 + d1 + 128 + 1280),
+            ]
+        );
+        assert_eq!(s.param_len(), c1 + 16 + c2 + 32 + d1 + 128 + 1280 + 10);
+        // Flat 784 is read as 28x28 by `parse`, so the flag checks accept a CNN.
+        assert_eq!(ModelSpec::parse("cnn", 784, 10).unwrap(), s);
+        let m = Model::new(s).unwrap();
+        assert_eq!(
+            m.stage_names(),
+            [
+                "conv:16x5x5+relu",
+                "pool:2",
+                "conv:32x5x5+relu",
+                "pool:2",
+                "dense:128+relu",
+                "dense:10"
+            ]
+        );
+    }
+
+    #[test]
+    fn the_grammar() {
+        let s = shaped(
+            "conv:8x3x5/s2/p1,maxpool:3/s2,avgpool:2,dense:16,dropout:0.5",
+            &[32, 32, 3],
+            10,
+        );
+        assert_eq!(
+            s.layers,
+            [
+                Layer::Conv {
+                    filters: 8,
+                    kernel: [3, 5],
+                    stride: 2,
+                    padding: 1
+                },
+                Layer::Relu,
+                Layer::MaxPool { size: 3, stride: 2 },
+                Layer::AvgPool { size: 2, stride: 2 },
+                Layer::Dense { units: 16 },
+                Layer::Relu,
+                Layer::Dropout { rate: 0.5 },
+                Layer::Dense { units: 10 },
+            ]
+        );
+        assert_eq!(
+            s.layers_text(),
+            "conv:8x3x5/s2/p1,pool:3/s2,avgpool:2,dense:16,dropout:0.5"
+        );
+        // The canonical text parses back to the same spec.
+        assert_eq!(shaped(&s.layers_text(), &[32, 32, 3], 10), s);
+        assert_eq!(
+            shaped(
+                "conv:8x3x5/s2p1,maxpool:3/s2,avgpool:2,dense:16,dropout:0.5",
+                &[32, 32, 3],
+                10
+            ),
+            s
+        );
+        assert_eq!(
+            shaped("conv:4x3", &[8, 8], 2).layers[0],
+            Layer::Conv {
+                filters: 4,
+                kernel: [3, 3],
+                stride: 1,
+                padding: 0
+            }
+        );
+    }
+
+    fn refusal(text: &str, shape: &[usize]) -> String {
+        match ModelSpec::parse_shaped(text, shape, 10) {
+            Ok(s) => panic!("{text} on {shape:?} was accepted as {s}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn bad_specs_name_the_layer_and_the_shape() {
+        let cases: [(&str, &[usize], &[&str]); 12] = [
+            (
+                "conv:8x5x5",
+                &[4, 4],
+                &["layer 0 (conv:8x5x5)", "4x4x1", "5x5 kernel"],
+            ),
+            (
+                "conv:8x5x5,pool:2,conv:16x5x5,pool:2,conv:32x5x5",
+                &[28, 28],
+                &["layer 6 (conv:32x5x5)", "4x4x16"],
+            ),
+            (
+                "dense:10,conv:4x3x3",
+                &[28, 28],
+                &["layer 2 (conv:4x3x3)", "a vector"],
+            ),
+            ("pool:2", &[784], &["layer 0 (pool:2)", "784"]),
+            ("pool:5", &[4, 4, 2], &["4x4x2", "5x5 window"]),
+            ("conv:4x3x3/p3", &[8, 8], &["padding 3"]),
+            ("cnv:4x3", &[8, 8], &["\"cnv:4x3\"", "unknown layer"]),
+            ("conv:4", &[8, 8], &["FILTERSxK"]),
+            ("conv:4x3/q2", &[8, 8], &["unknown option"]),
+            ("dropout:1.5", &[8, 8], &["outside [0, 1)"]),
+            ("relu,dense:4", &[8, 8], &["implied"]),
+            ("dense:4,dropout:0.1,dropout:0.2", &[8], &["two dropouts"]),
+        ];
+        for (text, shape, needles) in cases {
+            let msg = refusal(text, shape);
+            for n in needles {
+                assert!(msg.contains(n), "{text}: {msg:?} lacks {n:?}");
+            }
+        }
+        assert!(ModelSpec::parse_shaped("cnn", &[28, 28, 1, 1], 10).is_err());
+        assert!(ModelSpec::parse_shaped("dense:65537", &[8], 10).is_err());
+        assert!(ModelSpec::parse_shaped("conv:4x3/é", &[8, 8], 10).is_err());
+        // Too many parameters is refused at parse time, not at allocation.
+        let msg = refusal("dense:65536,dense:65536", &[65536]);
+        assert!(msg.contains("too many"), "{msg}");
+        let msg = refusal("conv:4096x3x3/p1", &[2048, 2048]);
+        assert!(msg.contains("too"), "{msg}");
+    }
+
+    #[test]
+    fn json_keeps_the_mlp_form_and_validates() {
+        let mlp = ModelSpec::parse("mlp:128", 784, 10).unwrap();
+        let json = serde_json::to_value(&mlp).unwrap();
+        assert_eq!(json["inputs"], 784);
+        assert_eq!(json["hidden"], serde_json::json!([128]));
+        assert_eq!(json["classes"], 10);
+        assert_eq!(serde_json::from_value::<ModelSpec>(json).unwrap(), mlp);
+        // What protocol-1 servers before layers sent.
+        let old = serde_json::json!({"inputs": 784, "hidden": [128], "classes": 10});
+        assert_eq!(serde_json::from_value::<ModelSpec>(old).unwrap(), mlp);
+        let cnn = shaped("cnn", &[28, 28], 10);
+        let json = serde_json::to_value(&cnn).unwrap();
+        assert!(json.get("hidden").is_none());
+        assert_eq!(json["layers"][0]["kind"], "conv");
+        assert_eq!(json["layers"][0]["kernel"], serde_json::json!([5, 5]));
+        assert_eq!(
+            serde_json::from_value::<ModelSpec>(json.clone()).unwrap(),
+            cnn
+        );
+        // A model that does not fit does not decode.
+        let mut bad = json;
+        bad["input_shape"] = serde_json::json!([8, 8]);
+        bad["inputs"] = 64.into();
+        let err = serde_json::from_value::<ModelSpec>(bad)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("layer 3 (conv:32x5x5)"), "{err}");
+    }
+
+    #[test]
+    fn dropout_is_seeded_and_off_in_evaluation() {
+        let m = Model::new(shaped("dense:32,dropout:0.5", &[6], 3)).unwrap();
+        let p = m.init_params(1);
+        let (x, y) = toy_batch(4, 6, 3, 2);
+        let mut ws = m.workspace(4);
+        let mut g = |seed| {
+            let mut g = vec![0.0; p.len()];
+            m.loss_and_grad_seeded(&p, x.view(), &y, seed, &mut g, &mut ws)
+                .unwrap();
+            g
+        };
+        assert_eq!(g(5), g(5));
+        assert_ne!(g(5), g(6));
+        let mut ws = m.workspace(4);
+        let mut a = vec![0.0; p.len()];
+        let mut b = vec![0.0; p.len()];
+        m.loss_and_grad(&p, x.view(), &y, &mut a, &mut ws).unwrap();
+        m.loss_and_grad(&p, x.view(), &y, &mut b, &mut ws).unwrap();
+        assert_eq!(a, b, "the unseeded gradient is a function of the batch");
+        // Evaluation is deterministic and the same with an inference workspace.
+        let e1 = m.evaluate(&p, x.view(), &y, &mut ws).unwrap();
+        let mut iws = m.inference_workspace(4);
+        assert_eq!(m.evaluate(&p, x.view(), &y, &mut iws).unwrap(), e1);
+        assert!(m.loss_and_grad(&p, x.view(), &y, &mut a, &mut iws).is_err());
+        // About half the hidden units are dropped.
+        let mut ws = m.workspace(4);
+        m.loss_and_grad_seeded(&p, x.view(), &y, 1, &mut a, &mut ws)
+            .unwrap();
+        let dropped = ws.masks[0][..4 * 32].iter().filter(|&&v| v == 0.0).count();
+        assert!((40..=88).contains(&dropped), "{dropped} of 128 dropped");
+    }
+
+    #[test]
+    fn conv_chunks_do_not_change_the_gradient() {
+        let m = Model::new(shaped(
+            "conv:3x3x3/p1,pool:2,conv:4x3x3,dense:5",
+            &[8, 8, 2],
+            3,
+        ))
+        .unwrap();
+        let p = m.init_params(4);
+        let (x, y) = toy_batch(7, m.spec().inputs, 3, 8);
+        let run = |chunk: usize| {
+            let mut ws = m.workspace(7);
+            ws.chunks.iter_mut().for_each(|c| *c = chunk.min(*c));
+            let mut g = vec![0.0; p.len()];
+            let s = m.loss_and_grad(&p, x.view(), &y, &mut g, &mut ws).unwrap();
+            (s.loss_sum, g)
+        };
+        let (l7, g7) = run(7);
+        for chunk in [1, 3] {
+            let (l, g) = run(chunk);
+            assert!((l - l7).abs() < 1e-5);
+            for (a, b) in g.iter().zip(&g7) {
+                assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{a} vs {b}");
+            }
+        }
     }
 
     #[test]
@@ -600,5 +1283,41 @@ mod tests {
         assert!(m
             .loss_and_grad(&p, big.view(), &yb, &mut g, &mut ws)
             .is_err());
+        // A workspace of another model is refused, not indexed out of bounds.
+        let other = Model::new(ModelSpec::parse("mlp:4", 8, 3).unwrap()).unwrap();
+        let mut ows = other.workspace(4);
+        assert!(m
+            .loss_and_grad(&p, x.view(), &[0, 1], &mut g, &mut ows)
+            .is_err());
+        // A conv model refuses a transposed (non row-major) batch.
+        let c = Model::new(shaped("conv:2x3x3", &[4, 4], 3)).unwrap();
+        let cp = c.init_params(1);
+        let (xt, _) = toy_batch(16, 2, 3, 1);
+        let mut cws = c.workspace(2);
+        let mut cg = vec![0.0; cp.len()];
+        assert!(c
+            .loss_and_grad(&cp, xt.t(), &[0, 1], &mut cg, &mut cws)
+            .is_err());
+    }
+
+    #[test]
+    fn layer_times_cover_every_stage() {
+        let m = Model::new(shaped("cnn", &[28, 28], 10)).unwrap();
+        let p = m.init_params(1);
+        let (x, y) = toy_batch(4, 784, 10, 1);
+        let mut ws = m.workspace(4);
+        let mut g = vec![0.0; p.len()];
+        let mut times = m.layer_times();
+        let mut t = 0.0;
+        let mut clock = || {
+            t += 1.0;
+            t
+        };
+        m.loss_and_grad_timed(&p, x.view(), &y, 0, &mut g, &mut ws, &mut clock, &mut times)
+            .unwrap();
+        // One tick per stage forward and backward and one for the loss.
+        assert_eq!(times.forward, vec![1.0; 6]);
+        assert_eq!(times.backward, vec![1.0; 6]);
+        assert_eq!(times.loss, 1.0);
     }
 }

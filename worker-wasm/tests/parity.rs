@@ -149,12 +149,7 @@ fn compute() -> Fingerprint {
     fp.put_approx("mlp128.grad.picks", picks);
 
     // A tiny model, every gradient entry.
-    let tiny = Model::new(ModelSpec {
-        inputs: 16,
-        hidden: vec![8],
-        classes: 4,
-    })
-    .expect("model");
+    let tiny = Model::new(ModelSpec::parse("mlp:8", 16, 4).expect("spec")).expect("model");
     let tp = tiny.init_params(3);
     let mut r = Rng::new(9);
     let tx = Array2::from_shape_fn((8, 16), |_| r.normal() as f32);
