@@ -95,6 +95,32 @@ impl Rule {
             Rule::Adam { .. } => 2,
         }
     }
+
+    /// Stable names of the rule's state slots, in slot order (`slot0`, `slot1`). Checkpoints
+    /// store slot `i` of tensor `T` as `T.{name}`, e.g. `layer0.weight.adagrad_acc`.
+    pub fn slot_names(&self) -> &'static [&'static str] {
+        match self {
+            Rule::Sgd => &[],
+            Rule::Momentum { .. } => &["momentum"],
+            Rule::Adagrad { .. } => &["adagrad_acc"],
+            Rule::RmsProp { .. } => &["rmsprop_sq"],
+            Rule::Adam { .. } => &["adam_m", "adam_v"],
+        }
+    }
+
+    /// The rule's name as `--optimizer` takes it (`nesterov` for Nesterov momentum).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Rule::Sgd => "sgd",
+            Rule::Momentum {
+                nesterov: false, ..
+            } => "momentum",
+            Rule::Momentum { nesterov: true, .. } => "nesterov",
+            Rule::Adagrad { .. } => "adagrad",
+            Rule::RmsProp { .. } => "rmsprop",
+            Rule::Adam { .. } => "adam",
+        }
+    }
 }
 
 /// Hyperparameters of a shard's optimizer. Build it, then call [`OptimizerConfig::validate`].
@@ -198,6 +224,51 @@ impl OptState {
             },
             t: 0,
         }
+    }
+
+    /// The state slots `rule` keeps, in slot order, each as long as the parameters
+    /// ([`Rule::slot_names`] names them).
+    pub fn slots(&self, rule: &Rule) -> Vec<&[f32]> {
+        [&self.slot0[..], &self.slot1[..]]
+            .into_iter()
+            .take(rule.slots())
+            .collect()
+    }
+
+    /// State for `len` parameters under `rule` from saved slots (in slot order) and the update
+    /// count `t`: the inverse of [`OptState::slots`].
+    ///
+    /// # Errors
+    /// [`Error::Config`] when the number of slots is not the rule's, a slot's length is not
+    /// `len`, or a value is not finite.
+    pub fn from_slots(rule: &Rule, len: usize, slots: Vec<Vec<f32>>, t: u64) -> Result<Self> {
+        if slots.len() != rule.slots() {
+            return Err(Error::Config(format!(
+                "optimizer {} keeps {} state slots, got {}",
+                rule.name(),
+                rule.slots(),
+                slots.len()
+            )));
+        }
+        for (name, s) in rule.slot_names().iter().zip(&slots) {
+            if s.len() != len {
+                return Err(Error::Config(format!(
+                    "optimizer slot {name} holds {} values for {len} parameters",
+                    s.len()
+                )));
+            }
+            if s.iter().any(|v| !v.is_finite()) {
+                return Err(Error::Config(format!(
+                    "optimizer slot {name} holds a non-finite value"
+                )));
+            }
+        }
+        let mut it = slots.into_iter();
+        Ok(Self {
+            slot0: it.next().unwrap_or_default(),
+            slot1: it.next().unwrap_or_default(),
+            t,
+        })
     }
 }
 
@@ -467,6 +538,31 @@ mod tests {
         c.clip_norm = Some(-1.0);
         assert!(c.validate().is_err());
         assert!(Rule::from_name("lbfgs").is_err());
+    }
+
+    #[test]
+    fn slots_round_trip_and_are_checked() {
+        for name in ["sgd", "momentum", "nesterov", "adagrad", "rmsprop", "adam"] {
+            let rule = Rule::from_name(name).unwrap();
+            assert_eq!(rule.name(), name);
+            assert_eq!(rule.slot_names().len(), rule.slots());
+            let c = cfg(rule, 0.01);
+            let mut s = OptState::new(&rule, 3);
+            let mut p = [1.0, 2.0, 3.0];
+            step(&c, &mut s, &mut p, &[0.5, -0.5, 0.25], 1.0);
+            let saved: Vec<Vec<f32>> = s.slots(&rule).iter().map(|v| v.to_vec()).collect();
+            let back = OptState::from_slots(&rule, 3, saved.clone(), s.t).unwrap();
+            assert_eq!(back, s, "{name}");
+            assert!(OptState::from_slots(&rule, 4, saved.clone(), 1).is_err() || saved.is_empty());
+            let mut extra = saved.clone();
+            extra.push(vec![0.0; 3]);
+            assert!(OptState::from_slots(&rule, 3, extra, 1).is_err(), "{name}");
+            if let Some(first) = saved.first() {
+                let mut nan = saved.clone();
+                nan[0] = vec![f32::NAN; first.len()];
+                assert!(OptState::from_slots(&rule, 3, nan, 1).is_err());
+            }
+        }
     }
 
     #[test]

@@ -261,6 +261,26 @@ pub enum Outcome {
     },
 }
 
+/// What a checkpoint keeps of a shard ([`ShardCore::export`]): enough for
+/// [`ShardCore::restore`] to continue exactly where the export was taken. Two things are not
+/// kept: a sync aggregate in progress (its buffered gradients are lost like unacknowledged
+/// pushes; a clean shutdown flushes it first, rule 2 of [`crate::session`]) and DC-ASGD's
+/// history of past versions (pushes computed before the restore are applied uncompensated,
+/// as pushes older than the history always are).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ShardExport {
+    /// Updates applied.
+    pub version: u64,
+    /// The values (shared with the shard when just exported: no copy).
+    pub values: Arc<Vec<f32>>,
+    /// The optimizer state (slots in [`crate::optim::Rule::slot_names`] order, update count).
+    pub state: OptState,
+    /// `scale`: the running mean of `1 / max(1, staleness)` (see the module doc).
+    pub inv_staleness_mean: f64,
+    /// `scale`: pushes that running mean has seen.
+    pub scaled_pushes: u64,
+}
+
 /// A shard's state and update logic.
 #[derive(Debug)]
 pub struct ShardCore {
@@ -311,6 +331,94 @@ impl ShardCore {
             inv_staleness_mean: 1.0,
             scaled_pushes: 0,
         }
+    }
+
+    /// A shard that continues from `saved` (a [`ShardCore::export`], maybe of another shard
+    /// layout re-cut by the caller) under `cfg`, `policy` and `consistency`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when the optimizer state does not fit `cfg.rule` and the values (slot
+    /// count or lengths), or a value is not finite.
+    pub fn restore(
+        saved: ShardExport,
+        cfg: OptimizerConfig,
+        policy: StalenessPolicy,
+        consistency: Consistency,
+    ) -> Result<Self> {
+        let n = saved.values.len();
+        if saved.values.iter().any(|v| !v.is_finite()) {
+            return Err(Error::Config(
+                "saved parameters hold a non-finite value".into(),
+            ));
+        }
+        let slots = saved
+            .state
+            .slots(&cfg.rule)
+            .iter()
+            .map(|s| s.to_vec())
+            .collect();
+        let state = OptState::from_slots(&cfg.rule, n, slots, saved.state.t)?;
+        if [&saved.state.slot0, &saved.state.slot1]
+            .iter()
+            .skip(cfg.rule.slots())
+            .any(|s| !s.is_empty())
+        {
+            return Err(Error::Config(format!(
+                "saved optimizer state does not match {}",
+                cfg.rule.name()
+            )));
+        }
+        let mean = saved.inv_staleness_mean;
+        let mut core = Self::new(Vec::new(), cfg, policy, consistency);
+        core.sum = if matches!(consistency, Consistency::Sync { .. }) {
+            vec![0.0; n]
+        } else {
+            Vec::new()
+        };
+        core.values = saved.values;
+        core.version = saved.version;
+        core.state = state;
+        core.inv_staleness_mean = if mean.is_finite() && mean > 0.0 && mean <= 1.0 {
+            mean
+        } else {
+            1.0
+        };
+        core.scaled_pushes = saved.scaled_pushes;
+        Ok(core)
+    }
+
+    /// Everything a checkpoint keeps ([`ShardExport`]). Copies the optimizer state (the values
+    /// are shared), so it is quick enough to take under the shard's lock.
+    pub fn export(&self) -> ShardExport {
+        ShardExport {
+            version: self.version,
+            values: self.values.clone(),
+            state: self.state.clone(),
+            inv_staleness_mean: self.inv_staleness_mean,
+            scaled_pushes: self.scaled_pushes,
+        }
+    }
+
+    /// The optimizer's state (read-only).
+    pub fn opt_state(&self) -> &OptState {
+        &self.state
+    }
+
+    /// The optimizer's hyperparameters.
+    pub fn optimizer(&self) -> &OptimizerConfig {
+        &self.cfg
+    }
+
+    /// Changes the learning rate from the next update on (the admin API's `set-lr`).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a learning rate that is not finite and positive; nothing changes.
+    pub fn set_lr(&mut self, lr: f32) -> Result<()> {
+        let mut cfg = self.cfg;
+        cfg.lr = lr;
+        cfg.validate()?;
+        self.cfg = cfg;
+        Ok(())
     }
 
     /// Current version (number of updates applied).
@@ -656,6 +764,64 @@ mod tests {
         for bad in ["drop", "dc:nan", "dc:-1", "fast", "scale:rel"] {
             assert!(StalenessPolicy::parse(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn an_exported_shard_restores_to_the_same_future() {
+        for name in ["sgd", "momentum", "adagrad", "rmsprop", "adam"] {
+            let cfg = OptimizerConfig {
+                rule: crate::optim::Rule::from_name(name).unwrap(),
+                lr: 0.01,
+                weight_decay: 0.0,
+                clip_norm: None,
+            };
+            let policy = StalenessPolicy::parse("scale").unwrap();
+            let grads: Vec<Vec<f32>> = (0..6)
+                .map(|k| (0..5).map(|i| ((i + k) as f32 * 0.7).sin()).collect())
+                .collect();
+            let mut a = ShardCore::new(vec![0.5; 5], cfg, policy, Consistency::Async);
+            for g in &grads[..3] {
+                a.push(a.version(), g);
+            }
+            let saved = a.export();
+            assert_eq!(saved.version, 3);
+            let mut b = ShardCore::restore(saved.clone(), cfg, policy, Consistency::Async).unwrap();
+            assert_eq!(b.version(), 3);
+            assert_eq!(b.opt_state(), a.opt_state());
+            for g in &grads[3..] {
+                let (va, vb) = (a.version(), b.version());
+                assert_eq!(
+                    a.push(va.saturating_sub(1), g),
+                    b.push(vb.saturating_sub(1), g)
+                );
+            }
+            assert_eq!(a.values(), b.values(), "{name}");
+            // A state for another rule is refused.
+            let other = OptimizerConfig {
+                rule: crate::optim::Rule::from_name(if name == "adam" { "sgd" } else { "adam" })
+                    .unwrap(),
+                ..cfg
+            };
+            assert!(ShardCore::restore(saved.clone(), other, policy, Consistency::Async).is_err());
+            let mut bad = saved;
+            Arc::make_mut(&mut bad.values)[0] = f32::INFINITY;
+            assert!(ShardCore::restore(bad, cfg, policy, Consistency::Async).is_err());
+        }
+    }
+
+    #[test]
+    fn set_lr_checks_and_applies() {
+        let mut s = ShardCore::new(
+            vec![1.0],
+            sgd(0.1),
+            StalenessPolicy::default(),
+            Consistency::Async,
+        );
+        assert!(s.set_lr(f32::NAN).is_err());
+        assert_eq!(s.optimizer().lr, 0.1);
+        s.set_lr(1.0).unwrap();
+        s.push(0, &[1.0]);
+        assert_eq!(**s.values(), vec![0.0]);
     }
 
     #[test]
