@@ -153,7 +153,7 @@ pub struct Workspace {
     acts: Vec<Vec<f32>>,
     /// Loss gradient with respect to every stage's output; empty in an inference workspace.
     deltas: Vec<Vec<f32>>,
-    /// Max-pooling winners per output (training only).
+    /// Max-pooling winners per output.
     argmax: Vec<Vec<u32>>,
     /// Dropout multipliers (0 or `1 / (1 - rate)`) per output (training only).
     masks: Vec<Vec<f32>>,
@@ -374,9 +374,14 @@ impl Model {
                 .map(|s| vec![0.0; capacity * s.out_len])
                 .collect(),
             deltas: per(&|_| true).into_iter().map(|n| vec![0.0; n]).collect(),
-            argmax: per(&|s| matches!(s.op, Op::Pool { g } if g.max))
-                .into_iter()
-                .map(|n| vec![0; n])
+            // Max-pool winners are written in evaluation too (a branch-free loop).
+            argmax: self
+                .stages
+                .iter()
+                .map(|s| match s.op {
+                    Op::Pool { g } if g.max => vec![0; capacity * s.out_len],
+                    _ => Vec::new(),
+                })
                 .collect(),
             masks: per(&|s| s.dropout > 0.0)
                 .into_iter()
@@ -544,10 +549,10 @@ impl Model {
                 }
                 Op::Pool { g } => {
                     let input = stage_input(xs, done, i, b * st.in_len);
-                    let argmax = if train && g.max {
-                        Some(&mut ws.argmax[i][..b * st.out_len])
+                    let argmax = if g.max {
+                        &mut ws.argmax[i][..b * st.out_len]
                     } else {
-                        None
+                        &mut []
                     };
                     pool_forward(&g, input, b, out, argmax);
                 }

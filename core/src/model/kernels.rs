@@ -124,13 +124,13 @@ impl PoolGeom {
 }
 
 /// Pools `images` images; a max-pool records the winning input offset of every output in
-/// `argmax` when given (the backward pass needs it).
+/// `argmax` (the backward pass needs it; unused for an average pool).
 pub(crate) fn pool_forward(
     g: &PoolGeom,
     input: &[f32],
     images: usize,
     out: &mut [f32],
-    mut argmax: Option<&mut [u32]>,
+    argmax: &mut [u32],
 ) {
     let (il, ol, c) = (g.in_len(), g.out_len(), g.c);
     let inv = 1.0 / (g.size * g.size) as f32;
@@ -142,17 +142,20 @@ pub(crate) fn pool_forward(
                 let dst = &mut out[o..o + c];
                 if g.max {
                     dst.fill(f32::NEG_INFINITY);
-                    let mut arg = argmax.as_deref_mut().map(|a| &mut a[o..o + c]);
+                    let arg = &mut argmax[o..o + c];
                     for ky in 0..g.size {
                         for kx in 0..g.size {
                             let at = g.at(oy, ox, ky, kx);
-                            for (ch, (d, &v)) in dst.iter_mut().zip(&img[at..at + c]).enumerate() {
-                                if v > *d {
-                                    *d = v;
-                                    if let Some(a) = arg.as_deref_mut() {
-                                        a[ch] = (at + ch) as u32;
-                                    }
-                                }
+                            let src = &img[at..at + c];
+                            let at = at as u32;
+                            for (ch, ((d, a), &v)) in
+                                dst.iter_mut().zip(arg.iter_mut()).zip(src).enumerate()
+                            {
+                                // Branch-free (the winner is unpredictable): a mask of
+                                // all ones where `v` wins, as the compiler would not.
+                                let win = 0u32.wrapping_sub(u32::from(v > *d));
+                                *a ^= (*a ^ (at + ch as u32)) & win;
+                                *d = f32::from_bits((d.to_bits() & !win) | (v.to_bits() & win));
                             }
                         }
                     }
