@@ -1,0 +1,431 @@
+//! `crowdgrad shard`: one parameter shard in a process of its own, for runs that outgrow one
+//! machine. [`run`] serves shard `I` of `N` with the same endpoint as `crowdgrad serve`
+//! (`/ws/shard/{I}`, the same [`handler::serve`](crate::handler::serve) over the same
+//! [`Shard`]), plus:
+//! - `GET /api/params`: the shard's values, raw f32 LE (header `x-crowdgrad-versions`);
+//! - `GET /api/shard`: what the coordinator checks and shows ([`ShardReport`]);
+//! - `GET /healthz`, `GET /readyz`, `GET /metrics`.
+//!
+//! Workers join at the coordinator (`crowdgrad serve --shard-urls ...`), which hands them a
+//! credential (HMAC of the worker id under the run secret, [`crate::credential`]); this process
+//! shares the secret and admits a Hello only with its worker's credential.
+//!
+//! [`remote`] is the coordinator's side: health checks, layout checks and parameter fetches.
+
+pub mod remote;
+
+use crate::app::ShardStatus;
+use crate::config::{Training, TrainingArgs};
+use crate::error::{Error, Result};
+use crate::registry::Registry;
+use crate::shard::{Shard, ShardOptions};
+use axum::extract::ws::WebSocketUpgrade;
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use clap::Args;
+use crowdgrad_core::model::Model;
+use crowdgrad_core::partition::KeyRange;
+use crowdgrad_core::spec::{DataInfo, RunParams, RunSpec};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+use tokio_util::task::TaskTracker;
+
+/// How long shutdown waits for open WebSocket connections to finish.
+const DRAIN: Duration = Duration::from_secs(5);
+
+/// Shortest run secret accepted (bytes).
+pub const MIN_SECRET: usize = 16;
+
+/// Flags of `crowdgrad shard`.
+#[derive(Debug, Clone, Args)]
+#[command(mut_arg("shards", |a| a
+    .visible_alias("of")
+    .required(true)
+    .help("Number of shards in the run (`--of` or `--shards`); the coordinator's --shard-urls lists as many")))]
+pub struct ShardArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:9000")]
+    pub listen: SocketAddr,
+    /// Which shard of the run this process serves (0-based).
+    #[arg(long)]
+    pub index: usize,
+    /// The run's training flags: they must be the coordinator's (the coordinator checks model,
+    /// consistency and layout and reports a mismatch on /readyz).
+    #[command(flatten)]
+    pub training: TrainingArgs,
+    /// Input features of one example (MNIST: 784), which fixes the model's layout.
+    #[arg(long, default_value_t = 784)]
+    pub inputs: usize,
+    /// Classes (MNIST: 10).
+    #[arg(long, default_value_t = 10)]
+    pub classes: usize,
+    /// The run secret shared with the coordinator (at least 16 characters); workers' Hellos
+    /// must carry the credential the coordinator derived from it.
+    #[arg(long, env = "CROWDGRAD_RUN_SECRET", hide_env_values = true)]
+    pub run_secret: String,
+    /// Most simultaneous WebSocket connections.
+    #[arg(long, default_value_t = 4_096)]
+    pub max_connections: usize,
+    /// Where this shard's checkpoints live: on start it resumes from the newest one (see
+    /// [`resume_hook`]).
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
+}
+
+/// Checked [`ShardArgs`].
+#[derive(Clone)]
+pub struct ShardConfig {
+    /// Listen address.
+    pub listen: SocketAddr,
+    /// This shard's index.
+    pub index: usize,
+    /// The run's training settings (`shards` is the shard count).
+    pub training: Training,
+    /// Input features.
+    pub inputs: usize,
+    /// Classes.
+    pub classes: usize,
+    /// The run secret.
+    pub secret: Vec<u8>,
+    /// Connection limit.
+    pub max_connections: usize,
+    /// Checkpoint directory, if any.
+    pub checkpoint_dir: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for ShardConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardConfig")
+            .field("listen", &self.listen)
+            .field("index", &self.index)
+            .field("training", &self.training)
+            .field("secret", &"<redacted>")
+            .finish_non_exhaustive()
+    }
+}
+
+impl ShardArgs {
+    /// Validates the flags.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the bad flag.
+    pub fn check(self) -> Result<ShardConfig> {
+        let training = self.training.check(1)?;
+        if self.index >= training.shards {
+            return Err(Error::Config(format!(
+                "--index {} must be below --of {}",
+                self.index, training.shards
+            )));
+        }
+        if self.run_secret.len() < MIN_SECRET {
+            return Err(Error::Config(format!(
+                "--run-secret must be at least {MIN_SECRET} characters"
+            )));
+        }
+        if !(1..=1 << 24).contains(&self.inputs) || !(2..=1 << 16).contains(&self.classes) {
+            return Err(Error::Config(
+                "--inputs must be in 1..=16777216 and --classes in 2..=65536".into(),
+            ));
+        }
+        if self.max_connections == 0 {
+            return Err(Error::Config("--max-connections must be positive".into()));
+        }
+        Ok(ShardConfig {
+            listen: self.listen,
+            index: self.index,
+            training,
+            inputs: self.inputs,
+            classes: self.classes,
+            secret: crate::credential::RunSecret::shared(&self.run_secret)
+                .as_bytes()
+                .to_vec(),
+            max_connections: self.max_connections,
+            checkpoint_dir: self.checkpoint_dir,
+        })
+    }
+}
+
+/// The body of a shard process's `GET /api/shard`: what the coordinator checks against its own
+/// run and shows on the dashboard.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ShardReport {
+    /// This shard's index.
+    pub index: u32,
+    /// Shards in the run.
+    pub of: usize,
+    /// Its key range.
+    pub range: KeyRange,
+    /// The model, e.g. `mlp 784-128-10`.
+    pub model: String,
+    /// Consistency mode text.
+    pub consistency: String,
+    /// Current version.
+    pub version: u64,
+    /// Seconds since the process started.
+    pub uptime_s: f64,
+    /// Its counters as `/api/status` shows a shard (`id`, `range`, `version`, counters...).
+    pub status: serde_json::Value,
+}
+
+/// The run spec a shard process derives from its flags (the same [`RunSpec::build`] the
+/// coordinator runs, on a dataset of `inputs` features and `classes` classes).
+///
+/// # Errors
+/// When the model does not fit.
+pub fn spec_of(t: &Training, inputs: usize, classes: usize) -> Result<RunSpec> {
+    Ok(RunSpec::build(RunParams {
+        run_id: "shard".into(),
+        model: t.model.clone(),
+        optimizer: t.optimizer,
+        batch_size: t.batch_size,
+        seed: t.seed,
+        consistency: t.consistency,
+        shards: t.shards,
+        dataset: DataInfo {
+            name: "remote".into(),
+            image_dims: vec![inputs],
+            classes,
+            train_len: 0,
+            test_len: 0,
+        },
+        local: Default::default(),
+    })?)
+}
+
+/// The state a restarted shard resumes from.
+#[derive(Debug, Clone)]
+pub struct Resumed {
+    /// The shard's values.
+    pub values: Vec<f32>,
+    /// Its version.
+    pub version: u64,
+}
+
+/// RESUME HOOK: the newest valid checkpoint of this shard in `dir`, if any.
+///
+/// The checkpoint module (`server/src/checkpoint/`, issue 9) is not in this build yet, so this
+/// returns `Ok(None)` and the shard starts from the run's initial weights (the workers carry on;
+/// the run loses this shard's progress). Wiring it: load the newest checkpoint of shard `index`
+/// from `dir`, check its range, and start the shard's `ShardCore` at its values, optimizer state
+/// and version; also write checkpoints periodically from [`run`].
+///
+/// # Errors
+/// None yet (a corrupt checkpoint will be one).
+pub fn resume_hook(dir: Option<&std::path::Path>, index: usize) -> Result<Option<Resumed>> {
+    if let Some(dir) = dir {
+        tracing::warn!(
+            dir = %dir.display(),
+            index,
+            "shard checkpoints are not wired in this build: starting from the initial weights"
+        );
+    }
+    Ok(None)
+}
+
+struct ShardProc {
+    shard: Shard,
+    registry: Registry,
+    spec: RunSpec,
+    shutdown: watch::Receiver<bool>,
+    tracker: TaskTracker,
+    connections: Arc<Semaphore>,
+    metrics: crate::metrics::Metrics,
+    started: Instant,
+}
+
+/// Serves shard `cfg.index` on `listener` until `shutdown` completes; then tells every worker
+/// goodbye and waits (at most 5 s) for the connections to finish.
+///
+/// # Errors
+/// A model that does not fit, or a failing listener.
+pub async fn run(
+    listener: TcpListener,
+    cfg: ShardConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let spec = spec_of(&cfg.training, cfg.inputs, cfg.classes)?;
+    let range = spec.ranges()[cfg.index];
+    let t = &cfg.training;
+    let values = match resume_hook(cfg.checkpoint_dir.as_deref(), cfg.index)? {
+        Some(r) => r.values,
+        None => {
+            let model = Model::new(spec.model.clone())?;
+            model.init_params(t.seed)[range.start..range.end].to_vec()
+        }
+    };
+    let opts = ShardOptions {
+        optimizer: t.optimizer,
+        staleness: t.staleness,
+        consistency: t.consistency,
+        heartbeat: Duration::from_secs_f64(t.heartbeat_timeout),
+        sync_timeout: Duration::from_secs_f64(t.sync_timeout),
+        pull_encoding: t.exchange.pull_encoding,
+        push_encoding: t.exchange.push_encoding,
+        pseudo_gradients: t.exchange.local.steps.pseudo_gradients(),
+    };
+    let shard = Shard::start(cfg.index as u32, range, values, opts);
+    shard.require_credential(cfg.secret.clone());
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let proc = Arc::new(ShardProc {
+        shard,
+        registry: Registry::new(t.shards, 1 << 20),
+        spec,
+        shutdown: stop_rx,
+        tracker: TaskTracker::new(),
+        connections: Arc::new(Semaphore::new(cfg.max_connections)),
+        metrics: crate::metrics::Metrics::default(),
+        started: Instant::now(),
+    });
+    let router = Router::new()
+        .route("/ws/shard/{id}", get(ws))
+        .route("/api/params", get(params))
+        .route("/api/shard", get(report))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .with_state(proc.clone());
+    tracing::info!(
+        index = cfg.index,
+        of = t.shards,
+        range = ?range,
+        model = %proc.spec.model,
+        "shard process serving"
+    );
+    let served = axum::serve(listener, router)
+        .with_graceful_shutdown(async move {
+            shutdown.await;
+            tracing::info!("shard shutting down: closing worker connections");
+            let _ = stop_tx.send(true);
+        })
+        .await
+        .map_err(|e| Error::io("serving", e));
+    proc.tracker.close();
+    let _ = tokio::time::timeout(DRAIN, proc.tracker.wait()).await;
+    served
+}
+
+fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    (status, Json(json!({ "error": message.into() }))).into_response()
+}
+
+async fn ws(
+    State(p): State<Arc<ShardProc>>,
+    Path(id): Path<usize>,
+    upgrade: WebSocketUpgrade,
+) -> Response {
+    if id != p.shard.id() as usize {
+        return error(
+            StatusCode::NOT_FOUND,
+            format!("this process serves shard {}, not {id}", p.shard.id()),
+        );
+    }
+    if *p.shutdown.borrow() {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "shard is shutting down");
+    }
+    let Ok(permit) = p.connections.clone().try_acquire_owned() else {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "too many connections");
+    };
+    crate::http::shard_socket(
+        upgrade,
+        p.shard.clone(),
+        p.registry.clone(),
+        p.shutdown.clone(),
+        p.tracker.clone(),
+        permit,
+    )
+}
+
+async fn params(State(p): State<Arc<ShardProc>>) -> Response {
+    let snap = p.shard.snapshot();
+    let bytes: Vec<u8> = snap.values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let mut r = bytes.into_response();
+    let h = r.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/octet-stream"),
+    );
+    h.insert("x-crowdgrad-versions", HeaderValue::from(snap.version));
+    r
+}
+
+fn shard_report(p: &ShardProc) -> ShardReport {
+    let (_, counters, _) = p.registry.view();
+    let s = &p.shard;
+    let status = ShardStatus {
+        id: s.id(),
+        range: s.range(),
+        version: s.version(),
+        updates_by_merged: s.updates(),
+        counters: counters.get(s.id() as usize).cloned().unwrap_or_default(),
+    };
+    ShardReport {
+        index: s.id(),
+        of: p.spec.shards.len(),
+        range: s.range(),
+        model: p.spec.model.to_string(),
+        consistency: p.spec.consistency.to_string(),
+        version: s.version(),
+        uptime_s: p.started.elapsed().as_secs_f64(),
+        status: serde_json::to_value(status).unwrap_or_default(),
+    }
+}
+
+async fn report(State(p): State<Arc<ShardProc>>) -> Response {
+    Json(shard_report(&p)).into_response()
+}
+
+async fn healthz() -> Response {
+    Json(json!({ "live": true })).into_response()
+}
+
+async fn readyz(State(p): State<Arc<ShardProc>>) -> Response {
+    let stopping = *p.shutdown.borrow();
+    let body = json!({
+        "ready": !stopping,
+        "shutting_down": stopping,
+        "shards": [{ "id": p.shard.id(), "ready": !stopping, "version": p.shard.version() }],
+    });
+    let code = if stopping {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::OK
+    };
+    (code, Json(body)).into_response()
+}
+
+async fn metrics(State(p): State<Arc<ShardProc>>) -> Response {
+    let (_, counters, totals) = p.registry.view();
+    let s = &p.shard;
+    let (bytes_received, bytes_sent) = s.bytes();
+    let scrape = crate::metrics::Scrape {
+        shards: vec![crate::metrics::ShardScrape {
+            id: s.id(),
+            version: s.version(),
+            counters: counters.get(s.id() as usize).cloned().unwrap_or_default(),
+            apply: Some(s.apply_seconds()),
+            bytes_received,
+            bytes_sent,
+        }],
+        totals,
+        samples_per_sec: 0.0,
+        remote_up: Vec::new(),
+        checkpoint: p.metrics.checkpoint(),
+        uptime_s: p.started.elapsed().as_secs_f64(),
+        now_unix: crate::metrics::unix_now(),
+    };
+    (
+        [(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)],
+        crate::metrics::render(scrape),
+    )
+        .into_response()
+}

@@ -1,0 +1,326 @@
+//! The coordinator's view of remote shards (`crowdgrad serve --shard-urls ws://h1:p1,...`):
+//! where workers find them, whether each answers with the run's layout, and their parameters
+//! for the evaluator. Every request has a timeout; a shard that does not answer is reported
+//! down on `/readyz`, `/api/status` and `/metrics`, never waited for.
+
+use super::ShardReport;
+use crate::error::{Error, Result};
+use crowdgrad_core::partition::KeyRange;
+use crowdgrad_core::spec::ShardInfo;
+use serde::Serialize;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Timeout of one health check.
+pub const CHECK_TIMEOUT: Duration = Duration::from_secs(2);
+/// Timeout of one parameter fetch.
+pub const FETCH_TIMEOUT: Duration = Duration::from_secs(10);
+/// Period of the health checks.
+pub const CHECK_EVERY: Duration = Duration::from_secs(1);
+
+/// One remote shard's health as last checked.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Health {
+    /// Index.
+    pub id: u32,
+    /// Its WebSocket URL (what workers are handed).
+    pub url: String,
+    /// It answered the last check.
+    pub up: bool,
+    /// It answered with the run's layout (model, consistency, range, shard count).
+    pub ready: bool,
+    /// Why not, if not.
+    pub error: Option<String>,
+    /// Seconds since it last answered (none yet: `null`).
+    pub last_ok_s: Option<f64>,
+    /// Its version.
+    pub version: Option<u64>,
+    /// Seconds it has been up (drops when the process restarts).
+    pub uptime_s: Option<f64>,
+    /// Its `/api/status`-style shard record (counters), as it reported it.
+    pub status: Option<serde_json::Value>,
+    #[serde(skip)]
+    last_ok: Option<Instant>,
+}
+
+/// One remote shard.
+#[derive(Debug)]
+struct Remote {
+    id: u32,
+    ws: String,
+    http: String,
+    range: KeyRange,
+    health: Mutex<Health>,
+}
+
+/// The remote shards of a run.
+#[derive(Debug)]
+pub struct RemoteShards {
+    shards: Vec<Remote>,
+    model: String,
+    consistency: String,
+}
+
+/// `ws://host:port[/]` → (`ws://host:port`, `http://host:port`); `wss` → `https`.
+///
+/// # Errors
+/// [`Error::Config`] for anything but a `ws://` or `wss://` base address.
+pub fn parse_url(url: &str) -> Result<(String, String)> {
+    let u = url.trim().trim_end_matches('/');
+    let (http, rest) = if let Some(r) = u.strip_prefix("ws://") {
+        ("http://", r)
+    } else if let Some(r) = u.strip_prefix("wss://") {
+        ("https://", r)
+    } else {
+        return Err(Error::Config(format!(
+            "--shard-urls: {url:?} must start with ws:// or wss:// (e.g. ws://10.0.0.2:9000)"
+        )));
+    };
+    if rest.is_empty() || rest.contains('/') || rest.contains(char::is_whitespace) {
+        return Err(Error::Config(format!(
+            "--shard-urls: {url:?} must be a base address like ws://HOST:PORT"
+        )));
+    }
+    Ok((u.to_string(), format!("{http}{rest}")))
+}
+
+impl RemoteShards {
+    /// The shards at `urls` (one per range, in order), expected to serve `model` with
+    /// `consistency`.
+    ///
+    /// # Errors
+    /// A bad URL, or as many URLs as ranges not given.
+    pub fn new(
+        urls: &[String],
+        ranges: &[KeyRange],
+        model: &str,
+        consistency: &str,
+    ) -> Result<Self> {
+        if urls.len() != ranges.len() {
+            return Err(Error::Config(format!(
+                "--shard-urls lists {} shards, the run has {} (--shards)",
+                urls.len(),
+                ranges.len()
+            )));
+        }
+        let shards = urls
+            .iter()
+            .zip(ranges)
+            .enumerate()
+            .map(|(i, (u, r))| {
+                let (ws, http) = parse_url(u)?;
+                let ws = format!("{ws}/ws/shard/{i}");
+                Ok(Remote {
+                    id: i as u32,
+                    health: Mutex::new(Health {
+                        id: i as u32,
+                        url: ws.clone(),
+                        error: Some("not checked yet".into()),
+                        ..Health::default()
+                    }),
+                    ws,
+                    http,
+                    range: *r,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            shards,
+            model: model.to_string(),
+            consistency: consistency.to_string(),
+        })
+    }
+
+    /// Points `map`'s paths at the remote shards: each `path` becomes the shard's absolute
+    /// `ws://`/`wss://` URL, which workers use as it is.
+    pub fn rewrite(&self, map: &mut [ShardInfo]) {
+        for (s, r) in map.iter_mut().zip(&self.shards) {
+            s.path = r.ws.clone();
+        }
+    }
+
+    /// Every shard's health, in order.
+    pub fn health(&self) -> Vec<Health> {
+        self.shards
+            .iter()
+            .map(|r| {
+                let mut h = r.health.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                h.last_ok_s = h.last_ok.map(|t| t.elapsed().as_secs_f64());
+                h
+            })
+            .collect()
+    }
+
+    /// True when every shard answered its last check with the run's layout.
+    pub fn all_ready(&self) -> bool {
+        self.health().iter().all(|h| h.ready)
+    }
+
+    /// Checks every shard once, concurrently.
+    pub async fn check(&self) {
+        let checks = self.shards.iter().map(|r| async move {
+            let got = get(format!("{}/api/shard", r.http), CHECK_TIMEOUT, 1 << 20).await;
+            let report = got.and_then(|(body, _)| {
+                serde_json::from_slice::<ShardReport>(&body)
+                    .map_err(|e| Error::Http(format!("bad /api/shard reply: {e}")))
+            });
+            let mut h = r.health.lock().unwrap_or_else(|p| p.into_inner());
+            match report {
+                Ok(rep) => {
+                    h.up = true;
+                    h.last_ok = Some(Instant::now());
+                    h.version = Some(rep.version);
+                    h.uptime_s = Some(rep.uptime_s);
+                    let mismatch = self.mismatch(r, &rep);
+                    h.ready = mismatch.is_none();
+                    h.error = mismatch;
+                    h.status = Some(rep.status);
+                }
+                Err(e) => {
+                    if h.up {
+                        tracing::warn!(shard = r.id, url = %r.http, error = %e, "remote shard down");
+                    }
+                    h.up = false;
+                    h.ready = false;
+                    h.error = Some(e.to_string());
+                }
+            }
+        });
+        futures_util::future::join_all(checks).await;
+    }
+
+    fn mismatch(&self, r: &Remote, rep: &ShardReport) -> Option<String> {
+        let want = |what: &str, got: &dyn std::fmt::Debug, expected: &dyn std::fmt::Debug| {
+            Some(format!(
+                "shard process serves {what} {got:?}, the run expects {expected:?}: start it with the coordinator's training flags"
+            ))
+        };
+        if rep.index != r.id {
+            return want("index", &rep.index, &r.id);
+        }
+        if rep.of != self.shards.len() {
+            return want("shard count", &rep.of, &self.shards.len());
+        }
+        if rep.model != self.model {
+            return want("model", &rep.model, &self.model);
+        }
+        if rep.consistency != self.consistency {
+            return want("consistency", &rep.consistency, &self.consistency);
+        }
+        if rep.range != r.range {
+            return want("range", &rep.range, &r.range);
+        }
+        None
+    }
+
+    /// Checks every [`CHECK_EVERY`] until `shutdown` flips.
+    pub async fn monitor(&self, mut shutdown: tokio::sync::watch::Receiver<bool>) {
+        loop {
+            self.check().await;
+            tokio::select! {
+                _ = tokio::time::sleep(CHECK_EVERY) => {}
+                _ = shutdown.changed() => return,
+            }
+        }
+    }
+
+    /// The full parameter vector from every shard's `/api/params` (concurrently, each with a
+    /// timeout) and the shards' versions.
+    ///
+    /// # Errors
+    /// When a shard does not answer in time or answers with the wrong length.
+    pub async fn params(&self) -> Result<(Vec<f32>, Vec<u64>)> {
+        let fetches = self.shards.iter().map(|r| async move {
+            let limit = 4 * r.range.len() as u64 + 1024;
+            let (body, version) =
+                get(format!("{}/api/params", r.http), FETCH_TIMEOUT, limit).await?;
+            if body.len() != 4 * r.range.len() {
+                return Err(Error::Http(format!(
+                    "shard {} sent {} bytes of parameters, expected {}",
+                    r.id,
+                    body.len(),
+                    4 * r.range.len()
+                )));
+            }
+            Ok((body, version.unwrap_or(0)))
+        });
+        let parts = futures_util::future::try_join_all(fetches).await?;
+        let mut all = Vec::new();
+        let mut versions = Vec::new();
+        for (body, v) in parts {
+            all.extend(
+                body.chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+            );
+            versions.push(v);
+        }
+        Ok((all, versions))
+    }
+}
+
+/// GET `url` with a global `timeout` and a body `limit`: the body and the
+/// `x-crowdgrad-versions` header as a number.
+async fn get(url: String, timeout: Duration, limit: u64) -> Result<(Vec<u8>, Option<u64>)> {
+    tokio::task::spawn_blocking(move || -> Result<(Vec<u8>, Option<u64>)> {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .timeout_global(Some(timeout))
+            .http_status_as_error(false)
+            .build()
+            .into();
+        let mut resp = agent
+            .get(&url)
+            .call()
+            .map_err(|e| Error::Http(format!("{url}: {e}")))?;
+        let status = resp.status();
+        let version = resp
+            .headers()
+            .get("x-crowdgrad-versions")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok());
+        let body = resp
+            .body_mut()
+            .with_config()
+            .limit(limit)
+            .read_to_vec()
+            .map_err(|e| Error::Http(format!("{url}: {e}")))?;
+        if !status.is_success() {
+            return Err(Error::Http(format!("{url}: HTTP {status}")));
+        }
+        Ok((body, version))
+    })
+    .await
+    .map_err(|e| Error::Task(format!("fetch: {e}")))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_become_shard_paths() {
+        assert_eq!(
+            parse_url("ws://127.0.0.1:9000/").unwrap(),
+            ("ws://127.0.0.1:9000".into(), "http://127.0.0.1:9000".into())
+        );
+        assert_eq!(
+            parse_url("wss://s1.example:443").unwrap().1,
+            "https://s1.example:443"
+        );
+        for bad in ["http://h:1", "ws://", "ws://h:1/ws/shard/0", "h:1"] {
+            assert!(parse_url(bad).is_err(), "{bad}");
+        }
+        let ranges = [KeyRange { start: 0, end: 5 }, KeyRange { start: 5, end: 9 }];
+        let r = RemoteShards::new(
+            &["ws://127.0.0.1:1".into(), "ws://127.0.0.1:2".into()],
+            &ranges,
+            "mlp",
+            "async",
+        )
+        .unwrap();
+        let mut map = crowdgrad_core::spec::shard_map(&ranges);
+        r.rewrite(&mut map);
+        assert_eq!(map[1].path, "ws://127.0.0.1:2/ws/shard/1");
+        assert!(!r.all_ready(), "nothing checked yet");
+        assert!(RemoteShards::new(&["ws://h:1".into()], &ranges, "mlp", "async").is_err());
+    }
+}
