@@ -29,6 +29,20 @@ function send(cmd, value) {
   if (volunteer.worker) volunteer.worker.postMessage({ cmd, value });
 }
 
+// A private run's join token: from the link's fragment (#token=..., never sent to the server
+// in a URL) or typed into the field. It is taken off the address bar at once and never shown.
+const joinToken = (() => {
+  const m = /(?:^#|&)token=([^&]*)/.exec(location.hash);
+  if (!m) return '';
+  history.replaceState(null, '', location.pathname + location.search);
+  try {
+    return decodeURIComponent(m[1]);
+  } catch {
+    return '';
+  }
+})();
+if (joinToken) $('join-token').value = joinToken;
+
 function startContributing() {
   volunteer.clickedAt = performance.now();
   const button = $('contribute');
@@ -48,6 +62,7 @@ function startContributing() {
     showError(`The worker failed to load: ${e.message || 'unknown error'}`);
   };
   send('throttle', Number($('throttle').value));
+  send('token', $('join-token').value);
   send('start');
 }
 
@@ -326,6 +341,8 @@ function renderShards(shards) {
 }
 
 function renderStatus(st) {
+  // A private run shows the token field (unless the link carried the token).
+  $('join-token-label').hidden = !st.private_run || Boolean(joinToken);
   const opt = st.optimizer || {};
   const rule = opt.rule && opt.rule.kind ? opt.rule.kind : (typeof opt.rule === 'string' ? opt.rule : '');
   const model = typeof st.model === 'string' ? st.model : JSON.stringify(st.model);

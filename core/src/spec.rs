@@ -8,6 +8,7 @@
 
 use crate::data::Dataset;
 use crate::error::{Error, Result};
+use crate::local::LocalConfig;
 use crate::model::ModelSpec;
 use crate::optim::OptimizerConfig;
 use crate::partition::{partition, KeyRange, Slicer};
@@ -89,6 +90,8 @@ pub struct RunParams {
     pub shards: usize,
     /// The dataset.
     pub dataset: DataInfo,
+    /// Local steps, the inner optimizer and overlap.
+    pub local: LocalConfig,
 }
 
 /// Everything about a run that a worker needs to train.
@@ -111,6 +114,10 @@ pub struct RunSpec {
     pub shards: Vec<ShardInfo>,
     /// The dataset.
     pub dataset: DataInfo,
+    /// How workers exchange: local steps, the inner optimizer, overlap (absent: one gradient
+    /// per push, no overlap).
+    #[serde(default)]
+    pub local: LocalConfig,
 }
 
 impl RunSpec {
@@ -134,6 +141,7 @@ impl RunSpec {
             consistency: p.consistency,
             shards: shard_map(&ranges),
             dataset: p.dataset,
+            local: p.local,
         };
         spec.validate()?;
         Ok(spec)
@@ -153,6 +161,7 @@ impl RunSpec {
         self.model.validate()?;
         self.optimizer.validate()?;
         self.consistency.validate()?;
+        self.local.validate()?;
         if self.batch_size == 0 || self.batch_size > 65_536 {
             return Err(Error::Config(format!(
                 "batch size {} is out of range",
@@ -233,6 +242,10 @@ pub struct JoinResponse {
     pub run: RunSpec,
     /// The data to train on.
     pub partition: PartitionInfo,
+    /// The session credential: the worker puts it in every Hello, proving `worker_id` is its
+    /// own (HMAC of the id under the run's secret). Absent from servers that do not check.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credential: Option<String>,
 }
 
 #[cfg(test)]
@@ -255,6 +268,7 @@ mod tests {
                 train_len: 10,
                 test_len: 5,
             },
+            local: crate::local::LocalConfig::default(),
         }
     }
 

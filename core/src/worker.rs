@@ -1,25 +1,37 @@
-//! The worker's training logic as a sans-IO state machine, driven by both the native worker
-//! (tokio-tungstenite) and the browser worker (web-sys WebSocket). The driver feeds it
-//! connection events and received frames, takes frames to send from [`Worker::poll_transmit`],
-//! and calls [`Worker::step`] whenever [`Worker::ready`] says a step can run (the browser driver
-//! may delay that to throttle CPU use).
+//! The worker's training logic as a sans-IO state machine, driven by the native worker
+//! (tokio-tungstenite), the browser worker (web-sys WebSocket) and the simulator. The driver
+//! feeds it connection events and received frames, takes frames to send from
+//! [`Worker::poll_transmit`], and calls [`Worker::step`] whenever [`Worker::ready`] says a step
+//! can run (the browser driver may delay that to throttle CPU use). Time is an input: drivers
+//! that report it ([`Worker::set_time`] before each call, [`Worker::observe_compute`] after each
+//! step) get the adaptive number of local steps and the compute/wait figures; without it the
+//! worker still trains, with `auto` staying at one step per push.
 //!
-//! One step, as in TensorFlow's between-graph async replication:
+//! One round, as in TensorFlow's between-graph async replication, extended with local steps
+//! ([`crate::local`]):
 //! 1. `Pull` every shard (concurrently: all requests go out before any reply is awaited);
-//! 2. when every shard's `Params` have arrived, compute the gradient on the next mini-batch;
-//! 3. `Push` each shard its slice, tagged with the shard version it was computed from, and
-//!    immediately `Pull` again. A shard handles one connection's frames in order, so the next
-//!    pull observes this worker's own push (plus whatever other workers pushed meanwhile).
+//! 2. when every shard's `Params` have arrived, the round starts: with `H = 1` one gradient on
+//!    the next mini-batch; otherwise `H` inner steps with the run's inner optimizer, one per
+//!    [`Worker::step`] call;
+//! 3. `Push` each shard its slice (the gradient, or the pseudo-gradient θ_pulled − θ_local),
+//!    tagged with the shard version it was computed from, in the encoding the shard chose.
+//!
+//! The next pull goes out right after the pushes (a shard handles one connection's frames in
+//! order, so it observes this worker's own push), or, with overlap, as soon as a round starts,
+//! into a second buffer: the link works while the worker computes, and every read misses the
+//! worker's own last push.
 
+use crate::codec::{Encoding, ErrorFeedback};
 use crate::data::{BatchSampler, Dataset};
 use crate::error::{Error, Result};
+use crate::local::Controller;
 use crate::model::{Model, Workspace};
-use crate::optim::clip_by_global_norm;
+use crate::optim::{self, clip_by_global_norm, OptState};
 use crate::partition::Slicer;
 use crate::shard::Consistency;
 use crate::spec::JoinResponse;
 use crate::wire::{
-    self, ClientKind, ErrorCode, Hello, Message, HEADER_LEN, MAX_META_LEN, PROTOCOL_VERSION,
+    self, ClientKind, ErrorCode, Hello, Message, Report, HEADER_LEN, MAX_META_LEN, PROTOCOL_VERSION,
 };
 use ndarray::Array2;
 use serde::{Deserialize, Serialize};
@@ -37,11 +49,11 @@ pub struct Outgoing {
 /// Counters a worker keeps about itself (shown in the CLI and the browser page).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct WorkerStats {
-    /// Gradient steps computed.
+    /// Gradient steps computed (inner steps with local steps).
     pub steps: u64,
     /// Examples consumed.
     pub samples: u64,
-    /// Push frames sent (one per shard per step).
+    /// Push frames sent (one per shard per round).
     pub pushes_sent: u64,
     /// Pushes acknowledged as applied.
     pub pushes_accepted: u64,
@@ -59,10 +71,31 @@ pub struct WorkerStats {
     pub max_staleness: u32,
     /// Sum of acknowledged staleness (for a mean).
     pub staleness_sum: u64,
-    /// Spread (max - min) of shard versions read for the last step.
+    /// Spread (max - min) of shard versions read for the last round.
     pub read_skew: u64,
     /// Last rejection or error reported by a shard.
     pub last_error: Option<String>,
+    /// Rounds completed (pushes sent to every shard).
+    #[serde(default)]
+    pub rounds: u64,
+    /// Inner steps per push used by the last round.
+    #[serde(default)]
+    pub local_steps: u32,
+    /// Seconds spent computing (as reported by the driver).
+    #[serde(default)]
+    pub compute_s: f64,
+    /// Seconds from the first to the last time the driver reported.
+    #[serde(default)]
+    pub wall_s: f64,
+    /// Bytes sent on the shard connections.
+    #[serde(default)]
+    pub bytes_up: u64,
+    /// Bytes received on the shard connections.
+    #[serde(default)]
+    pub bytes_down: u64,
+    /// Encodings negotiated with shard 0: pulls, pushes (names).
+    #[serde(default)]
+    pub encodings: Option<(String, String)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,9 +108,9 @@ enum Phase {
 #[derive(Debug, Clone)]
 struct ShardSlot {
     phase: Phase,
-    /// Shard version of the parameters we hold for it.
+    /// Shard version of the parameters in the `next` buffer (or last consumed).
     version: u64,
-    /// Parameters for the next step have arrived.
+    /// Parameters for the next round have arrived (in `next`).
     fresh: bool,
     /// Request id of the outstanding pull.
     pull: Option<u32>,
@@ -85,6 +118,37 @@ struct ShardSlot {
     in_flight: u32,
     /// Version the next pull asks for (sync mode: one past the version pushed to).
     min_version: u64,
+    /// Negotiated in the Welcome.
+    pull_encoding: Encoding,
+    push_encoding: Encoding,
+}
+
+impl ShardSlot {
+    fn new() -> Self {
+        Self {
+            phase: Phase::Disconnected,
+            version: 0,
+            fresh: false,
+            pull: None,
+            in_flight: 0,
+            min_version: 0,
+            pull_encoding: Encoding::F32,
+            push_encoding: Encoding::F32,
+        }
+    }
+}
+
+/// The round in progress.
+#[derive(Debug, Clone)]
+struct Round {
+    /// Inner steps this round runs.
+    h: u32,
+    /// Inner steps done.
+    done: u32,
+    /// Shard versions the round's parameters were read at.
+    versions: Vec<u64>,
+    /// Summed loss and examples of the round's batches.
+    samples: usize,
 }
 
 /// What one [`Worker::step`] did.
@@ -96,6 +160,8 @@ pub struct StepReport {
     pub samples: usize,
     /// Norm of the gradient before clipping.
     pub grad_norm: f32,
+    /// This step ended a round: its pushes are queued.
+    pub pushed: bool,
 }
 
 /// The sans-IO worker.
@@ -105,8 +171,14 @@ pub struct Worker {
     client: ClientKind,
     model: Model,
     slicer: Slicer,
+    /// The parameters the current round computes on (θ_local with local steps).
     params: Vec<f32>,
+    /// Where pulls land: the next round's parameters.
+    next: Vec<f32>,
+    /// θ_pulled of the current round (local steps only).
+    anchor: Vec<f32>,
     grad: Vec<f32>,
+    inner: OptState,
     ws: Workspace,
     data: Dataset,
     sampler: BatchSampler,
@@ -114,14 +186,28 @@ pub struct Worker {
     x: Array2<f32>,
     y: Vec<u8>,
     shards: Vec<ShardSlot>,
+    feedback: Vec<ErrorFeedback>,
+    round: Option<Round>,
     outbox: VecDeque<Outgoing>,
     next_request: u32,
     frame_limit: usize,
     max_steps: Option<u64>,
     /// `sync:K` run: pull the next version, not the current one.
     sync: bool,
+    /// Pull the next round's parameters while computing.
+    overlap: bool,
+    controller: Controller,
+    now: Option<f64>,
+    started: Option<f64>,
+    /// When the outstanding batch of pulls went out.
+    pulls_sent: Option<f64>,
+    last_report: Option<f64>,
+    reports: bool,
     stats: WorkerStats,
 }
+
+/// How often a worker sends a `Report`, seconds.
+const REPORT_EVERY: f64 = 1.0;
 
 impl Worker {
     /// A worker for the run it joined, training on `data` (its partition), for at most
@@ -162,31 +248,44 @@ impl Worker {
         let n = model.param_len();
         let largest = slicer.ranges().iter().map(|r| r.len()).max().unwrap_or(0);
         let seed = join.run.seed ^ join.worker_id.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let local = join.run.local;
+        let sync = matches!(join.run.consistency, Consistency::Sync { .. });
+        let pseudo = local.steps.pseudo_gradients();
         Ok(Self {
             client,
             ws: model.workspace(batch),
             params: vec![0.0; n],
+            next: vec![0.0; n],
+            anchor: if pseudo { vec![0.0; n] } else { Vec::new() },
             grad: vec![0.0; n],
+            inner: if pseudo {
+                OptState::new(&local.inner.rule, n)
+            } else {
+                OptState::new(&optim::Rule::Sgd, 0)
+            },
             sampler: BatchSampler::new(data.len(), seed),
             idx: vec![0; batch],
             x: Array2::zeros((batch, data.features)),
             y: vec![0; batch],
-            shards: vec![
-                ShardSlot {
-                    phase: Phase::Disconnected,
-                    version: 0,
-                    fresh: false,
-                    pull: None,
-                    in_flight: 0,
-                    min_version: 0,
-                };
-                slicer.ranges().len()
-            ],
+            shards: vec![ShardSlot::new(); slicer.ranges().len()],
+            feedback: slicer
+                .ranges()
+                .iter()
+                .map(|r| ErrorFeedback::new(r.len()))
+                .collect(),
+            round: None,
             outbox: VecDeque::new(),
             next_request: 1,
             frame_limit: HEADER_LEN + MAX_META_LEN + 4 * largest,
             max_steps,
-            sync: matches!(join.run.consistency, Consistency::Sync { .. }),
+            sync,
+            overlap: local.overlap && !sync,
+            controller: Controller::default(),
+            now: None,
+            started: None,
+            pulls_sent: None,
+            last_report: None,
+            reports: false,
             stats: WorkerStats::default(),
             data,
             model,
@@ -210,7 +309,7 @@ impl Worker {
         self.stats = previous;
     }
 
-    /// The parameters as last pulled (for tests and evaluation).
+    /// The parameters the worker computes on (as last pulled, plus its own inner steps).
     pub fn params(&self) -> &[f32] {
         &self.params
     }
@@ -220,15 +319,53 @@ impl Worker {
         self.shards.len()
     }
 
+    /// Inner steps per push the next round will use.
+    pub fn local_steps(&self) -> u32 {
+        self.next_h()
+    }
+
+    /// The encodings negotiated with `shard`: pulls, pushes.
+    pub fn encodings(&self, shard: usize) -> Option<(Encoding, Encoding)> {
+        self.shards
+            .get(shard)
+            .map(|s| (s.pull_encoding, s.push_encoding))
+    }
+
+    /// The time now, in seconds on any clock the driver keeps (monotonic). Call it before
+    /// [`Worker::receive`], [`Worker::step`] and [`Worker::poll_transmit`].
+    pub fn set_time(&mut self, now: f64) {
+        if !now.is_finite() {
+            return;
+        }
+        let start = *self.started.get_or_insert(now);
+        self.now = Some(now);
+        self.stats.wall_s = (now - start).max(0.0);
+        self.maybe_report();
+    }
+
+    /// The last [`Worker::step`] took `seconds` of compute.
+    pub fn observe_compute(&mut self, seconds: f64) {
+        if seconds.is_finite() && seconds >= 0.0 {
+            self.controller.compute(seconds);
+            self.stats.compute_s += seconds;
+        }
+    }
+
     fn request_id(&mut self) -> u32 {
         let id = self.next_request;
         self.next_request = self.next_request.wrapping_add(1).max(1);
         id
     }
 
+    fn emit(&mut self, shard: usize, frame: Vec<u8>) {
+        self.stats.bytes_up += frame.len() as u64;
+        self.outbox.push_back(Outgoing { shard, frame });
+    }
+
     /// The driver opened the connection to `shard`: queue the Hello.
     pub fn connected(&mut self, shard: usize) {
         let request_id = self.request_id();
+        let offered = vec![Encoding::INT8, Encoding::Bf16, Encoding::F32];
         let frame = wire::encode(&Message::Hello {
             request_id,
             shard: shard as u32,
@@ -236,12 +373,14 @@ impl Worker {
                 protocol: PROTOCOL_VERSION,
                 worker_id: self.join.worker_id,
                 client: self.client,
-                ..Default::default()
+                pull_encodings: offered.clone(),
+                push_encodings: offered,
+                credential: self.join.credential.clone(),
             },
         });
         if let Some(s) = self.shards.get_mut(shard) {
             s.phase = Phase::Handshake;
-            self.outbox.push_back(Outgoing { shard, frame });
+            self.emit(shard, frame);
         }
     }
 
@@ -250,13 +389,15 @@ impl Worker {
         if let Some(s) = self.shards.get_mut(shard) {
             self.stats.pushes_lost += u64::from(s.in_flight);
             *s = ShardSlot {
-                phase: Phase::Disconnected,
                 version: s.version,
-                fresh: false,
-                pull: None,
-                in_flight: 0,
-                min_version: 0,
+                ..ShardSlot::new()
             };
+        }
+        if let Some(f) = self.feedback.get_mut(shard) {
+            f.reset();
+        }
+        if shard == 0 {
+            self.reports = false;
         }
         self.outbox.retain(|o| o.shard != shard);
     }
@@ -267,6 +408,7 @@ impl Worker {
     /// A malformed frame, a protocol violation, NaN parameters, or a fatal error frame from the
     /// shard. The driver should close the connections and rejoin.
     pub fn receive(&mut self, shard: usize, bytes: &[u8]) -> Result<()> {
+        self.stats.bytes_down += bytes.len() as u64;
         let msg = wire::decode(bytes, self.frame_limit)?;
         let Some(range) = self.slicer.ranges().get(shard).copied() else {
             return Err(Error::Protocol(format!("frame for unknown shard {shard}")));
@@ -288,8 +430,20 @@ impl Worker {
                         welcome.range
                     )));
                 }
-                self.shards[shard].phase = Phase::Ready;
-                self.shards[shard].version = welcome.version;
+                let slot = &mut self.shards[shard];
+                slot.phase = Phase::Ready;
+                slot.version = welcome.version;
+                slot.pull_encoding = welcome.pull_encoding;
+                slot.push_encoding = welcome.push_encoding;
+                if shard == 0 {
+                    self.reports = welcome.reports;
+                    self.stats.encodings = Some((
+                        welcome.pull_encoding.name().into(),
+                        welcome.push_encoding.name().into(),
+                    ));
+                }
+                // A reconnect mid-round: that shard's parameters for the next round are needed
+                // again; with overlap the others may already be pulling.
                 self.queue_pulls();
             }
             Message::Params {
@@ -304,10 +458,16 @@ impl Worker {
                         "Params for request {request_id} that is not outstanding"
                     )));
                 }
-                values.copy_into(self.slicer.slice_mut(&mut self.params, shard))?;
+                values.copy_into(self.slicer.slice_mut(&mut self.next, shard))?;
                 slot.pull = None;
                 slot.fresh = true;
                 slot.version = version;
+                if self.shards.iter().all(|s| s.fresh) {
+                    if let (Some(now), Some(sent)) = (self.now, self.pulls_sent.take()) {
+                        self.controller.exchange(now - sent);
+                    }
+                }
+                self.try_start_round();
             }
             Message::Ack {
                 version, staleness, ..
@@ -337,8 +497,10 @@ impl Worker {
                 }
                 // A non-fatal error answers a push (e.g. too stale): it was not applied.
                 let slot = &mut self.shards[shard];
-                slot.in_flight = slot.in_flight.saturating_sub(1);
-                self.stats.pushes_rejected += 1;
+                if slot.in_flight > 0 {
+                    slot.in_flight -= 1;
+                    self.stats.pushes_rejected += 1;
+                }
                 if error.code == ErrorCode::Busy {
                     self.stats.last_error = Some(format!("shard {shard} busy: {}", error.message));
                 }
@@ -346,23 +508,50 @@ impl Worker {
             Message::Bye { bye, .. } => {
                 self.stats.last_error = Some(format!("shard {shard} said bye: {}", bye.reason));
             }
-            Message::Hello { .. } | Message::Pull { .. } | Message::Push { .. } => {
+            Message::Hello { .. }
+            | Message::Pull { .. }
+            | Message::Push { .. }
+            | Message::Report { .. } => {
                 return Err(Error::Protocol("a shard sent a worker-side message".into()));
             }
         }
         Ok(())
     }
 
-    fn steps_left(&self) -> bool {
-        self.max_steps.is_none_or(|m| self.stats.steps < m)
+    fn steps_left(&self) -> u64 {
+        self.max_steps
+            .map_or(u64::MAX, |m| m.saturating_sub(self.stats.steps))
     }
 
     fn all_ready(&self) -> bool {
         self.shards.iter().all(|s| s.phase == Phase::Ready)
     }
 
+    /// `H` for the next round: the policy's choice, never more than the steps left.
+    fn next_h(&self) -> u32 {
+        let h = self.controller.choose(self.join.run.local.steps);
+        let left = self.steps_left().min(u64::from(u32::MAX)) as u32;
+        h.min(left).max(1)
+    }
+
+    /// Steps that remain after the round in progress (or after the next one, if none is).
+    fn steps_after_round(&self) -> u64 {
+        let pending = match &self.round {
+            Some(r) => u64::from(r.h - r.done),
+            None => u64::from(self.next_h()),
+        };
+        self.steps_left().saturating_sub(pending)
+    }
+
     fn queue_pulls(&mut self) {
-        if !self.all_ready() || !self.steps_left() {
+        if !self.all_ready() || self.steps_left() == 0 {
+            return;
+        }
+        // Without overlap, a round in progress pulls nothing: its pushes come first.
+        if self.round.is_some() && !self.overlap {
+            return;
+        }
+        if self.round.is_some() && self.steps_after_round() == 0 {
             return;
         }
         for shard in 0..self.shards.len() {
@@ -374,35 +563,70 @@ impl Worker {
                     shard: shard as u32,
                     min_version: self.shards[shard].min_version,
                 });
-                self.outbox.push_back(Outgoing { shard, frame });
+                if self.pulls_sent.is_none() {
+                    self.pulls_sent = self.now;
+                }
+                self.emit(shard, frame);
             }
         }
     }
 
-    /// True when every shard's parameters for the next step have arrived.
+    /// Starts the next round when the previous one is pushed and every shard's parameters are
+    /// in: the `next` buffer becomes the working one and, with overlap, the following pulls go
+    /// out at once.
+    fn try_start_round(&mut self) {
+        if self.round.is_some()
+            || self.steps_left() == 0
+            || !self.all_ready()
+            || !self.shards.iter().all(|s| s.fresh)
+        {
+            return;
+        }
+        std::mem::swap(&mut self.params, &mut self.next);
+        let versions: Vec<u64> = self.shards.iter().map(|s| s.version).collect();
+        for s in &mut self.shards {
+            s.fresh = false;
+        }
+        let lo = versions.iter().copied().min().unwrap_or(0);
+        let hi = versions.iter().copied().max().unwrap_or(0);
+        self.stats.read_skew = hi - lo;
+        if self.join.run.local.steps.pseudo_gradients() {
+            self.anchor.copy_from_slice(&self.params);
+        }
+        let h = self.next_h();
+        self.stats.local_steps = h;
+        self.round = Some(Round {
+            h,
+            done: 0,
+            versions,
+            samples: 0,
+        });
+        if self.overlap {
+            self.queue_pulls();
+        }
+    }
+
+    /// True when a step can run: a round is in progress.
     pub fn ready(&self) -> bool {
-        self.steps_left()
-            && self
-                .shards
-                .iter()
-                .all(|s| s.phase == Phase::Ready && s.fresh)
+        self.round.is_some()
     }
 
     /// True once `max_steps` steps were computed and every push was answered or lost.
     pub fn is_done(&self) -> bool {
-        !self.steps_left() && self.shards.iter().all(|s| s.in_flight == 0)
+        self.steps_left() == 0 && self.shards.iter().all(|s| s.in_flight == 0)
     }
 
-    /// Computes one gradient and queues its pushes (and the next pulls).
+    /// Computes one step (a gradient, or one inner step), and at the end of a round queues its
+    /// pushes (and, without overlap, the next pulls).
     ///
     /// # Errors
     /// [`Error::Protocol`] when called while not [`Worker::ready`]; model errors otherwise.
     pub fn step(&mut self) -> Result<StepReport> {
-        if !self.ready() {
+        let Some(mut round) = self.round.take() else {
             return Err(Error::Protocol(
                 "step() called before all parameters arrived".into(),
             ));
-        }
+        };
         self.sampler.next_batch(&mut self.idx);
         self.data
             .fill_batch(&self.idx, &mut self.x.view_mut(), &mut self.y);
@@ -412,50 +636,113 @@ impl Worker {
             &self.y,
             &mut self.grad,
             &mut self.ws,
-        )?;
+        );
+        let stats = match stats {
+            Ok(s) => s,
+            Err(e) => {
+                self.round = Some(round);
+                return Err(e);
+            }
+        };
         let grad_norm = match self.join.run.optimizer.clip_norm {
             Some(c) => clip_by_global_norm(&mut self.grad, c),
             None => 0.0,
         };
         let samples = self.idx.len();
-        let (mut lo, mut hi) = (u64::MAX, 0);
-        for shard in 0..self.shards.len() {
-            let request_id = self.request_id();
-            let slot = &mut self.shards[shard];
-            lo = lo.min(slot.version);
-            hi = hi.max(slot.version);
-            slot.fresh = false;
-            slot.in_flight += 1;
-            if self.sync {
-                slot.min_version = slot.version + 1;
-            }
-            let frame = wire::encode_push(
-                request_id,
-                shard as u32,
-                slot.version,
-                samples as u32,
-                self.slicer.slice(&self.grad, shard),
-            );
-            self.outbox.push_back(Outgoing { shard, frame });
+        let pseudo = self.join.run.local.steps.pseudo_gradients();
+        if pseudo {
+            let inner = self.join.run.local.inner;
+            optim::step(&inner, &mut self.inner, &mut self.params, &self.grad, 1.0);
         }
+        round.done += 1;
+        round.samples += samples;
         let loss = stats.mean_loss();
         let s = &mut self.stats;
         s.steps += 1;
         s.samples += samples as u64;
-        s.pushes_sent += self.shards.len() as u64;
-        s.read_skew = hi.saturating_sub(lo);
         s.last_loss = loss;
         s.ema_loss = if s.steps == 1 {
             loss
         } else {
             0.98 * s.ema_loss + 0.02 * loss
         };
-        self.queue_pulls();
+        let pushed = round.done >= round.h;
+        if pushed {
+            self.push_round(&round, pseudo)?;
+        } else {
+            self.round = Some(round);
+        }
         Ok(StepReport {
             loss,
             samples,
             grad_norm,
+            pushed,
         })
+    }
+
+    fn push_round(&mut self, round: &Round, pseudo: bool) -> Result<()> {
+        if pseudo {
+            // Δ = θ_pulled − θ_local, in the gradient buffer.
+            for ((g, a), p) in self.grad.iter_mut().zip(&self.anchor).zip(&self.params) {
+                *g = a - p;
+            }
+        }
+        let samples = u32::try_from(round.samples).unwrap_or(u32::MAX);
+        for shard in 0..self.shards.len() {
+            let request_id = self.request_id();
+            let version = round.versions[shard];
+            let enc = self.shards[shard].push_encoding;
+            let slice = self.slicer.slice(&self.grad, shard);
+            let feedback = (enc != Encoding::F32).then(|| &mut self.feedback[shard]);
+            let frame = match wire::encode_push_as(
+                enc,
+                request_id,
+                shard as u32,
+                version,
+                samples,
+                slice,
+                feedback,
+            ) {
+                Ok(f) => f,
+                // A non-finite gradient (a diverged model): send nothing; the shard would
+                // refuse it, and the driver's rejoin starts from the shard's parameters.
+                Err(e) => return Err(e),
+            };
+            let slot = &mut self.shards[shard];
+            slot.in_flight += 1;
+            if self.sync {
+                slot.min_version = version + 1;
+            }
+            self.emit(shard, frame);
+        }
+        self.stats.pushes_sent += self.shards.len() as u64;
+        self.stats.rounds += 1;
+        if !self.overlap {
+            self.queue_pulls();
+        }
+        self.try_start_round();
+        Ok(())
+    }
+
+    fn maybe_report(&mut self) {
+        let Some(now) = self.now else { return };
+        if !self.reports || self.shards.first().is_none_or(|s| s.phase != Phase::Ready) {
+            return;
+        }
+        if self.last_report.is_some_and(|t| now - t < REPORT_EVERY) {
+            return;
+        }
+        self.last_report = Some(now);
+        let report = Report {
+            local_steps: self.stats.local_steps.max(1),
+            compute_s: self.stats.compute_s,
+            wall_s: self.stats.wall_s,
+            exchange_s: self.controller.exchange_s().unwrap_or(0.0),
+            bytes_up: self.stats.bytes_up,
+            bytes_down: self.stats.bytes_down,
+        };
+        let frame = wire::encode(&Message::Report { shard: 0, report });
+        self.emit(0, frame);
     }
 
     /// Next frame to send, if any.
@@ -493,6 +780,7 @@ mod tests {
                     train_len: 6,
                     test_len: 0,
                 },
+                local: crate::local::LocalConfig::default(),
             })
             .unwrap(),
             partition: PartitionInfo {
@@ -502,6 +790,7 @@ mod tests {
                 images: "/images".into(),
                 labels: "/labels".into(),
             },
+            credential: None,
         }
     }
 
@@ -512,6 +801,12 @@ mod tests {
             &encode_idx(&[6], &[0, 1, 2, 0, 1, 2]),
         )
         .unwrap()
+    }
+
+    fn local_worker(local: crate::local::LocalConfig, shards: usize, max: Option<u64>) -> Worker {
+        let mut j = join("async", shards);
+        j.run.local = local;
+        Worker::new(j, data(), ClientKind::Native, max).unwrap()
     }
 
     fn worker(consistency: &str, shards: usize, max_steps: Option<u64>) -> Worker {
@@ -686,7 +981,9 @@ mod tests {
                 protocol: PROTOCOL_VERSION,
                 worker_id: 42,
                 client: ClientKind::Native,
-                ..Default::default()
+                pull_encodings: vec![Encoding::INT8, Encoding::Bf16, Encoding::F32],
+                push_encodings: vec![Encoding::INT8, Encoding::Bf16, Encoding::F32],
+                credential: None,
             }
         );
         // A connection to a shard the run does not have is ignored.
@@ -1136,5 +1433,160 @@ mod tests {
         let mut json = serde_json::to_value(join("async", 2)).unwrap();
         json["run"]["consistency"] = "eventually".into();
         assert!(serde_json::from_value::<JoinResponse>(json).is_err());
+    }
+
+    use crate::local::{LocalConfig, LocalSteps};
+
+    fn frames(w: &mut Worker) -> Vec<(usize, Vec<u8>)> {
+        std::iter::from_fn(|| w.poll_transmit())
+            .map(|o| (o.shard, o.frame))
+            .collect()
+    }
+
+    #[test]
+    fn local_steps_push_the_pseudo_gradient_after_h_inner_steps() {
+        let local = LocalConfig {
+            steps: LocalSteps::Fixed(3),
+            ..LocalConfig::default()
+        };
+        let mut w = local_worker(local, 2, None);
+        let p = handshake(&mut w, &[4, 9]);
+        answer(&mut w, &p, &[4, 9]);
+        let pulled = w.params().to_vec();
+        assert!(pulled.iter().all(|&v| v == 0.5));
+        for i in 0..3 {
+            assert!(w.ready());
+            let r = w.step().unwrap();
+            assert_eq!(r.pushed, i == 2, "the round ends after H = 3 inner steps");
+            if i < 2 {
+                assert!(drain(&mut w).is_empty(), "nothing goes out mid-round");
+            }
+        }
+        let local_params = w.params().to_vec();
+        assert_ne!(local_params, pulled, "the inner optimizer moved θ_local");
+        let out = frames(&mut w);
+        let mut delta = vec![0.0; pulled.len()];
+        let mut pushes = 0;
+        for (shard, f) in &out {
+            if let Message::Push {
+                base_version,
+                samples,
+                grad,
+                ..
+            } = wire::decode(f, usize::MAX).unwrap()
+            {
+                pushes += 1;
+                assert_eq!(base_version, [4, 9][*shard]);
+                assert_eq!(samples, 3 * 2, "H × batch");
+                let r = range(&w, *shard);
+                grad.copy_into(&mut delta[r.start..r.end]).unwrap();
+            }
+        }
+        assert_eq!(pushes, 2);
+        for ((d, a), b) in delta.iter().zip(&pulled).zip(&local_params) {
+            assert_eq!(*d, a - b, "Δ = θ_pulled − θ_local");
+        }
+        assert_eq!(
+            (w.stats().steps, w.stats().rounds, w.stats().local_steps),
+            (3, 1, 3)
+        );
+    }
+
+    #[test]
+    fn overlap_pulls_the_next_round_before_computing() {
+        let local = LocalConfig {
+            overlap: true,
+            ..LocalConfig::default()
+        };
+        let mut w = local_worker(local, 2, Some(3));
+        let p = handshake(&mut w, &[0, 0]);
+        answer(&mut w, &p, &[0, 0]);
+        // The round started when the last Params arrived: the next pulls are already queued,
+        // before any compute.
+        let early = drain(&mut w);
+        assert_eq!(pulls(&early).len(), 2, "{early:?}");
+        assert!(pushes(&early).is_empty());
+        w.step().unwrap();
+        let sent = drain(&mut w);
+        assert_eq!(pushes(&sent).len(), 2);
+        assert!(pulls(&sent).is_empty(), "the next pulls went out already");
+        // The next parameters arrive: the next round starts at once and pulls the last one.
+        answer(&mut w, &pulls(&early), &[1, 1]);
+        assert!(w.ready());
+        assert_eq!(pulls(&drain(&mut w)).len(), 2);
+        w.step().unwrap();
+        let versions: Vec<_> = pushes(&drain(&mut w))
+            .iter()
+            .map(|&(s, _, v)| (s, v))
+            .collect();
+        assert_eq!(versions, vec![(0, 1), (1, 1)], "computed from the second pull");
+        assert!(!w.ready(), "waiting for the third round's parameters");
+    }
+
+    #[test]
+    fn auto_picks_h_from_the_measured_times() {
+        let local = LocalConfig {
+            steps: LocalSteps::Auto { max: 500 },
+            ..LocalConfig::default()
+        };
+        let mut w = local_worker(local, 1, None);
+        w.set_time(10.0);
+        let p = handshake(&mut w, &[0]);
+        assert_eq!(w.local_steps(), 1, "nothing measured yet");
+        w.set_time(10.010);
+        answer(&mut w, &p, &[0]);
+        w.set_time(10.011);
+        w.step().unwrap();
+        w.observe_compute(0.001);
+        // 10 ms exchanges, 1 ms steps: ⌈0.010 · 0.85 / (0.15 · 0.001)⌉ = 57.
+        assert_eq!(w.local_steps(), 57);
+        assert_eq!(w.stats().compute_s, 0.001);
+        assert!((w.stats().wall_s - 0.011).abs() < 1e-9);
+    }
+
+    #[test]
+    fn negotiated_encodings_are_decoded_and_used() {
+        let mut w = local_worker(LocalConfig::default(), 1, None);
+        w.connected(0);
+        drain(&mut w);
+        let welcome = wire::encode(&Message::Welcome {
+            request_id: 1,
+            shard: 0,
+            welcome: Welcome {
+                protocol: PROTOCOL_VERSION,
+                range: range(&w, 0),
+                version: 0,
+                pull_encoding: Encoding::Bf16,
+                push_encoding: Encoding::INT8,
+                reports: true,
+            },
+        });
+        w.set_time(0.0);
+        w.receive(0, &welcome).unwrap();
+        let p = pulls(&drain(&mut w));
+        let n = range(&w, 0).len();
+        let values: Vec<f32> = (0..n).map(|i| i as f32 * 0.25).collect();
+        let f = wire::encode_params_as(Encoding::Bf16, p[0].1, 0, 0, &values).unwrap();
+        w.receive(0, &f).unwrap();
+        assert_eq!(w.params(), &values[..], "bf16 holds these exactly");
+        w.step().unwrap();
+        let out = frames(&mut w);
+        let push = out
+            .iter()
+            .find_map(|(_, f)| match wire::decode(f, usize::MAX).unwrap() {
+                Message::Push { grad, .. } => Some(grad.encoding()),
+                _ => None,
+            });
+        assert_eq!(push, Some(Encoding::INT8));
+        assert_eq!(w.encodings(0), Some((Encoding::Bf16, Encoding::INT8)));
+        // Reports: at most one a second, on shard 0.
+        w.set_time(0.5);
+        w.set_time(1.2);
+        w.set_time(1.4);
+        let reports = frames(&mut w)
+            .iter()
+            .filter(|(s, f)| *s == 0 && f[3] == 9)
+            .count();
+        assert_eq!(reports, 1);
     }
 }

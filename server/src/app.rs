@@ -64,6 +64,16 @@ pub struct App {
     pub tracker: TaskTracker,
     /// Connection limit.
     pub connections: Arc<Semaphore>,
+    /// Per-IP, rate and timeout limits and what they refused.
+    pub limits: Arc<crate::limits::Limits>,
+    /// The run secret that session credentials are HMACs under ([`crate::credential`]).
+    pub secret: crate::credential::RunSecret,
+    /// What only `/metrics` keeps (the last checkpoint); the rest is read at scrape time.
+    pub metrics: crate::metrics::Metrics,
+    /// The checkpoint writer (`--checkpoint-dir`), for the final checkpoint and checkpoint-now.
+    pub checkpoints: Option<Arc<crate::checkpoint::Checkpointer>>,
+    /// With `--shard-urls`: the shard processes (then `shards` is empty).
+    pub remote: Option<Arc<crate::shardproc::remote::RemoteShards>>,
 }
 
 /// A shard as `/api/status` shows it.
@@ -127,22 +137,82 @@ pub struct Status {
     pub eval: Option<EvalPoint>,
     /// All kept evaluations, oldest first.
     pub eval_history: Vec<EvalPoint>,
+    /// Whether joining needs the join token (the token itself is never shown).
+    pub private_run: bool,
+    /// What the connection, rate and timeout limits refused.
+    pub limits: crate::limits::LimitCounts,
+    /// The resolved configuration (run file and flags), as `crowdgrad serve` printed it.
+    pub config: serde_json::Value,
+    /// With `--shard-urls`: every shard process's health (`url`, `up`, `ready`, `error`,
+    /// `last_ok_s`, `version`, `uptime_s`, `status`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remote_shards: Option<Vec<crate::shardproc::remote::Health>>,
+}
+
+/// A remote shard's counters from the `status` record it reported (the per-reason maps stay
+/// with the shard process's own `/metrics`).
+fn remote_counters(status: Option<&serde_json::Value>) -> Counters {
+    let mut c = Counters::default();
+    let Some(v) = status else { return c };
+    let n = |k: &str| v.get(k).and_then(serde_json::Value::as_u64).unwrap_or(0);
+    c.pulls = n("pulls");
+    c.pushes_applied = n("pushes_applied");
+    c.pushes_buffered = n("pushes_buffered");
+    c.pushes_rejected = n("pushes_rejected");
+    c.frames_rejected = n("frames_rejected");
+    c.samples = n("samples");
+    c.staleness_max = n("staleness_max");
+    c.staleness_mean = v
+        .get("staleness_mean")
+        .and_then(serde_json::Value::as_f64)
+        .unwrap_or(0.0);
+    c.staleness_hist = v
+        .get("staleness_hist")
+        .and_then(serde_json::Value::as_array)
+        .map(|a| a.iter().map(|x| x.as_u64().unwrap_or(0)).collect())
+        .unwrap_or_default();
+    c.staleness_sum = (c.staleness_mean * c.pushes_applied as f64).round() as u64;
+    c
 }
 
 impl App {
     /// The status report.
     pub fn status(&self) -> Status {
-        let (workers, shard_counters, totals) = self.registry.view();
+        let (workers, shard_counters, mut totals) = self.registry.view();
         let evals = self.evals.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let rate = {
-            let r = self.rate.lock().unwrap_or_else(|p| p.into_inner());
-            match (r.first(), r.last()) {
-                (Some(a), Some(b)) if b.0 > a.0 => {
-                    (b.1 - a.1) as f64 / b.0.duration_since(a.0).as_secs_f64()
-                }
-                _ => 0.0,
-            }
-        };
+        let rate = self.samples_per_sec();
+        let remote_shards = self.remote.as_ref().map(|r| r.health());
+        let mut shards: Vec<ShardStatus> = self
+            .shards
+            .iter()
+            .zip(shard_counters)
+            .map(|(s, counters)| ShardStatus {
+                id: s.id(),
+                range: s.range(),
+                version: s.version(),
+                updates_by_merged: s.updates(),
+                counters,
+            })
+            .collect();
+        if let Some(health) = &remote_shards {
+            // The shard processes count pushes and pulls; the coordinator sees their reports.
+            shards = health
+                .iter()
+                .zip(self.spec.ranges())
+                .map(|(h, range)| ShardStatus {
+                    id: h.id,
+                    range,
+                    version: h.version.unwrap_or(0),
+                    updates_by_merged: Default::default(),
+                    counters: remote_counters(h.status.as_ref()),
+                })
+                .collect();
+            totals.pulls = shards.iter().map(|s| s.counters.pulls).sum();
+            totals.pushes_applied = shards.iter().map(|s| s.counters.pushes_applied).sum();
+            totals.pushes_rejected = shards.iter().map(|s| s.counters.pushes_rejected).sum();
+            totals.frames_rejected = shards.iter().map(|s| s.counters.frames_rejected).sum();
+            totals.samples = shards.first().map_or(0, |s| s.counters.samples);
+        }
         Status {
             run_id: self.spec.run_id.clone(),
             model: self.model.spec().to_string(),
@@ -154,18 +224,7 @@ impl App {
             dataset: self.spec.dataset.name.clone(),
             optimizer: self.spec.optimizer,
             uptime_s: self.started.elapsed().as_secs_f64(),
-            shards: self
-                .shards
-                .iter()
-                .zip(shard_counters)
-                .map(|(s, counters)| ShardStatus {
-                    id: s.id(),
-                    range: s.range(),
-                    version: s.version(),
-                    updates_by_merged: s.updates(),
-                    counters,
-                })
-                .collect(),
+            shards,
             workers_connected: totals.workers.map_or(0, |w| w.connected as usize),
             workers,
             totals: Totals {
@@ -174,6 +233,29 @@ impl App {
             },
             eval: evals.last().copied(),
             eval_history: evals,
+            private_run: self.cfg.join_token.is_some(),
+            limits: self.limits.counts(),
+            config: self.cfg.resolved.clone(),
+            remote_shards,
+        }
+    }
+
+    /// The examples behind all applied pushes (with remote shards: as shard 0 last reported).
+    pub fn samples(&self) -> u64 {
+        match &self.remote {
+            Some(r) => remote_counters(r.health().first().and_then(|h| h.status.as_ref())).samples,
+            None => self.registry.view().2.samples,
+        }
+    }
+
+    /// [`App::params`], or with remote shards their `/api/params` (each with a timeout).
+    ///
+    /// # Errors
+    /// When a remote shard does not answer in time.
+    pub async fn fetch_params(&self) -> crate::Result<(Vec<f32>, Vec<u64>)> {
+        match &self.remote {
+            Some(r) => r.params().await,
+            None => Ok(self.params()),
         }
     }
 
@@ -190,13 +272,105 @@ impl App {
         (all, versions)
     }
 
+    /// Samples per second over the last few seconds.
+    pub fn samples_per_sec(&self) -> f64 {
+        let r = self.rate.lock().unwrap_or_else(|p| p.into_inner());
+        match (r.first(), r.last()) {
+            (Some(a), Some(b)) if b.0 > a.0 => {
+                (b.1 - a.1) as f64 / b.0.duration_since(a.0).as_secs_f64()
+            }
+            _ => 0.0,
+        }
+    }
+
+    /// What `/metrics` shows now, read from the registry and the shards.
+    pub fn scrape(&self) -> crate::metrics::Scrape {
+        let (_, shard_counters, totals) = self.registry.view();
+        let health = self.remote.as_ref().map(|r| r.health()).unwrap_or_default();
+        let remote = health.iter().map(|h| crate::metrics::ShardScrape {
+            id: h.id,
+            version: h.version.unwrap_or(0),
+            counters: remote_counters(h.status.as_ref()),
+            apply: None,
+            bytes_received: 0,
+            bytes_sent: 0,
+        });
+        crate::metrics::Scrape {
+            shards: self
+                .shards
+                .iter()
+                .zip(shard_counters)
+                .map(|(s, counters)| {
+                    let (bytes_received, bytes_sent) = s.bytes();
+                    crate::metrics::ShardScrape {
+                        id: s.id(),
+                        version: s.version(),
+                        counters,
+                        apply: Some(s.apply_seconds()),
+                        bytes_received,
+                        bytes_sent,
+                    }
+                })
+                .chain(remote)
+                .collect(),
+            totals,
+            samples_per_sec: self.samples_per_sec(),
+            remote_up: health.iter().map(|h| (h.id, h.up)).collect(),
+            checkpoint: self.metrics.checkpoint(),
+            uptime_s: self.started.elapsed().as_secs_f64(),
+            now_unix: crate::metrics::unix_now(),
+        }
+    }
+
     /// Records the sample counter for the rate meter.
     fn tick_rate(&self) {
-        let samples = self.registry.view().2.samples;
+        let samples = self.samples();
         let mut r = self.rate.lock().unwrap_or_else(|p| p.into_inner());
         let now = Instant::now();
         r.push((now, samples));
         r.retain(|(t, _)| now.duration_since(*t) <= Duration::from_secs(5));
+    }
+}
+
+/// The body of `GET /readyz`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Readiness {
+    /// Whether the server takes workers: every shard loaded (and, with remote shards,
+    /// answering with the expected layout), and not shutting down.
+    pub ready: bool,
+    /// True once shutdown began.
+    pub shutting_down: bool,
+    /// Per shard: `{"id", "ready", "url"?, "error"?}`.
+    pub shards: Vec<serde_json::Value>,
+}
+
+impl App {
+    /// Whether the server is ready to take workers, and why not.
+    pub fn readiness(&self) -> Readiness {
+        let shutting_down = *self.shutdown.borrow();
+        let shards: Vec<serde_json::Value> = match &self.remote {
+            Some(r) => r
+                .health()
+                .iter()
+                .map(|h| {
+                    serde_json::json!({
+                        "id": h.id, "ready": h.ready, "url": h.url, "version": h.version,
+                        "error": h.error,
+                    })
+                })
+                .collect(),
+            None => self
+                .shards
+                .iter()
+                .map(|s| serde_json::json!({ "id": s.id(), "ready": true, "version": s.version() }))
+                .collect(),
+        };
+        let all = shards.iter().all(|s| s["ready"] == true);
+        Readiness {
+            ready: !shutting_down && all && !shards.is_empty(),
+            shutting_down,
+            shards,
+        }
     }
 }
 
@@ -213,11 +387,17 @@ pub async fn evaluator(app: Arc<App>) {
             _ = rate_tick.tick() => app.tick_rate(),
             _ = tokio::time::sleep_until(next_eval) => {
                 next_eval = tokio::time::Instant::now() + app.cfg.eval_every;
-                let (params, versions) = app.params();
+                let (params, versions) = match app.fetch_params().await {
+                    Ok(p) => p,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "evaluation skipped: could not read the parameters");
+                        continue;
+                    }
+                };
                 if last_versions.as_ref() == Some(&versions) {
                     continue;
                 }
-                let samples = app.registry.view().2.samples;
+                let samples = app.samples();
                 let step = versions.iter().sum::<u64>() / versions.len().max(1) as u64;
                 last_versions = Some(versions);
                 let a = app.clone();

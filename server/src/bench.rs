@@ -234,6 +234,7 @@ pub async fn roundtrip(data: TrainTest, params: usize, iters: usize) -> Result<R
         hello: Hello {
             protocol: PROTOCOL_VERSION,
             worker_id: joined.worker_id,
+            credential: joined.credential.clone(),
             client: ClientKind::Native,
             ..Default::default()
         },

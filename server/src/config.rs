@@ -8,6 +8,8 @@
 
 use crate::error::{Error, Result};
 use clap::Args;
+use crowdgrad_core::codec::Encoding;
+use crowdgrad_core::local::{LocalConfig, LocalSteps};
 use crowdgrad_core::model::ModelSpec;
 use crowdgrad_core::optim::{OptimizerConfig, Rule};
 use crowdgrad_core::shard::{Consistency, StalenessPolicy};
@@ -21,9 +23,10 @@ pub struct TrainingArgs {
     /// Model: `softmax` or `mlp:W1[,W2...]` (ReLU hidden layers).
     #[arg(long, default_value = "mlp:128")]
     pub model: String,
-    /// Optimizer: sgd, momentum, nesterov, adagrad, rmsprop, adam.
-    #[arg(long, default_value = "adagrad")]
-    pub optimizer: String,
+    /// The shards' optimizer: sgd, momentum, nesterov, adagrad, rmsprop, adam [default: adagrad;
+    /// with local steps, sgd at lr 1.0, which applies each pseudo-gradient as it is].
+    #[arg(long)]
+    pub optimizer: Option<String>,
     /// Learning rate [default: sgd 0.1, momentum/nesterov 0.01, adagrad 0.05, rmsprop/adam 0.001].
     #[arg(long)]
     pub lr: Option<f32>,
@@ -64,6 +67,64 @@ pub struct TrainingArgs {
     /// sync:K: seconds a waiting pull waits before the partial aggregate is applied.
     #[arg(long, default_value_t = 2.0)]
     pub sync_timeout: f64,
+    /// Inner steps per push: `1` (push every gradient), a whole number H (push the
+    /// pseudo-gradient θ_pulled − θ_local after H steps of the inner optimizer), `auto` or
+    /// `auto:MAX` (each worker picks H so communication stays near 15% of its time; MAX
+    /// defaults to 256).
+    #[arg(long, default_value = "1")]
+    pub local_steps: String,
+    /// The workers' inner optimizer under local steps (same names as --optimizer).
+    #[arg(long, default_value = "sgd")]
+    pub inner_optimizer: String,
+    /// The inner optimizer's learning rate [default: that rule's default, sgd 0.1].
+    #[arg(long)]
+    pub inner_lr: Option<f32>,
+    /// Workers keep their next pull in flight while computing (double-buffered parameters;
+    /// each read misses the worker's own last push). Ignored in sync:K.
+    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
+    pub overlap: String,
+    /// The most compact encoding shards send parameters in, to workers that can decode it:
+    /// f32, bf16.
+    #[arg(long, default_value = "f32")]
+    pub pull_encoding: String,
+    /// The most compact encoding shards ask pushes in: f32, bf16, int8_block (blocks of 256
+    /// with one f32 scale each; workers carry the rounding error into their next push).
+    #[arg(long, default_value = "f32")]
+    pub push_encoding: String,
+}
+
+/// How workers exchange with shards: local steps, overlap and the negotiated encodings' upper
+/// bounds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Exchange {
+    /// Local steps, inner optimizer, overlap (goes into the run spec).
+    pub local: LocalConfig,
+    /// The most compact pull encoding shards offer.
+    pub pull_encoding: Encoding,
+    /// The most compact push encoding shards ask for.
+    pub push_encoding: Encoding,
+}
+
+impl Default for Exchange {
+    /// Protocol version 1: gradient pushes, no overlap, f32 both ways.
+    fn default() -> Self {
+        Self {
+            local: LocalConfig::default(),
+            pull_encoding: Encoding::F32,
+            push_encoding: Encoding::F32,
+        }
+    }
+}
+
+fn encoding_flag(flag: &str, v: &str, allowed: &[Encoding]) -> Result<Encoding> {
+    allowed
+        .iter()
+        .copied()
+        .find(|e| e.name() == v.trim())
+        .ok_or_else(|| {
+            let names: Vec<&str> = allowed.iter().map(|e| e.name()).collect();
+            Error::Config(format!("{flag} {v:?}: use one of {}", names.join(", ")))
+        })
 }
 
 /// Checked [`TrainingArgs`].
@@ -87,6 +148,8 @@ pub struct Training {
     pub heartbeat_timeout: f64,
     /// sync:K straggler timeout, seconds.
     pub sync_timeout: f64,
+    /// Local steps and encodings.
+    pub exchange: Exchange,
 }
 
 impl TrainingArgs {
@@ -95,13 +158,36 @@ impl TrainingArgs {
     /// # Errors
     /// [`Error::Config`] / [`crowdgrad_core::Error::Config`] naming the first bad flag.
     pub fn check(&self, default_shards: usize) -> Result<Training> {
-        let optimizer = optimizer_from_flags(
-            &self.optimizer,
-            self.lr,
-            self.momentum,
-            self.weight_decay,
-            self.clip_norm,
-        )?;
+        let steps = LocalSteps::parse(&self.local_steps)
+            .map_err(|e| Error::Config(format!("--local-steps: {e}")))?;
+        let pseudo = steps.pseudo_gradients();
+        let (name, lr) = match (&self.optimizer, pseudo) {
+            (Some(n), _) => (n.as_str(), self.lr),
+            (None, false) => ("adagrad", self.lr),
+            // Pseudo-gradients already carry the inner learning rate: apply them as they are.
+            (None, true) => ("sgd", Some(self.lr.unwrap_or(1.0))),
+        };
+        let optimizer =
+            optimizer_from_flags(name, lr, self.momentum, self.weight_decay, self.clip_norm)?;
+        let inner = optimizer_from_flags(&self.inner_optimizer, self.inner_lr, None, 0.0, None)
+            .map_err(|e| Error::Config(format!("--inner-optimizer/--inner-lr: {e}")))?;
+        let exchange = Exchange {
+            local: LocalConfig {
+                steps,
+                inner,
+                overlap: self.overlap == "on",
+            },
+            pull_encoding: encoding_flag(
+                "--pull-encoding",
+                &self.pull_encoding,
+                &[Encoding::F32, Encoding::Bf16],
+            )?,
+            push_encoding: encoding_flag(
+                "--push-encoding",
+                &self.push_encoding,
+                &[Encoding::F32, Encoding::Bf16, Encoding::INT8],
+            )?,
+        };
         // Parse once against MNIST's shape to catch typos before any data is loaded.
         ModelSpec::parse(&self.model, 784, 10)?;
         let bad = |m: String| Err(Error::Config(m));
@@ -133,6 +219,7 @@ impl TrainingArgs {
             staleness: StalenessPolicy::parse(&self.staleness)?,
             heartbeat_timeout: self.heartbeat_timeout,
             sync_timeout: self.sync_timeout,
+            exchange,
         })
     }
 }
@@ -172,9 +259,49 @@ pub struct ServeArgs {
     /// Most workers registered at once (joins beyond it are refused).
     #[arg(long, default_value_t = 10_000)]
     pub max_workers: usize,
-    /// Most simultaneous WebSocket connections.
+    /// Most simultaneous TCP connections, HTTP and WebSocket alike (counted when accepted).
     #[arg(long, default_value_t = 4_096)]
     pub max_connections: usize,
+    /// Per-IP, rate and timeout limits.
+    #[command(flatten)]
+    pub limits: crate::limits::LimitArgs,
+    /// TLS certificate and key.
+    #[command(flatten)]
+    pub tls: crate::tls::TlsArgs,
+    /// Private run: `POST /api/join` needs `Authorization: Bearer TOKEN` (else 401). Also read
+    /// from the environment variable CROWDGRAD_JOIN_TOKEN (which `ps` does not show).
+    #[arg(long, env = "CROWDGRAD_JOIN_TOKEN", hide_env_values = true)]
+    pub join_token: Option<String>,
+    /// Checkpoints: write them to this directory, or to `s3://BUCKET/PREFIX` (endpoint and
+    /// credentials from the AWS_* environment variables), and resume from the newest valid one
+    /// at start. No checkpoints without it.
+    #[arg(long)]
+    pub checkpoint_dir: Option<String>,
+    /// Seconds between checkpoints (one is also written on shutdown).
+    #[arg(long, default_value_t = 60.0)]
+    pub checkpoint_every: f64,
+    /// Checkpoints kept; older ones are deleted.
+    #[arg(long, default_value_t = 3)]
+    pub checkpoint_keep: usize,
+    /// Resume a checkpoint written with another --shards by re-cutting it onto this one.
+    #[arg(long)]
+    pub reshard: bool,
+    /// Token for /api/admin/... (`Authorization: Bearer TOKEN`). Also read from the environment
+    /// variable CROWDGRAD_ADMIN_TOKEN. When neither is set, one is generated and printed once.
+    #[arg(long, env = "CROWDGRAD_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// A TOML run file (docs/run.example.toml); flags given on the command line override it.
+    #[arg(long, value_name = "RUN.toml")]
+    pub config: Option<PathBuf>,
+    /// Coordinate shard processes (`crowdgrad shard`) at these base URLs, one per shard in
+    /// order (`ws://h1:9000,ws://h2:9000`), instead of serving the shards in this process.
+    #[arg(long, value_delimiter = ',')]
+    pub shard_urls: Vec<String>,
+    /// The secret shared with the shard processes (at least 16 characters): joins get the
+    /// credential HMAC-SHA256(secret, worker id), which the shards check. Also read from
+    /// CROWDGRAD_RUN_SECRET. Needed with --shard-urls.
+    #[arg(long, env = "CROWDGRAD_RUN_SECRET", hide_env_values = true)]
+    pub run_secret: Option<String>,
 }
 
 /// Checked server configuration.
@@ -204,6 +331,8 @@ pub struct ServeConfig {
     pub heartbeat_timeout: Duration,
     /// sync:K straggler timeout.
     pub sync_timeout: Duration,
+    /// Local steps, overlap and encodings.
+    pub exchange: Exchange,
     /// Dataset name.
     pub dataset: String,
     /// Data directory.
@@ -214,8 +343,25 @@ pub struct ServeConfig {
     pub web_dir: PathBuf,
     /// Registry capacity.
     pub max_workers: usize,
-    /// Connection limit.
+    /// Connection limit (every TCP connection).
     pub max_connections: usize,
+    /// Per-IP, rate and timeout limits.
+    pub limits: crate::limits::LimitConfig,
+    /// Serve https/wss with this certificate and key.
+    pub tls: Option<crate::tls::TlsFiles>,
+    /// Private run: the join token (`Debug` prints it redacted).
+    pub join_token: Option<crate::credential::Secret>,
+    /// Checkpoint policy; `None`: no checkpoints.
+    pub checkpoint: Option<crate::checkpoint::CheckpointConfig>,
+    /// The admin API's token (`Debug` prints it redacted); `None`: generated at start.
+    pub admin_token: Option<crate::credential::Secret>,
+    /// Remote shard processes' base URLs (empty: shards in this process).
+    pub shard_urls: Vec<String>,
+    /// The run secret shared with shard processes (`Debug` prints it redacted).
+    pub run_secret: Option<crate::credential::Secret>,
+    /// The resolved configuration (flags over run file) as `/api/status` shows it; set by
+    /// `main` ([`crate::runfile`]), `Null` otherwise.
+    pub resolved: serde_json::Value,
 }
 
 /// The optimizer named by `--optimizer` with `--lr` (or the rule's default: sgd 0.1,
@@ -279,8 +425,74 @@ impl ServeArgs {
         if self.max_workers == 0 || self.max_connections == 0 {
             return bad("--max-workers and --max-connections must be positive".into());
         }
+        let limits = self.limits.check()?;
+        let tls = self.tls.check()?;
+        let join_token = match self.join_token {
+            Some(t)
+                if t.is_empty() || t.len() > 1024 || !t.bytes().all(|b| b.is_ascii_graphic()) =>
+            {
+                return bad(
+                    "--join-token must be 1 to 1024 printable ASCII characters without spaces"
+                        .into(),
+                )
+            }
+            t => t.map(crate::credential::Secret::new),
+        };
         if self.dataset.is_empty() || self.dataset.len() > 64 {
             return bad("--dataset must be a short name".into());
+        }
+        let checkpoint = match self.checkpoint_dir {
+            None => None,
+            Some(location) => {
+                if location.is_empty() {
+                    return bad("--checkpoint-dir must not be empty".into());
+                }
+                if !(self.checkpoint_every.is_finite()
+                    && (0.1..=86_400.0).contains(&self.checkpoint_every))
+                {
+                    return bad(format!(
+                        "--checkpoint-every {} must be between 0.1 and 86400 seconds",
+                        self.checkpoint_every
+                    ));
+                }
+                if !(1..=1000).contains(&self.checkpoint_keep) {
+                    return bad(format!(
+                        "--checkpoint-keep {} must be in 1..=1000",
+                        self.checkpoint_keep
+                    ));
+                }
+                Some(crate::checkpoint::CheckpointConfig {
+                    location,
+                    every: Duration::from_secs_f64(self.checkpoint_every),
+                    keep: self.checkpoint_keep,
+                    reshard: self.reshard,
+                })
+            }
+        };
+        let admin_token = match self.admin_token {
+            Some(t) if t.len() < 16 || t.len() > 1024 || !t.bytes().all(|b| b.is_ascii_graphic()) => {
+                return bad("--admin-token must be 16 to 1024 printable ASCII characters without spaces".into())
+            }
+            t => t.map(crate::credential::Secret::new),
+        };
+        if !self.shard_urls.is_empty() && self.shard_urls.len() != t.shards {
+            return bad(format!(
+                "--shard-urls lists {} shards but --shards is {}",
+                self.shard_urls.len(),
+                t.shards
+            ));
+        }
+        let run_secret = match self.run_secret {
+            Some(s) if s.len() < crate::shardproc::MIN_SECRET => {
+                return bad("--run-secret must be at least 16 characters".into())
+            }
+            s => s.map(crate::credential::Secret::new),
+        };
+        if !self.shard_urls.is_empty() && run_secret.is_none() {
+            return bad(
+                "--shard-urls needs --run-secret (or CROWDGRAD_RUN_SECRET), the same as the shard processes'"
+                    .into(),
+            );
         }
         Ok(ServeConfig {
             addr: self.addr,
@@ -295,12 +507,21 @@ impl ServeArgs {
             staleness: t.staleness,
             heartbeat_timeout: Duration::from_secs_f64(t.heartbeat_timeout),
             sync_timeout: Duration::from_secs_f64(t.sync_timeout),
+            exchange: t.exchange,
             dataset: self.dataset,
             data_dir: self.data_dir,
             fetch: !self.no_fetch,
             web_dir: self.web_dir,
             max_workers: self.max_workers,
             max_connections: self.max_connections,
+            limits,
+            tls,
+            join_token,
+            checkpoint,
+            admin_token,
+            shard_urls: self.shard_urls,
+            run_secret,
+            resolved: serde_json::Value::Null,
         })
     }
 }

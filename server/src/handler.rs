@@ -7,14 +7,38 @@
 //! session asks, records what it reports in the [`Registry`], and, while a pull waits, stops
 //! reading the socket and sleeps until the shard changes, the session's deadline passes, or the
 //! server shuts down.
+//!
+//! It also enforces the per-connection limits of [`crate::limits`] that the session does not
+//! know about: a Hello within `--hello-timeout` of the socket opening (else a `protocol` error
+//! and Close), no silence longer than `--idle-timeout` while no pull is held (else a Bye
+//! `idle` and Close), and the push rates per worker and per IP (an excess push is answered
+//! `busy`, not fed to the session, and counted as a rejected push).
 
+use crate::limits::{Count, IpKey, LimitConfig, Limits, PushLimit};
 use crate::registry::Registry;
 use crate::shard::{Read, Shard, Snapshot};
 use bytes::Bytes;
-use crowdgrad_core::session::{Action, Record, ShardSession};
+use crowdgrad_core::session::{header_request_id, Action, Record, ShardSession};
+use crowdgrad_core::shard::Outcome;
+use crowdgrad_core::wire::{self, Bye, ErrorCode, Message, MAGIC};
 use futures_util::{Sink, SinkExt, Stream, StreamExt};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 use tokio::sync::watch;
+
+/// The limits one connection is held to, and who it is from.
+#[derive(Debug, Clone)]
+pub struct ConnLimits {
+    /// The server's limits (shared buckets and counters).
+    pub limits: Arc<Limits>,
+    /// The client, for per-IP push rates.
+    pub ip: IpKey,
+}
+
+/// Whether `bytes` is a Push frame (kind 5 in the kind byte's low nibble).
+fn is_push(bytes: &[u8]) -> bool {
+    bytes.len() >= 4 && bytes[..2] == MAGIC && bytes[3] & 0x0f == wire::Kind::Push as u8
+}
 
 /// What the handler reads.
 #[derive(Debug, Clone, PartialEq)]
@@ -43,6 +67,7 @@ pub async fn serve<Si, St>(
     shard: Shard,
     registry: Registry,
     mut shutdown: watch::Receiver<bool>,
+    conn: Option<ConnLimits>,
 ) where
     Si: Sink<Outbound> + Unpin,
     St: Stream<Item = Inbound> + Unpin,
@@ -50,6 +75,11 @@ pub async fn serve<Si, St>(
     let mut session = ShardSession::new(shard.config());
     let mut access = shard.access(&registry);
     let mut changed = shard.subscribe();
+    let cfg = conn
+        .as_ref()
+        .map_or_else(LimitConfig::default, |c| c.limits.cfg);
+    let opened = Instant::now();
+    let mut heard = opened;
     loop {
         if !perform(&mut session, &mut tx, &shard, &registry).await {
             session.handle_close(&mut access);
@@ -72,8 +102,14 @@ pub async fn serve<Si, St>(
                     session.handle_timeout(&mut access, shard.now());
                 }
             }
+            // The worker waited for us: its silence so far does not count.
+            heard = Instant::now();
             continue;
         }
+        let (silence_until, hello_due) = match session.worker() {
+            None => (opened + cfg.hello_timeout, true),
+            Some(_) => (heard + cfg.idle_timeout, false),
+        };
         let inbound = tokio::select! {
             biased;
             c = shutdown.changed() => {
@@ -83,18 +119,90 @@ pub async fn serve<Si, St>(
                 continue;
             }
             m = rx.next() => m.unwrap_or(Inbound::Closed),
+            () = tokio::time::sleep_until(silence_until.into()) => {
+                let limits = conn.as_ref().map(|c| &c.limits);
+                timed_out(&mut tx, &shard, hello_due, &cfg, limits).await;
+                session.handle_close(&mut access);
+                continue;
+            }
         };
+        heard = Instant::now();
         // Anything that changes from here on wakes the pull this frame may park.
         changed.borrow_and_update();
         let now = shard.now();
         match inbound {
-            Inbound::Frame(bytes) => session.handle_frame(&mut access, &bytes, now),
+            Inbound::Frame(bytes) => {
+                shard.count_bytes(bytes.len(), 0);
+                if let (Some(c), Some(worker), true) = (&conn, session.worker(), is_push(&bytes)) {
+                    if let Err(hit) = c.limits.push(shard.id(), worker, c.ip, heard) {
+                        let m = match hit {
+                            PushLimit::Worker => format!(
+                                "more than {} pushes per second from this worker",
+                                cfg.push_rate
+                            ),
+                            PushLimit::Ip => format!(
+                                "more than {} pushes per second from this address",
+                                cfg.push_rate_per_ip
+                            ),
+                        };
+                        let id = header_request_id(&bytes);
+                        let frame = wire::encode_error(id, shard.id(), ErrorCode::Busy, &m);
+                        let outcome = Outcome::Rejected {
+                            code: ErrorCode::Busy,
+                            message: m,
+                        };
+                        registry.pushed(shard.id(), Some(worker), &outcome, 0);
+                        if tx.send(Outbound::Frame(frame)).await.is_err() {
+                            session.handle_close(&mut access);
+                        }
+                        continue;
+                    }
+                }
+                session.handle_frame(&mut access, &bytes, now)
+            }
             Inbound::Text => session.handle_text(&mut access, now),
             Inbound::Closed => session.handle_close(&mut access),
         }
     }
     // Records of a close the peer started (Left) still reach the registry.
     perform(&mut session, &mut tx, &shard, &registry).await;
+}
+
+/// A socket missed its Hello deadline (`protocol` error) or went silent (Bye `idle`): say why,
+/// close it, count it.
+async fn timed_out<Si: Sink<Outbound> + Unpin>(
+    tx: &mut Si,
+    shard: &Shard,
+    hello_due: bool,
+    cfg: &LimitConfig,
+    limits: Option<&Arc<Limits>>,
+) {
+    let (frame, reason) = if hello_due {
+        let m = format!("no Hello within {:?} of connecting", cfg.hello_timeout);
+        let f = wire::encode_error(0, shard.id(), ErrorCode::Protocol, &m);
+        (f, "protocol: no Hello in time".to_string())
+    } else {
+        let m = format!("idle: no frame for {:?}", cfg.idle_timeout);
+        let f = wire::encode(&Message::Bye {
+            shard: shard.id(),
+            bye: Bye { reason: m.clone() },
+        });
+        (f, m)
+    };
+    if let Some(l) = limits {
+        l.count(if hello_due {
+            Count::HelloTimeout
+        } else {
+            Count::IdleTimeout
+        });
+    }
+    // A peer that does not read must not hold the task: give the goodbye a second.
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        if tx.send(Outbound::Frame(frame)).await.is_ok() {
+            let _ = tx.send(Outbound::Close(reason)).await;
+        }
+    })
+    .await;
 }
 
 /// Carries out the session's actions. Returns false when sending failed.
@@ -108,6 +216,7 @@ async fn perform<Si: Sink<Outbound> + Unpin>(
     while let Some(action) = session.poll_action() {
         match action {
             Action::Send(frame) => {
+                shard.count_bytes(0, frame.len());
                 if tx.send(Outbound::Frame(frame)).await.is_err() {
                     return false;
                 }
@@ -127,26 +236,39 @@ fn record(registry: &Registry, shard: u32, r: Record) {
         Record::Left { worker } => registry.connection(worker, false),
         Record::Pulled {
             worker,
+            bytes,
             version,
             clock,
             min_clock,
-        } => registry.pulled(
-            shard,
-            Some(worker),
-            &Read {
-                snapshot: Snapshot {
-                    version,
-                    values: Arc::default(),
+        } => {
+            registry.traffic(shard, Some(worker), 0, bytes);
+            registry.pulled(
+                shard,
+                Some(worker),
+                &Read {
+                    snapshot: Snapshot {
+                        version,
+                        values: Arc::default(),
+                    },
+                    clock,
+                    min_clock,
                 },
-                clock,
-                min_clock,
-            },
-        ),
+            )
+        }
         Record::Pushed {
             worker,
             outcome,
             samples,
-        } => registry.pushed(shard, worker, &outcome, samples),
+            bytes,
+        } => {
+            registry.traffic(shard, worker, bytes, 0);
+            registry.pushed(shard, worker, &outcome, samples)
+        }
+        Record::Reported {
+            worker,
+            report,
+            encodings,
+        } => registry.reported(worker, &report, encodings),
         Record::Rejected { worker, code } => registry.frame_rejected(shard, worker, code),
     }
 }
@@ -175,6 +297,9 @@ mod tests {
             consistency: Consistency::Async,
             heartbeat: Duration::from_secs(5),
             sync_timeout: Duration::from_secs(1),
+            pseudo_gradients: false,
+            pull_encoding: crowdgrad_core::codec::Encoding::F32,
+            push_encoding: crowdgrad_core::codec::Encoding::F32,
         };
         let shard = Shard::start(1, KeyRange { start: 4, end: 6 }, vec![0.0; 2], opts);
         let registry = Registry::new(2, 10);
@@ -188,6 +313,7 @@ mod tests {
             shard.clone(),
             registry.clone(),
             stop_rx,
+            None,
         ));
         let hello = wire::encode(&Message::Hello {
             request_id: 7,

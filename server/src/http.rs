@@ -3,20 +3,24 @@
 
 use crate::app::App;
 use crate::handler::{self, Inbound, Outbound};
+use crate::limits::client_ip;
+use crate::listener::ConnSlot;
 use crate::registry::{MAX_PAGE, RECENT_WORKERS};
 use axum::body::Bytes;
 use axum::extract::ws::{CloseFrame, Message as WsMessage, WebSocket, WebSocketUpgrade};
-use axum::extract::{Path, RawQuery, State};
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::extract::{ConnectInfo, Path, RawQuery, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::Extension;
 use axum::{Json, Router};
 use crowdgrad_core::spec::{JoinRequest, JoinResponse, PartitionInfo};
 use crowdgrad_core::wire::PROTOCOL_VERSION;
 use futures_util::{SinkExt, StreamExt};
 use serde_json::json;
 use std::convert::Infallible;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tower_http::services::ServeDir;
@@ -33,6 +37,9 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/api/reads", get(reads))
         .route("/api/data/{tag}/train/{index}/{file}", get(data))
         .route("/ws/shard/{id}", get(ws))
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
         .fallback_service(web)
         // gzip for clients that ask (a browser's 7.5 MiB data partition shrinks ~5x, the wasm
         // ~2.5x); server-sent events and WebSocket upgrades are left alone by the predicate.
@@ -44,7 +51,40 @@ fn error(status: StatusCode, message: impl Into<String>) -> Response {
     (status, Json(json!({ "error": message.into() }))).into_response()
 }
 
-async fn join(State(app): State<Arc<App>>, body: Bytes) -> Response {
+/// Whether `headers` carry `Authorization: Bearer <token>` (constant-time compare).
+fn bearer_ok(headers: &HeaderMap, token: &crate::credential::Secret) -> bool {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .is_some_and(|given| token.matches(given.trim()))
+}
+
+async fn join(
+    State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    // Rate first, so guessing a private run's token is as slow as joining.
+    let ip = client_ip(&headers, peer, app.cfg.limits.trust_proxy);
+    if let Err(retry) = app.limits.join(ip) {
+        return limited(retry, "too many joins from your address; retry later");
+    }
+    if let Some(token) = &app.cfg.join_token {
+        if !bearer_ok(&headers, token) {
+            app.limits.count(crate::limits::Count::JoinUnauthorized);
+            let mut r = error(
+                StatusCode::UNAUTHORIZED,
+                "this run is private: join with Authorization: Bearer <join token>",
+            );
+            r.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"crowdgrad\""),
+            );
+            return r;
+        }
+    }
     let req: JoinRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("bad join request: {e}")),
@@ -85,8 +125,31 @@ async fn join(State(app): State<Arc<App>>, body: Bytes) -> Response {
             images: format!("{base}/images"),
             labels: format!("{base}/labels"),
         },
+        credential: Some(app.secret.issue(worker_id)),
     })
     .into_response()
+}
+
+async fn metrics(State(app): State<Arc<App>>) -> Response {
+    let body = crate::metrics::render(app.scrape());
+    ([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], body).into_response()
+}
+
+/// Live: the process answers HTTP.
+async fn healthz() -> Response {
+    Json(json!({ "live": true })).into_response()
+}
+
+/// Ready: 200 once every shard is loaded (and, with remote shards, answering); 503 with the
+/// reasons otherwise, or while shutting down.
+async fn readyz(State(app): State<Arc<App>>) -> Response {
+    let r = app.readiness();
+    let code = if r.ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (code, Json(r)).into_response()
 }
 
 async fn status(State(app): State<Arc<App>>) -> Response {
@@ -156,8 +219,37 @@ async fn reads(State(app): State<Arc<App>>) -> Response {
     Json(app.registry.reads()).into_response()
 }
 
-async fn params(State(app): State<Arc<App>>) -> Response {
+async fn params(State(app): State<Arc<App>>, RawQuery(query): RawQuery) -> Response {
     let (values, versions) = app.params();
+    match query.as_deref() {
+        None | Some("") | Some("format=f32") => {}
+        Some("format=safetensors") => {
+            // The export format (crate::checkpoint::format::encode_model): named tensors.
+            let a = app.clone();
+            let encoded = tokio::task::spawn_blocking(move || {
+                crate::checkpoint::format::encode_model(&a.spec, &values, &versions)
+            })
+            .await;
+            return match encoded {
+                Ok(Ok(bytes)) => {
+                    let mut r = bytes.into_response();
+                    r.headers_mut().insert(
+                        header::CONTENT_TYPE,
+                        HeaderValue::from_static("application/octet-stream"),
+                    );
+                    r
+                }
+                Ok(Err(e)) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+                Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+            };
+        }
+        Some(q) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("unknown query {q:?} (expected format=f32 or format=safetensors)"),
+            )
+        }
+    }
     let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
     let versions: Vec<String> = versions.iter().map(ToString::to_string).collect();
     let mut r = bytes.into_response();
@@ -173,8 +265,17 @@ async fn params(State(app): State<Arc<App>>) -> Response {
 
 async fn data(
     State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
     Path((tag, index, file)): Path<(String, usize, String)>,
 ) -> Response {
+    let ip = client_ip(&headers, peer, app.cfg.limits.trust_proxy);
+    if let Err(retry) = app.limits.download(ip) {
+        return limited(
+            retry,
+            "too many data downloads from your address; retry later",
+        );
+    }
     if tag != app.data_tag {
         return error(
             StatusCode::NOT_FOUND,
@@ -209,6 +310,9 @@ async fn data(
 async fn ws(
     State(app): State<Arc<App>>,
     Path(id): Path<usize>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    Extension(slot): Extension<Arc<ConnSlot>>,
+    headers: HeaderMap,
     upgrade: WebSocketUpgrade,
 ) -> Response {
     let Some(shard) = app.shards.get(id).cloned() else {
@@ -217,25 +321,98 @@ async fn ws(
     if *app.shutdown.borrow() {
         return error(StatusCode::SERVICE_UNAVAILABLE, "server is shutting down");
     }
-    let Ok(permit) = app.connections.clone().try_acquire_owned() else {
-        return error(StatusCode::SERVICE_UNAVAILABLE, "too many connections");
+    // The TCP connection was counted when accepted (crate::listener); the socket keeps its
+    // slot. Behind a trusted proxy, per-IP counts are taken here, by the forwarded address.
+    let ip = client_ip(&headers, peer, app.cfg.limits.trust_proxy);
+    let ip_slot = if app.cfg.limits.trust_proxy {
+        match app.limits.connect_ip(ip) {
+            Some(g) => Some(g),
+            None => {
+                return limited(
+                    Duration::from_secs(1),
+                    "too many connections from your address",
+                )
+            }
+        }
+    } else {
+        None
     };
-    // Let frames a little over the shard's limit through the WebSocket layer so the handler can
-    // answer them with a clear `oversize` error frame; far larger ones are cut off here.
-    let limit = shard.frame_limit() * 2 + 1024;
-    let tracker = app.tracker.clone();
+    let held = (slot, ip_slot);
+    let conn = handler::ConnLimits {
+        limits: app.limits.clone(),
+        ip,
+    };
+    shard_socket_with(
+        upgrade,
+        shard,
+        app.registry.clone(),
+        app.shutdown.clone(),
+        app.tracker.clone(),
+        held,
+        Some(conn),
+    )
+}
+
+/// 429 with `Retry-After` (whole seconds, at least 1).
+fn limited(retry: Duration, message: &str) -> Response {
+    let mut r = error(StatusCode::TOO_MANY_REQUESTS, message);
+    let secs = retry.as_secs_f64().ceil().max(1.0) as u64;
+    r.headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    r
+}
+
+/// Upgrades `upgrade` to a connection to `shard`, served by [`handler::serve`] in a task
+/// tracked by `tracker` and holding `permit` until it ends: the one shard endpoint of
+/// `crowdgrad serve` and of a shard process (`crowdgrad shard`).
+pub fn shard_socket(
+    upgrade: WebSocketUpgrade,
+    shard: crate::shard::Shard,
+    registry: crate::registry::Registry,
+    shutdown: tokio::sync::watch::Receiver<bool>,
+    tracker: tokio_util::task::TaskTracker,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) -> Response {
+    shard_socket_with(upgrade, shard, registry, shutdown, tracker, permit, None)
+}
+
+/// [`shard_socket`] holding `held` (connection slots) until the socket ends, with `conn`'s
+/// per-connection limits (push rates, Hello and idle deadlines; `None`: default deadlines, no
+/// rate limits).
+pub fn shard_socket_with(
+    upgrade: WebSocketUpgrade,
+    shard: crate::shard::Shard,
+    registry: crate::registry::Registry,
+    shutdown: tokio::sync::watch::Receiver<bool>,
+    tracker: tokio_util::task::TaskTracker,
+    held: impl Send + 'static,
+    conn: Option<handler::ConnLimits>,
+) -> Response {
+    // The largest frame the shard takes (a full f32 push: the largest encoding) plus a little,
+    // so a frame slightly over still reaches the session and gets its `oversize` error frame;
+    // anything larger is cut off by the WebSocket layer, which closes the socket.
+    let limit = shard.frame_limit() + OVERSIZE_SLACK;
     upgrade
         .max_message_size(limit)
         .max_frame_size(limit)
         .on_upgrade(move |socket| {
             tracker.track_future(async move {
-                connection(socket, shard, app).await;
-                drop(permit);
+                connection(socket, shard, registry, shutdown, conn).await;
+                drop(held);
             })
         })
 }
 
-async fn connection(socket: WebSocket, shard: crate::shard::Shard, app: Arc<App>) {
+/// Bytes past a shard's frame limit that still get an `oversize` error frame.
+pub const OVERSIZE_SLACK: usize = 64 * 1024;
+
+async fn connection(
+    socket: WebSocket,
+    shard: crate::shard::Shard,
+    registry: crate::registry::Registry,
+    shutdown: tokio::sync::watch::Receiver<bool>,
+    conn: Option<handler::ConnLimits>,
+) {
     let (sink, stream) = socket.split();
     let sink = sink.with(|o: Outbound| async move {
         Ok::<_, axum::Error>(match o {
@@ -261,8 +438,9 @@ async fn connection(socket: WebSocket, shard: crate::shard::Shard, app: Arc<App>
         Box::pin(sink),
         Box::pin(stream),
         shard,
-        app.registry.clone(),
-        app.shutdown.clone(),
+        registry,
+        shutdown,
+        conn,
     )
     .await;
 }

@@ -15,14 +15,22 @@
 
 pub mod app;
 pub mod bench;
+pub mod checkpoint;
 pub mod config;
+pub mod credential;
 pub mod data;
 pub mod error;
 pub mod handler;
 pub mod http;
+pub mod limits;
+pub mod listener;
+pub mod metrics;
 pub mod registry;
+pub mod runfile;
 pub mod shard;
+pub mod shardproc;
 pub mod sim;
+pub mod tls;
 pub mod worker;
 
 pub use error::{Error, Result};
@@ -71,25 +79,59 @@ pub async fn run(
         consistency: cfg.consistency,
         shards: cfg.shards,
         dataset: DataInfo::of(cfg.dataset.clone(), &data.train, &data.test),
-    })?;
+            local: cfg.exchange.local,
+})?;
+    // Continue the newest valid checkpoint, if any (crate::checkpoint); its run id stays, so
+    // workers that rejoin see the same run.
+    let (checkpoints, mut restored) = match &cfg.checkpoint {
+        Some(c) => {
+            let (ck, r) = checkpoint::resume(c, &spec).await?;
+            (Some(Arc::new(ck)), r)
+        }
+        None => (None, None),
+    };
+    let mut spec = spec;
+    if let Some(r) = &restored {
+        spec.run_id = r.run_id.clone();
+    }
+    let mut saved = restored
+        .as_mut()
+        .map(|r| std::mem::take(&mut r.exports).into_iter());
     let model = Model::new(spec.model.clone())?;
     let ranges = spec.ranges();
     let initial = model.init_params(cfg.seed);
     let mut shards = Vec::new();
+    // With --shard-urls the shards are other processes: workers get their absolute URLs.
+    let remote = if cfg.shard_urls.is_empty() {
+        None
+    } else {
+        let r = shardproc::remote::RemoteShards::new(
+            &cfg.shard_urls,
+            &ranges,
+            &spec.model.to_string(),
+            &spec.consistency.to_string(),
+        )?;
+        r.rewrite(&mut spec.shards);
+        Some(Arc::new(r))
+    };
     for (i, r) in ranges.iter().enumerate() {
+        if remote.is_some() {
+            break;
+        }
         let opts = shard::ShardOptions {
             optimizer: cfg.optimizer,
             staleness: cfg.staleness,
             consistency: cfg.consistency,
             heartbeat: cfg.heartbeat_timeout,
             sync_timeout: cfg.sync_timeout,
+            pull_encoding: cfg.exchange.pull_encoding,
+            push_encoding: cfg.exchange.push_encoding,
+            pseudo_gradients: cfg.exchange.local.steps.pseudo_gradients(),
         };
-        shards.push(Shard::start(
-            i as u32,
-            *r,
-            initial[r.start..r.end].to_vec(),
-            opts,
-        ));
+        shards.push(match saved.as_mut().and_then(Iterator::next) {
+            Some(export) => Shard::restore(i as u32, *r, export, opts)?,
+            None => Shard::start(i as u32, *r, initial[r.start..r.end].to_vec(), opts),
+        });
     }
     drop(initial);
     let data_tag = {
@@ -97,8 +139,23 @@ pub async fn run(
         h.truncate(12);
         format!("{h}-{}", cfg.partitions)
     };
+    let tls = match &cfg.tls {
+        Some(files) => Some(tokio_rustls::TlsAcceptor::from(tls::server_config(files)?)),
+        None => None,
+    };
+    let secret = match &cfg.run_secret {
+        // Shared with the shard processes (--run-secret), or drawn for this run only.
+        Some(text) => credential::RunSecret::shared(text.expose()),
+        None => credential::RunSecret::generate().map_err(|e| Error::io("run secret", e))?,
+    };
+    for s in &shards {
+        // Every Hello must carry the credential its join handed out (crate::credential).
+        s.require_credential(secret.as_bytes().to_vec());
+    }
     let (stop_tx, stop_rx) = watch::channel(false);
     let app = Arc::new(App {
+        limits: limits::Limits::new(cfg.limits),
+        secret,
         registry: registry::Registry::new(cfg.shards, cfg.max_workers),
         connections: Arc::new(Semaphore::new(cfg.max_connections)),
         cfg,
@@ -113,23 +170,49 @@ pub async fn run(
         started: Instant::now(),
         shutdown: stop_rx,
         tracker: TaskTracker::new(),
+        metrics: Default::default(),
+        remote,
+        checkpoints: checkpoints.clone(),
     });
+    if let Some(r) = app.remote.clone() {
+        let stop = app.shutdown.clone();
+        tokio::spawn(async move { r.monitor(stop).await });
+    }
     let stop_tx = Arc::new(stop_tx);
     let stopper = stop_tx.clone();
     let evaluator = tokio::spawn(app::evaluator(app.clone()));
+    let checkpointer = checkpoints
+        .clone()
+        .map(|ck| tokio::spawn(checkpoint::task(app.clone(), ck)));
     let router = http::router(app.clone());
-    let served = axum::serve(listener, router)
-        .with_graceful_shutdown(async move {
-            shutdown.await;
-            tracing::info!("shutting down: closing worker connections");
-            let _ = stopper.send(true);
-        })
-        .await
-        .map_err(|e| Error::io("serving", e));
+    // Our own accept loop rather than `axum::serve`: it counts every TCP connection, per IP
+    // too, bounds the header read and the TLS handshake (crate::listener).
+    listener::serve(listener, router, app.clone(), tls, async move {
+        shutdown.await;
+        tracing::info!("shutting down: closing worker connections");
+        let _ = stopper.send(true);
+    })
+    .await;
+    let served = Ok(());
     // Axum's graceful shutdown does not wait for upgraded connections (axum #3003): do it here.
     app.tracker.close();
     let _ = tokio::time::timeout(DRAIN, app.tracker.wait()).await;
     let _ = evaluator.await;
+    // Every connection is done, so every acknowledged push is in the shards: the final
+    // checkpoint holds them all. A failure here is the run's error (exit code 1).
+    let mut served = served;
+    if let Some(ck) = &checkpoints {
+        if let Some(t) = checkpointer {
+            let _ = t.await;
+        }
+        match ck.write(&app).await {
+            Ok(w) => tracing::info!(checkpoint = %w.name, bytes = w.bytes, versions = ?w.versions, "final checkpoint written"),
+            Err(e) => {
+                tracing::error!(%e, "final checkpoint failed");
+                served = Err(e);
+            }
+        }
+    }
     // Updates are applied inside the connection tasks, so once those are done every in-flight
     // push has been applied or rejected.
     drop(app);
@@ -142,6 +225,8 @@ pub async fn run(
 pub struct Running {
     /// Where it listens.
     pub addr: SocketAddr,
+    /// Whether it serves https/wss.
+    pub tls: bool,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<Result<()>>,
 }
@@ -149,7 +234,8 @@ pub struct Running {
 impl Running {
     /// The base URL, e.g. `http://127.0.0.1:PORT`.
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        let scheme = if self.tls { "https" } else { "http" };
+        format!("{scheme}://{}", self.addr)
     }
 
     /// Shuts the server down gracefully and waits for it.
@@ -177,12 +263,14 @@ pub async fn start(addr: SocketAddr, cfg: ServeConfig, data: TrainTest) -> Resul
     let addr = listener
         .local_addr()
         .map_err(|e| Error::io("local address", e))?;
+    let tls = cfg.tls.is_some();
     let (stop, rx) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(run(listener, cfg, data, async move {
         let _ = rx.await;
     }));
     Ok(Running {
         addr,
+        tls,
         stop: Some(stop),
         task,
     })

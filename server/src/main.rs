@@ -14,8 +14,31 @@ use std::time::Duration;
     about = "Parameter-server training where the workers are browser tabs"
 )]
 struct Cli {
+    /// Log lines as `text` (human) or `json` (one JSON object per line, for log shippers);
+    /// `RUST_LOG` filters them (default `info`).
+    #[arg(long, global = true, value_enum, default_value = "text")]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Cmd,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Structured logs on stderr: `RUST_LOG` filter, text or JSON lines.
+fn init_logs(format: LogFormat) {
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => logs.init(),
+        LogFormat::Json => logs.json().with_current_span(false).init(),
+    }
 }
 
 #[derive(Subcommand)]
@@ -25,6 +48,8 @@ enum Cmd {
     /// Simulate K workers against the real shard code on a simulated clock (classroom
     /// experiments: CSV, plots and a summary under --out).
     Sim(Box<crowdgrad::sim::SimArgs>),
+    /// Run one parameter shard in its own process, for `crowdgrad serve --shard-urls`.
+    Shard(Box<crowdgrad::shardproc::ShardArgs>),
     /// Run a native worker against a server.
     Work {
         /// The server's base address.
@@ -48,6 +73,39 @@ enum Cmd {
         /// Make every step take this many extra milliseconds (play a slow volunteer).
         #[arg(long, default_value_t = 0)]
         step_delay_ms: u64,
+        /// A private run's join token (sent as `Authorization: Bearer`); also read from
+        /// CROWDGRAD_JOIN_TOKEN.
+        #[arg(long, env = "CROWDGRAD_JOIN_TOKEN", hide_env_values = true)]
+        join_token: Option<String>,
+        /// For https:// servers, trust only the certificates in this PEM file (a self-signed
+        /// server's own certificate or a private CA) instead of the public roots.
+        #[arg(long)]
+        ca: Option<PathBuf>,
+        /// Seconds to connect (TCP + TLS + WebSocket upgrade) before trying again.
+        #[arg(long, default_value_t = 10.0)]
+        connect_timeout: f64,
+        /// Seconds one HTTP request (the join, one data file) may take in all.
+        #[arg(long, default_value_t = 300.0)]
+        http_timeout: f64,
+        /// Seconds without a byte during an HTTP request before the link counts as stalled.
+        #[arg(long, default_value_t = 30.0)]
+        stall_timeout: f64,
+        /// Seconds to wait for the shards' reply to a pull or push before reconnecting.
+        #[arg(long, default_value_t = 30.0)]
+        reply_timeout: f64,
+    },
+    /// Write the model's named tensors as a safetensors file (for Python's safetensors,
+    /// numpy, PyTorch): from the newest valid checkpoint, or from a running server.
+    Export {
+        /// A checkpoint directory or s3://BUCKET/PREFIX (as `serve --checkpoint-dir`).
+        #[arg(long, conflicts_with = "server", required_unless_present = "server")]
+        checkpoint_dir: Option<String>,
+        /// A running server's base address (its live parameters).
+        #[arg(long)]
+        server: Option<String>,
+        /// The file to write.
+        #[arg(long, default_value = "model.safetensors")]
+        out: PathBuf,
     },
     /// Datasets.
     Data {
@@ -130,16 +188,19 @@ async fn shutdown_signal() {
 }
 
 fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    let cli = Cli::parse();
+    // `serve --config run.toml`: the file's values become the flags' defaults (crowdgrad::runfile).
+    let (cli, resolved) = crowdgrad::runfile::resolve::<Cli>(std::env::args_os().collect())?;
+    init_logs(cli.log_format);
     match cli.command {
         Cmd::Serve(args) => {
-            let cfg = args.check()?;
+            let mut cfg = args
+                .check()
+                .map_err(|e| anyhow::anyhow!(crowdgrad::runfile::explain(e, resolved.as_ref())))?;
+            if let Some(r) = &resolved {
+                // One block, as TOML: a run file that reproduces this run (no secrets in it).
+                println!("# crowdgrad serve: resolved configuration\n{}", r.to_toml());
+                cfg.resolved = r.to_json();
+            }
             let data = crowdgrad::data::ensure(&cfg.data_dir, &cfg.dataset, cfg.fetch)
                 .with_context(|| format!("loading the dataset from {}", cfg.data_dir.display()))?;
             let rt = tokio::runtime::Runtime::new()?;
@@ -152,7 +213,8 @@ fn main() -> anyhow::Result<()> {
                     model = %cfg.model, shards = cfg.shards, train = data.train.len(), test = data.test.len(),
                     "serving; open http://{addr}/ in a browser or run `crowdgrad work --server http://{addr}`"
                 );
-                println!("crowdgrad listening on http://{addr}");
+                let scheme = if cfg.tls.is_some() { "https" } else { "http" };
+                println!("crowdgrad listening on {scheme}://{addr}");
                 crowdgrad::run(listener, cfg, data, shutdown_signal()).await?;
                 anyhow::Ok(())
             })?;
@@ -165,8 +227,29 @@ fn main() -> anyhow::Result<()> {
             quiet,
             json,
             step_delay_ms,
+            join_token,
+            ca,
+            connect_timeout,
+            http_timeout,
+            stall_timeout,
+            reply_timeout,
         } => {
             let mut opts = WorkOptions::new(server);
+            let secs = |flag: &str, v: f64| {
+                anyhow::ensure!(
+                    v.is_finite() && (0.05..=86_400.0).contains(&v),
+                    "{flag} {v} must be between 0.05 and 86400 seconds"
+                );
+                Ok(Duration::from_secs_f64(v))
+            };
+            opts.timeouts = crowdgrad::worker::Timeouts {
+                connect: secs("--connect-timeout", connect_timeout)?,
+                http: secs("--http-timeout", http_timeout)?,
+                stall: secs("--stall-timeout", stall_timeout)?,
+                reply: secs("--reply-timeout", reply_timeout)?,
+            };
+            opts.join_token = join_token;
+            opts.ca = ca;
             opts.step_delay = Duration::from_millis(step_delay_ms);
             opts.steps = steps;
             if let Some(s) = seconds {
@@ -178,7 +261,11 @@ fn main() -> anyhow::Result<()> {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
-            let summary = rt.block_on(work(opts, shutdown_signal()))?;
+            let summary = rt.block_on(work(opts, shutdown_signal()));
+            // An HTTP call stuck on a stalled link sits on a blocking thread until its own
+            // deadline; do not wait for it (dropping the runtime would): stop now.
+            rt.shutdown_timeout(Duration::from_millis(100));
+            let summary = summary?;
             if json {
                 println!("{}", serde_json::to_string(&summary)?);
             } else {
@@ -200,8 +287,56 @@ fn main() -> anyhow::Result<()> {
                     summary.last_error.as_ref().map(|e| format!("; last error: {e}")).unwrap_or_default()
                 );
             }
+            anyhow::ensure!(
+                !summary.refused,
+                "{}",
+                summary.last_error.as_deref().unwrap_or("join refused")
+            );
+        }
+        Cmd::Shard(args) => {
+            let cfg = args.check()?;
+            let rt = tokio::runtime::Runtime::new()?;
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::bind(cfg.listen)
+                    .await
+                    .with_context(|| format!("binding {}", cfg.listen))?;
+                let addr = listener.local_addr()?;
+                println!(
+                    "crowdgrad shard {} of {} listening on ws://{addr}",
+                    cfg.index, cfg.training.shards
+                );
+                crowdgrad::shardproc::run(listener, cfg, shutdown_signal()).await?;
+                anyhow::Ok(())
+            })?;
         }
         Cmd::Sim(args) => crowdgrad::sim::cli(&args)?,
+        Cmd::Export {
+            checkpoint_dir,
+            server,
+            out,
+        } => {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            let done = rt.block_on(async {
+                match (checkpoint_dir, server) {
+                    (Some(dir), _) => crowdgrad::checkpoint::export_checkpoint(&dir, &out).await,
+                    (None, Some(url)) => crowdgrad::checkpoint::export_server(&url, &out).await,
+                    (None, None) => Err(crowdgrad::Error::Config(
+                        "give --checkpoint-dir or --server".into(),
+                    )),
+                }
+            })?;
+            println!(
+                "wrote {} ({}, {} parameters, versions {:?}, {} bytes) from {}",
+                out.display(),
+                done.model,
+                done.params,
+                done.versions,
+                done.bytes,
+                done.source
+            );
+        }
         Cmd::Data {
             command: DataCmd::Fetch { dataset, from, dir },
         } => {

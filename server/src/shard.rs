@@ -16,11 +16,13 @@
 
 use crate::registry::Registry;
 use arc_swap::ArcSwap;
+use crowdgrad_core::codec::Encoding;
 use crowdgrad_core::optim::OptimizerConfig;
 use crowdgrad_core::partition::KeyRange;
 use crowdgrad_core::session::{Admission, ShardAccess, ShardConfig, ShardState};
-use crowdgrad_core::shard::{Consistency, ShardCore, StalenessPolicy};
+use crowdgrad_core::shard::{Consistency, ShardCore, ShardExport, StalenessPolicy};
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
@@ -41,6 +43,15 @@ struct Inner {
     /// The state's epoch, for handlers whose pull waits.
     epoch_tx: watch::Sender<u64>,
     started: Instant,
+    /// Time each update spends in the apply, for `/metrics`.
+    apply_seconds: prometheus_client::metrics::histogram::Histogram,
+    /// Frame bytes received from / sent to workers, for `/metrics`.
+    bytes_received: AtomicU64,
+    bytes_sent: AtomicU64,
+    /// When set, a Hello is admitted by its credential (`crate::credential::verify` under this
+    /// run secret) instead of by the registry: how a shard process admits workers that joined
+    /// at the coordinator.
+    secret: std::sync::OnceLock<Vec<u8>>,
 }
 
 /// Cheap-to-clone handle to one shard (like mini-redis' `Db`).
@@ -72,6 +83,12 @@ pub struct ShardOptions {
     pub heartbeat: Duration,
     /// sync: a waiting pull forces the partial aggregate through after this long.
     pub sync_timeout: Duration,
+    /// The most compact encoding the shard sends parameters in.
+    pub pull_encoding: Encoding,
+    /// The most compact encoding the shard asks pushes in.
+    pub push_encoding: Encoding,
+    /// Pushes are pseudo-gradients (the run has local steps).
+    pub pseudo_gradients: bool,
 }
 
 impl Shard {
@@ -80,25 +97,63 @@ impl Shard {
     /// # Panics
     /// If `initial` does not have `range.len()` values (a startup bug, not input).
     pub fn start(id: u32, range: KeyRange, initial: Vec<f32>, opts: ShardOptions) -> Self {
+        let core = ShardCore::new(initial, opts.optimizer, opts.staleness, opts.consistency);
+        Self::with_core(id, range, core, opts).expect("shard values match their range")
+    }
+
+    /// Starts shard `id` over `range` from a checkpoint's export of it (values, optimizer
+    /// state, version): versions continue from there.
+    ///
+    /// # Errors
+    /// When the export does not fit the range or the optimizer ([`ShardCore::restore`]).
+    pub fn restore(
+        id: u32,
+        range: KeyRange,
+        saved: ShardExport,
+        opts: ShardOptions,
+    ) -> crate::Result<Self> {
+        let core = ShardCore::restore(saved, opts.optimizer, opts.staleness, opts.consistency)?;
+        Self::with_core(id, range, core, opts)
+    }
+
+    /// What a checkpoint keeps of this shard, taken under its lock (the values' `Arc` and a
+    /// copy of the optimizer state: a memory copy, no I/O).
+    pub fn export(&self) -> ShardExport {
+        self.state().core().export()
+    }
+
+    fn with_core(
+        id: u32,
+        range: KeyRange,
+        core: ShardCore,
+        opts: ShardOptions,
+    ) -> crate::Result<Self> {
         let cfg = ShardConfig {
             id,
             range,
             consistency: opts.consistency,
             heartbeat: opts.heartbeat.as_secs_f64(),
             sync_timeout: opts.sync_timeout.as_secs_f64(),
+            pull_encoding: opts.pull_encoding,
+            push_encoding: opts.push_encoding,
+            reports: true,
+            pseudo_gradients: opts.pseudo_gradients,
         };
-        let core = ShardCore::new(initial, opts.optimizer, opts.staleness, opts.consistency);
-        let values = core.values().clone();
-        let state = ShardState::new(cfg, core).expect("shard values match their range");
-        Self {
+        let (version, values) = (core.version(), core.values().clone());
+        let state = ShardState::new(cfg, core)?;
+        Ok(Self {
             inner: Arc::new(Inner {
                 cfg,
-                current: ArcSwap::from_pointee(Snapshot { version: 0, values }),
+                current: ArcSwap::from_pointee(Snapshot { version, values }),
                 state: Mutex::new(state),
                 epoch_tx: watch::channel(0).0,
                 started: Instant::now(),
+                apply_seconds: crate::metrics::apply_histogram(),
+                bytes_received: AtomicU64::new(0),
+                bytes_sent: AtomicU64::new(0),
+                secret: std::sync::OnceLock::new(),
             }),
-        }
+        })
     }
 
     /// The shard's description (what every session of it is created with).
@@ -158,6 +213,39 @@ impl Shard {
         self.inner.epoch_tx.subscribe()
     }
 
+    /// Admit Hellos by their credential under `secret` from now on (set once; later calls are
+    /// ignored).
+    pub fn require_credential(&self, secret: Vec<u8>) {
+        let _ = self.inner.secret.set(secret);
+    }
+
+    /// The histogram of time spent applying updates (a handle on the live one).
+    pub fn apply_seconds(&self) -> prometheus_client::metrics::histogram::Histogram {
+        self.inner.apply_seconds.clone()
+    }
+
+    /// Counts the bytes of frames received from (`up`) and sent to (`down`) workers.
+    pub fn count_bytes(&self, up: usize, down: usize) {
+        if up > 0 {
+            self.inner
+                .bytes_received
+                .fetch_add(up as u64, Ordering::Relaxed);
+        }
+        if down > 0 {
+            self.inner
+                .bytes_sent
+                .fetch_add(down as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Frame bytes received from and sent to workers so far.
+    pub fn bytes(&self) -> (u64, u64) {
+        (
+            self.inner.bytes_received.load(Ordering::Relaxed),
+            self.inner.bytes_sent.load(Ordering::Relaxed),
+        )
+    }
+
     fn state(&self) -> MutexGuard<'_, ShardState> {
         // Critical sections never panic midway; a poisoned lock still holds a usable state.
         self.inner.state.lock().unwrap_or_else(|p| p.into_inner())
@@ -189,8 +277,11 @@ impl ShardAccess for Access<'_> {
         let (r, epoch) = {
             let mut st = self.shard.state();
             let (v0, e0) = (st.version(), st.epoch());
+            let t0 = Instant::now();
             let r = f(&mut st);
             if st.version() != v0 {
+                // An update was applied: its time under the lock is the apply latency.
+                inner.apply_seconds.observe(t0.elapsed().as_secs_f64());
                 inner.current.store(Arc::new(Snapshot {
                     version: st.version(),
                     values: st.values().clone(),
@@ -204,11 +295,17 @@ impl ShardAccess for Access<'_> {
         r
     }
 
-    fn admit(&self, worker: u64, _credential: Option<&str>) -> Admission {
-        if self.registry.knows(worker) {
-            Admission::Admitted
-        } else {
-            Admission::Unknown
+    fn admit(&self, worker: u64, credential: Option<&str>) -> Admission {
+        match (self.shard.inner.secret.get(), credential) {
+            (None, _) if self.registry.knows(worker) => Admission::Admitted,
+            (None, _) => Admission::Unknown,
+            (Some(secret), Some(c)) if crate::credential::verify(secret, worker, c) => {
+                Admission::Admitted
+            }
+            // Missing or not this worker's credential: nobody speaks as another worker. (A
+            // shard process whose registry knows nobody calls a bad one unknown.)
+            (Some(_), _) if self.registry.knows(worker) => Admission::BadCredential,
+            (Some(_), _) => Admission::Unknown,
         }
     }
 }

@@ -5,6 +5,14 @@
 //! If the server goes away it reconnects after core's [`crowdgrad_core::backoff::Backoff`] (the
 //! one policy every worker and the simulator share) and joins again (the server may have
 //! restarted with a new run), keeping its counters.
+//!
+//! Every network wait has a deadline ([`Timeouts`]): the join and each download (a whole-request
+//! deadline and a stall deadline per read), each WebSocket connect, and the reply to a pull or
+//! push; when one passes the session counts as lost and the worker reconnects with backoff.
+//! Every wait also races the stop signal, so Ctrl-C or SIGTERM ends the worker at once (a
+//! blocking HTTP call is left to its own deadline on a helper thread that the runtime does not
+//! wait for; see `main.rs`). `https://` servers are reached over TLS (rustls, webpki roots, or
+//! `--ca FILE`), their shards over `wss://`.
 
 use crate::error::{Error, Result};
 use crowdgrad_core::backoff::{self, Backoff};
@@ -38,6 +46,38 @@ pub struct WorkOptions {
     pub max_backoff: Duration,
     /// Extra time each gradient step takes (to play a slow volunteer in experiments).
     pub step_delay: Duration,
+    /// A private run's join token (sent as `Authorization: Bearer`).
+    pub join_token: Option<String>,
+    /// Trust only the certificates in this PEM file for `https://` servers (a self-signed
+    /// test server) instead of the webpki roots.
+    pub ca: Option<std::path::PathBuf>,
+    /// Deadlines of the network waits.
+    pub timeouts: Timeouts,
+}
+
+/// How long the worker waits for the network before it gives the session up and reconnects.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Timeouts {
+    /// TCP (and TLS) connect, for HTTP and each WebSocket (with its upgrade).
+    pub connect: Duration,
+    /// A whole HTTP request: the join, or one data file (a partition is ~7.5 MiB).
+    pub http: Duration,
+    /// No byte received for this long during an HTTP request: the link stalled.
+    pub stall: Duration,
+    /// No frame from any shard for this long while the worker waits for a reply to its pulls
+    /// or pushes (a held SSP/sync pull included).
+    pub reply: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Self {
+            connect: Duration::from_secs(10),
+            http: Duration::from_secs(300),
+            stall: Duration::from_secs(30),
+            reply: Duration::from_secs(30),
+        }
+    }
 }
 
 impl WorkOptions {
@@ -52,6 +92,9 @@ impl WorkOptions {
             progress: false,
             max_backoff: Duration::from_secs_f64(backoff::CAP_S),
             step_delay: Duration::ZERO,
+            join_token: None,
+            ca: None,
+            timeouts: Timeouts::default(),
         }
     }
 }
@@ -73,6 +116,9 @@ pub struct Summary {
     pub peak_rss_kib: Option<u64>,
     /// Why the last session ended badly, if it did.
     pub last_error: Option<String>,
+    /// The server refused to let the worker join (a private run and a missing or wrong
+    /// `--join-token`): the worker gave up instead of retrying.
+    pub refused: bool,
 }
 
 /// Peak resident set size of this process in KiB, from /proc (Linux only).
@@ -86,17 +132,63 @@ pub fn peak_rss_kib() -> Option<u64> {
 
 fn base_urls(server: &str) -> Result<(String, String)> {
     let s = server.trim_end_matches('/');
-    let rest = s.strip_prefix("http://").ok_or_else(|| {
-        Error::Config(format!(
-            "server URL {server:?} must start with http:// (e.g. http://127.0.0.1:8080)"
-        ))
-    })?;
+    let (rest, ws) = match (s.strip_prefix("http://"), s.strip_prefix("https://")) {
+        (Some(rest), _) => (rest, "ws"),
+        (_, Some(rest)) => (rest, "wss"),
+        _ => {
+            return Err(Error::Config(format!(
+                "server URL {server:?} must start with http:// or https:// (e.g. http://127.0.0.1:8080)"
+            )))
+        }
+    };
     if rest.is_empty() || rest.contains('/') {
         return Err(Error::Config(format!(
             "server URL {server:?} must be a base address like http://HOST:PORT"
         )));
     }
-    Ok((s.to_string(), format!("ws://{rest}")))
+    Ok((s.to_string(), format!("{ws}://{rest}")))
+}
+
+/// The worker's HTTP agent and WebSocket TLS connector, built once from its options.
+#[derive(Clone)]
+struct Net {
+    agent: ureq::Agent,
+    tls: Option<tokio_tungstenite::Connector>,
+    token: Option<String>,
+    timeouts: Timeouts,
+}
+
+impl Net {
+    fn new(opts: &WorkOptions) -> Result<Self> {
+        let t = opts.timeouts;
+        let mut tls = ureq::tls::TlsConfig::builder().provider(ureq::tls::TlsProvider::Rustls);
+        let mut ws_tls = None;
+        if let Some(ca) = &opts.ca {
+            let certs: Vec<ureq::tls::Certificate<'static>> = crate::tls::certs(ca)?
+                .iter()
+                .map(|c| ureq::tls::Certificate::from_der(c.as_ref()).to_owned())
+                .collect();
+            tls = tls.root_certs(ureq::tls::RootCerts::new_with_certs(&certs));
+            ws_tls = Some(tokio_tungstenite::Connector::Rustls(
+                crate::tls::client_config(Some(ca))?,
+            ));
+        }
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .tls_config(tls.build())
+            .timeout_connect(Some(t.connect))
+            .timeout_global(Some(t.http))
+            .timeout_per_read(Some(t.stall))
+            .timeout_per_write(Some(t.stall))
+            .build()
+            .into();
+        Ok(Self {
+            agent,
+            tls: ws_tls,
+            token: opts.join_token.clone(),
+            timeouts: t,
+        })
+    }
 }
 
 fn http_error(e: ureq::Error) -> Error {
@@ -106,44 +198,81 @@ fn http_error(e: ureq::Error) -> Error {
 /// Most bytes accepted in one HTTP response (a data partition).
 const MAX_BODY: u64 = 1 << 30;
 
-async fn join(http: &str, name: Option<String>) -> Result<JoinResponse> {
+/// Why a join failed: worth retrying, or not (the run is private and our token is wrong).
+enum JoinError {
+    Retry(Error),
+    Refused(String),
+}
+
+impl From<Error> for JoinError {
+    fn from(e: Error) -> Self {
+        JoinError::Retry(e)
+    }
+}
+
+async fn join(
+    net: &Net,
+    http: &str,
+    name: Option<String>,
+) -> std::result::Result<JoinResponse, JoinError> {
     let url = format!("{http}/api/join");
     let mut req = JoinRequest::new(ClientKind::Native);
     req.name = name;
     let body = serde_json::to_vec(&req).map_err(|e| Error::Http(e.to_string()))?;
-    let bytes = tokio::task::spawn_blocking(move || -> Result<Vec<u8>> {
-        let agent: ureq::Agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .build()
-            .into();
-        let mut resp = agent
+    let net2 = net.clone();
+    let (status, bytes) = tokio::task::spawn_blocking(move || -> Result<(u16, Vec<u8>)> {
+        let mut post = net2
+            .agent
             .post(&url)
-            .header("content-type", "application/json")
-            .send(&body[..])
-            .map_err(http_error)?;
-        let status = resp.status();
+            .header("content-type", "application/json");
+        if let Some(t) = &net2.token {
+            post = post.header("authorization", format!("Bearer {t}"));
+        }
+        let mut resp = post.send(&body[..]).map_err(http_error)?;
+        let status = resp.status().as_u16();
         let bytes = resp
             .body_mut()
             .with_config()
             .limit(1 << 20)
             .read_to_vec()
             .map_err(http_error)?;
-        if !status.is_success() {
-            return Err(Error::Http(format!(
-                "join refused ({status}): {}",
-                String::from_utf8_lossy(&bytes)
-            )));
-        }
-        Ok(bytes)
+        Ok((status, bytes))
     })
     .await
     .map_err(|e| Error::Task(format!("join request: {e}")))??;
-    serde_json::from_slice(&bytes).map_err(|e| Error::Http(format!("bad join reply: {e}")))
+    let text = || {
+        String::from_utf8_lossy(&bytes)
+            .chars()
+            .take(500)
+            .collect::<String>()
+    };
+    match status {
+        200..=299 => serde_json::from_slice(&bytes)
+            .map_err(|e| JoinError::Retry(Error::Http(format!("bad join reply: {e}")))),
+        401 | 403 => Err(JoinError::Refused(format!(
+            "join refused ({status}): {}{}",
+            text(),
+            if net.token.is_some() {
+                " (is --join-token right?)"
+            } else {
+                " (this run needs --join-token)"
+            }
+        ))),
+        _ => Err(JoinError::Retry(Error::Http(format!(
+            "join refused ({status}): {}",
+            text()
+        )))),
+    }
 }
 
-async fn get(url: String) -> Result<Vec<u8>> {
+async fn get(net: &Net, url: String) -> Result<Vec<u8>> {
+    let agent = net.agent.clone();
     tokio::task::spawn_blocking(move || -> Result<Vec<u8>> {
-        let mut resp = ureq::get(&url).call().map_err(http_error)?;
+        let mut resp = agent.get(&url).call().map_err(http_error)?;
+        let status = resp.status();
+        if !status.is_success() {
+            return Err(Error::Http(format!("GET {url}: {status}")));
+        }
         resp.body_mut()
             .with_config()
             .limit(MAX_BODY)
@@ -159,6 +288,9 @@ enum End {
     Done,
     /// The connection was lost or refused.
     Lost(String),
+    /// The server will not let this worker in (wrong or missing join token): retrying is
+    /// pointless.
+    Refused(String),
 }
 
 struct Progress {
@@ -189,6 +321,7 @@ impl Progress {
 /// reported in the summary.
 pub async fn work(opts: WorkOptions, shutdown: impl Future<Output = ()>) -> Result<Summary> {
     let (http, ws) = base_urls(&opts.server)?;
+    let net = Net::new(&opts)?;
     let started = Instant::now();
     let deadline = opts.duration.map(|d| started + d);
     let mut stats = WorkerStats::default();
@@ -196,6 +329,7 @@ pub async fn work(opts: WorkOptions, shutdown: impl Future<Output = ()>) -> Resu
     let mut sessions = 0u32;
     let mut backoff = Backoff::new(jitter_seed()).with_cap(opts.max_backoff.as_secs_f64());
     let mut last_error = None;
+    let mut refused = false;
     let mut cache: HashMap<String, Dataset> = HashMap::new();
     let mut progress = Progress {
         bar: opts.progress.then(|| {
@@ -219,6 +353,7 @@ pub async fn work(opts: WorkOptions, shutdown: impl Future<Output = ()>) -> Resu
         let steps_before = stats.steps;
         let end = session(
             &opts,
+            &net,
             &http,
             &ws,
             &mut ids,
@@ -233,6 +368,12 @@ pub async fn work(opts: WorkOptions, shutdown: impl Future<Output = ()>) -> Resu
         .unwrap_or_else(|e| End::Lost(e.to_string()));
         match end {
             End::Done => break,
+            End::Refused(why) => {
+                tracing::error!(%why, "giving up");
+                last_error = Some(why);
+                refused = true;
+                break;
+            }
             End::Lost(why) => {
                 if stats.steps > steps_before {
                     // The session trained: a fresh failure, not a repeated one.
@@ -267,6 +408,7 @@ pub async fn work(opts: WorkOptions, shutdown: impl Future<Output = ()>) -> Resu
         sessions,
         peak_rss_kib: peak_rss_kib(),
         last_error,
+        refused,
     })
 }
 
@@ -286,6 +428,7 @@ fn jitter_seed() -> u64 {
 #[allow(clippy::too_many_arguments)]
 async fn session(
     opts: &WorkOptions,
+    net: &Net,
     http: &str,
     ws: &str,
     ids: &mut Vec<u64>,
@@ -297,28 +440,33 @@ async fn session(
     mut shutdown: std::pin::Pin<&mut impl Future<Output = ()>>,
 ) -> Result<End> {
     let prepare = async {
-        let joined = join(http, opts.name.clone()).await?;
+        let joined = join(net, http, opts.name.clone()).await?;
         ids.push(joined.worker_id);
         let data = match cache.get(&joined.partition.images) {
             Some(d) => d.clone(),
             None => {
-                let images = get(format!("{http}{}", joined.partition.images)).await?;
-                let labels = get(format!("{http}{}", joined.partition.labels)).await?;
-                let d = Dataset::from_idx(&images, &labels)?;
+                let images = get(net, format!("{http}{}", joined.partition.images)).await?;
+                let labels = get(net, format!("{http}{}", joined.partition.labels)).await?;
+                let d = Dataset::from_idx(&images, &labels).map_err(Error::from)?;
                 cache.insert(joined.partition.images.clone(), d.clone());
                 d
             }
         };
-        Ok::<_, Error>((joined, data))
+        Ok::<_, JoinError>((joined, data))
     };
     let (joined, data) = tokio::select! {
-        r = prepare => r?,
+        r = prepare => match r {
+            Ok(x) => x,
+            Err(JoinError::Retry(e)) => return Err(e),
+            Err(JoinError::Refused(why)) => return Ok(End::Refused(why)),
+        },
         _ = &mut shutdown => return Ok(End::Done),
     };
     let mut worker = Worker::new(joined, data, ClientKind::Native, opts.steps)?;
     worker.carry_stats(stats.clone());
     let end = drive(
         &mut worker,
+        net,
         ws,
         deadline,
         opts.step_delay,
@@ -338,6 +486,7 @@ enum Event {
 
 async fn drive(
     worker: &mut Worker,
+    net: &Net,
     ws: &str,
     deadline: Option<Instant>,
     step_delay: Duration,
@@ -350,16 +499,34 @@ async fn drive(
         .run
         .shards
         .iter()
-        .map(|s| format!("{ws}{}", s.path))
+        .map(|s| {
+            // A shard in its own process has an absolute URL (`serve --shard-urls`).
+            if s.path.starts_with("ws://") || s.path.starts_with("wss://") {
+                s.path.clone()
+            } else {
+                format!("{ws}{}", s.path)
+            }
+        })
         .collect();
     let id = worker.join_info().worker_id;
-    // Connect to every shard concurrently.
-    let conns = futures_util::future::join_all(
-        shards
-            .iter()
-            .map(|u| tokio_tungstenite::connect_async(u.as_str())),
-    )
-    .await;
+    // Connect to every shard concurrently, within the connect deadline, unless told to stop.
+    let connect = net.timeouts.connect;
+    let conns = futures_util::future::join_all(shards.iter().map(|u| async move {
+        let c = tokio_tungstenite::connect_async_tls_with_config(
+            u.as_str(),
+            None,
+            true,
+            net.tls.clone(),
+        );
+        match tokio::time::timeout(connect, c).await {
+            Ok(r) => r.map_err(|e| e.to_string()),
+            Err(_) => Err(format!("no connection within {connect:?}")),
+        }
+    }));
+    let conns = tokio::select! {
+        c = conns => c,
+        _ = &mut shutdown => return End::Done,
+    };
     let (ev_tx, mut ev_rx) = mpsc::channel::<Event>(256);
     let mut sinks = Vec::new();
     let mut readers = tokio::task::JoinSet::new();
@@ -392,15 +559,32 @@ async fn drive(
         worker.connected(i);
     }
     drop(ev_tx);
+    // The worker's clock (sans-IO: it measures compute and exchanges on what it is told).
+    let clock = Instant::now();
     let end = loop {
         let mut send_failed = None;
+        worker.set_time(clock.elapsed().as_secs_f64());
         while let Some(out) = worker.poll_transmit() {
-            if let Err(e) = sinks[out.shard]
-                .send(Message::Binary(out.frame.into()))
-                .await
-            {
-                send_failed = Some(format!("sending to shard {}: {e}", out.shard));
-                break;
+            // A link that stopped taking bytes must not hold the worker (nor its stop).
+            let reply = net.timeouts.reply;
+            let send = tokio::time::timeout(
+                reply,
+                sinks[out.shard].send(Message::Binary(out.frame.into())),
+            );
+            let sent = tokio::select! {
+                r = send => r,
+                _ = &mut shutdown => return End::Done,
+            };
+            match sent {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    send_failed = Some(format!("sending to shard {}: {e}", out.shard));
+                    break;
+                }
+                Err(_) => {
+                    send_failed = Some(format!("shard {} took no bytes for {reply:?}", out.shard));
+                    break;
+                }
             }
         }
         if let Some(why) = send_failed {
@@ -410,8 +594,33 @@ async fn drive(
             break End::Done;
         }
         if worker.ready() {
+            worker.set_time(clock.elapsed().as_secs_f64());
+            let t = Instant::now();
             if let Err(e) = worker.step() {
                 break End::Lost(e.to_string());
+            }
+            worker.observe_compute(t.elapsed().as_secs_f64());
+            // Frames that arrived meanwhile (the next round's parameters, acks) are taken now,
+            // between steps, so a round of local steps does not delay them.
+            let mut lost = None;
+            while let Ok(ev) = ev_rx.try_recv() {
+                worker.set_time(clock.elapsed().as_secs_f64());
+                match ev {
+                    Event::Frame(i, bytes) => {
+                        if let Err(e) = worker.receive(i, &bytes) {
+                            lost = Some(format!("shard {i}: {e}"));
+                            break;
+                        }
+                    }
+                    Event::Closed(i, why) => {
+                        worker.disconnected(i);
+                        lost = Some(format!("shard {i} closed: {why}"));
+                        break;
+                    }
+                }
+            }
+            if let Some(why) = lost {
+                break End::Lost(why);
             }
             progress.update(id, worker.stats(), started, false);
             if !step_delay.is_zero() {
@@ -426,11 +635,17 @@ async fn drive(
             || tokio::time::Instant::now() + Duration::from_secs(86_400),
             Into::into,
         );
+        // Waiting for replies: one must come within the reply deadline.
+        let reply = net.timeouts.reply;
         let ev = tokio::select! {
             ev = ev_rx.recv() => ev,
             _ = tokio::time::sleep_until(until) => break End::Done,
+            _ = tokio::time::sleep(reply) => {
+                break End::Lost(format!("no reply from the shards within {reply:?}"))
+            }
             _ = &mut shutdown => break End::Done,
         };
+        worker.set_time(clock.elapsed().as_secs_f64());
         match ev {
             Some(Event::Frame(i, bytes)) => {
                 if let Err(e) = worker.receive(i, &bytes) {
@@ -444,20 +659,25 @@ async fn drive(
             None => break End::Lost("all connections closed".into()),
         }
     };
-    // Say goodbye on every connection that is still open.
-    for (i, mut sink) in sinks.into_iter().enumerate() {
-        let bye = wire::encode(&Frame::Bye {
-            shard: i as u32,
-            bye: Bye {
-                reason: "worker leaving".into(),
-            },
+    // Say goodbye on every connection that is still open, all at once and briefly (a stalled
+    // link must not hold up a worker asked to stop).
+    let byes = sinks
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut sink)| async move {
+            let bye = wire::encode(&Frame::Bye {
+                shard: i as u32,
+                bye: Bye {
+                    reason: "worker leaving".into(),
+                },
+            });
+            let _ = tokio::time::timeout(Duration::from_millis(500), async {
+                let _ = sink.send(Message::Binary(bye.into())).await;
+                let _ = sink.close().await;
+            })
+            .await;
         });
-        let _ = tokio::time::timeout(Duration::from_millis(500), async {
-            let _ = sink.send(Message::Binary(bye.into())).await;
-            let _ = sink.close().await;
-        })
-        .await;
-    }
+    futures_util::future::join_all(byes).await;
     readers.abort_all();
     end
 }

@@ -106,6 +106,26 @@ fn bye(shard: u32) -> Vec<u8> {
     })
 }
 
+/// A Hello without a credential gets the one the server's join handed out for its worker (the
+/// simulator admits every joined worker; the server wants the credential too).
+fn with_credential(url: &str, frame: Vec<u8>) -> Vec<u8> {
+    match wire::decode(&frame, usize::MAX) {
+        Ok(Frame::Hello {
+            request_id,
+            shard,
+            mut hello,
+        }) if hello.credential.is_none() => {
+            hello.credential = crate::util::credential(url, hello.worker_id);
+            wire::encode(&Frame::Hello {
+                request_id,
+                shard,
+                hello,
+            })
+        }
+        _ => frame,
+    }
+}
+
 /// Plays `script` against a real server; returns every connection's events.
 async fn through_server(cfg: ServeConfig, workers: usize, script: Script) -> Played {
     let running = server(cfg).await;
@@ -131,6 +151,7 @@ async fn through_server(cfg: ServeConfig, workers: usize, script: Script) -> Pla
             }
             Step::Send(c, f) => {
                 let ws = socks.get_mut(&c).expect("open connection");
+                let f = with_credential(&url, f);
                 let _ = ws.send(Message::Binary(f.into())).await;
             }
             Step::Close(c) => {
@@ -210,6 +231,10 @@ fn through_sim(cfg: &ServeConfig, server: &Played, script: Script) -> Played {
                 consistency: cfg.consistency,
                 heartbeat: cfg.heartbeat_timeout.as_secs_f64(),
                 sync_timeout: cfg.sync_timeout.as_secs_f64(),
+                pull_encoding: cfg.exchange.pull_encoding,
+                push_encoding: cfg.exchange.push_encoding,
+                reports: true,
+                pseudo_gradients: cfg.exchange.local.steps.pseudo_gradients(),
             };
             let mut d = ShardDriver::new(ShardState::new(sc, core).expect("state"));
             for &id in &server.ids {

@@ -2,6 +2,7 @@
 //!
 //! One module per area (mini-redis' tests layout); `util` holds the shared helpers.
 
+mod access;
 mod conformance;
 mod consistency;
 mod data;

@@ -139,7 +139,8 @@ fn one_worker_without_delay_equals_applying_its_gradients_through_shardcore() {
         consistency: cfg.consistency,
         shards: cfg.shards,
         dataset: DataInfo::of("mnist", &data.train, &data.test),
-    })
+            local: crowdgrad_core::local::LocalConfig::default(),
+})
     .expect("run spec");
     let model = Model::new(run.model.clone()).expect("model");
     let ranges = run.ranges();
@@ -166,6 +167,7 @@ fn one_worker_without_delay_equals_applying_its_gradients_through_shardcore() {
             images: String::new(),
             labels: String::new(),
         },
+        credential: None,
     };
     let mut w = Worker::new(join, data.train.clone(), ClientKind::Browser, None).expect("worker");
     for (i, s) in shards.iter().enumerate() {

@@ -93,12 +93,35 @@ pub async fn status(base: &str) -> serde_json::Value {
     serde_json::from_slice(&body).expect("status JSON")
 }
 
-/// Joins as a native worker.
+/// Joins as a native worker. The session credential is remembered for [`hello`] and
+/// [`credential`].
 pub async fn join(base: &str) -> JoinResponse {
     let body = serde_json::to_vec(&JoinRequest::new(ClientKind::Native)).expect("json");
     let (code, reply) = post(format!("{base}/api/join"), body).await;
     assert_eq!(code, 200, "{}", String::from_utf8_lossy(&reply));
-    serde_json::from_slice(&reply).expect("join reply")
+    let joined: JoinResponse = serde_json::from_slice(&reply).expect("join reply");
+    if let Some(c) = &joined.credential {
+        credentials()
+            .lock()
+            .expect("lock")
+            .insert((base.to_string(), joined.worker_id), c.clone());
+    }
+    joined
+}
+
+fn credentials() -> &'static std::sync::Mutex<std::collections::HashMap<(String, u64), String>> {
+    static CREDS: OnceLock<std::sync::Mutex<std::collections::HashMap<(String, u64), String>>> =
+        OnceLock::new();
+    CREDS.get_or_init(Default::default)
+}
+
+/// The credential [`join`] got for `worker` from the server at `base`.
+pub fn credential(base: &str, worker: u64) -> Option<String> {
+    credentials()
+        .lock()
+        .expect("lock")
+        .get(&(base.to_string(), worker))
+        .cloned()
 }
 
 /// Opens shard `shard`'s socket.
@@ -139,6 +162,7 @@ pub async fn hello(running: &Running, worker_id: u64, shard: u32) -> (Ws, u64) {
             protocol: PROTOCOL_VERSION,
             worker_id,
             client: ClientKind::Native,
+            credential: credential(&running.url(), worker_id),
             ..Default::default()
         },
     });

@@ -66,7 +66,8 @@ pub fn synthetic_run(
                 train_len: examples,
                 test_len: 0,
             },
-        })?,
+                    local: crowdgrad_core::local::LocalConfig::default(),
+})?,
         partition: PartitionInfo {
             index: 0,
             count: 1,
@@ -74,6 +75,7 @@ pub fn synthetic_run(
             images: "/images".into(),
             labels: "/labels".into(),
         },
+        credential: None,
     };
     let (img, lab) = synthetic_idx(examples, seed ^ 0x5eed);
     Ok((join, Dataset::from_idx(&img, &lab)?))
@@ -114,6 +116,10 @@ impl Loopback {
                     consistency,
                     heartbeat: 5.0,
                     sync_timeout: 2.0,
+                    pull_encoding: crowdgrad_core::codec::Encoding::F32,
+                    push_encoding: crowdgrad_core::codec::Encoding::F32,
+                    reports: false,
+                    pseudo_gradients: join.run.local.steps.pseudo_gradients(),
                 };
                 Ok((ShardState::new(cfg, core)?, ShardSession::new(cfg)))
             })

@@ -124,6 +124,8 @@ struct Session {
     up_last: Vec<Time>,
     /// Token and completion time of the step being computed.
     compute: Option<(u64, Time)>,
+    /// Simulated compute time of the step being computed (reported to the worker).
+    compute_dur: Time,
     paused: Option<Paused>,
     steps_before: u64,
 }
@@ -284,6 +286,10 @@ impl<'a> Engine<'a> {
                     consistency: cfg.consistency,
                     heartbeat: cfg.heartbeat,
                     sync_timeout: cfg.sync_timeout,
+                    pull_encoding: cfg.exchange.pull_encoding,
+                    push_encoding: cfg.exchange.push_encoding,
+                    reports: false,
+                    pseudo_gradients: cfg.exchange.local.steps.pseudo_gradients(),
                 };
                 Ok(SimShard {
                     driver: ShardDriver::new(ShardState::new(config, core)?),
@@ -300,7 +306,8 @@ impl<'a> Engine<'a> {
             consistency: cfg.consistency,
             shards: cfg.shards,
             dataset: DataInfo::of("mnist", train, &data.test),
-        })?;
+                    local: cfg.exchange.local,
+})?;
         if cfg.partitions > train.len() {
             return Err(Error::Config(format!(
                 "--partitions {} exceeds the {} training examples",
@@ -602,6 +609,7 @@ impl<'a> Engine<'a> {
                 images: String::new(),
                 labels: String::new(),
             },
+            credential: None,
         };
         let mut worker = Worker::new(join, part.clone(), ClientKind::Browser, None)?;
         worker.carry_stats(person.stats.clone());
@@ -629,6 +637,7 @@ impl<'a> Engine<'a> {
             conns,
             up_last: vec![0; n],
             compute: None,
+            compute_dur: 0,
             paused: None,
         }));
         self.flush_outbox(p);
@@ -665,6 +674,7 @@ impl<'a> Engine<'a> {
         let Some(s) = self.people[p].session.as_mut() else {
             return;
         };
+        s.worker.set_time(secs(self.now));
         let ok = match wire {
             Wire::Frame(bytes) => s.worker.receive(shard, &bytes).is_ok(),
             Wire::Close => {
@@ -787,6 +797,7 @@ impl<'a> Engine<'a> {
         self.next_token += 1;
         let t = self.next_token;
         s.compute = Some((t, now + dur));
+        s.compute_dur = dur;
         self.schedule(
             now + dur,
             Event::ComputeDone {
@@ -806,7 +817,9 @@ impl<'a> Engine<'a> {
         s.compute = None;
         // The gradient is computed from the parameters the worker pulled before the step
         // started: nothing reaches the worker's parameters between.
+        s.worker.set_time(secs(self.now));
         let report = s.worker.step()?;
+        s.worker.observe_compute(secs(s.compute_dur));
         self.totals.samples += report.samples as u64;
         self.totals.steps += 1;
         self.last_step_at = self.now;
@@ -881,6 +894,7 @@ impl<'a> Engine<'a> {
                 version,
                 clock,
                 min_clock,
+                ..
             } => {
                 if self.cfg.log_reads {
                     let participant = self.shards[shard]
@@ -898,7 +912,7 @@ impl<'a> Engine<'a> {
                     });
                 }
             }
-            Record::Joined { .. } | Record::Left { .. } => {}
+            Record::Joined { .. } | Record::Left { .. } | Record::Reported { .. } => {}
         }
     }
 

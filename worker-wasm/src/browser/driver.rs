@@ -203,9 +203,14 @@ impl Driver {
         }
         self.set_state(ConnState::Joining, None);
         let join_url = format!("{}/api/join", self.sh.base);
+        let token = self.sh.join_token.borrow().clone();
         let join: JoinResponse = self
             .scope()
-            .post_json(&join_url, &JoinRequest::new(ClientKind::Browser))
+            .post_json(
+                &join_url,
+                &JoinRequest::new(ClientKind::Browser),
+                token.as_deref(),
+            )
             .await?;
         {
             let mut p = self.sh.progress.borrow_mut();
@@ -303,6 +308,7 @@ impl Driver {
                     }
                     SocketEventKind::Message(bytes) => {
                         last_frame = self.scope().now();
+                        worker.set_time(last_frame / 1e3);
                         worker.receive(ev.shard, &bytes)?;
                     }
                     SocketEventKind::Close { code, reason } => {
@@ -359,8 +365,11 @@ impl Driver {
                 }
                 let t0 = self.scope().now();
                 let idle = t0 - rest_end;
+                worker.set_time(t0 / 1e3);
                 worker.step()?;
                 let t1 = self.scope().now();
+                worker.observe_compute((t1 - t0) / 1e3);
+                worker.set_time(t1 / 1e3);
                 link.flush(worker)?;
                 let dt = t1 - t0;
                 self.step_ms.update(dt, STEP_EMA_ALPHA);

@@ -38,6 +38,8 @@ pub(crate) struct Shared {
     wake: Wake,
     /// The latest report (also returned by [`BrowserWorker::progress`]).
     progress: RefCell<Progress>,
+    /// A private run's join token (sent as `Authorization: Bearer`; never reported).
+    join_token: RefCell<Option<String>>,
 }
 
 impl Shared {
@@ -96,8 +98,16 @@ impl BrowserWorker {
                 events: RefCell::new(VecDeque::new()),
                 wake: Wake::default(),
                 progress: RefCell::new(progress),
+                join_token: RefCell::new(None),
             }),
         })
+    }
+
+    /// Sets a private run's join token (from the page's URL fragment or a field), used by the
+    /// next join; an empty string clears it.
+    pub fn set_join_token(&self, token: &str) {
+        let t = token.trim();
+        *self.shared.join_token.borrow_mut() = (!t.is_empty()).then(|| t.to_owned());
     }
 
     /// Starts contributing (once; later calls do nothing).

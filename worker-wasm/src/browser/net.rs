@@ -8,7 +8,7 @@ use serde::Serialize;
 use std::cell::{Cell, RefCell};
 use wasm_bindgen::{JsCast, JsValue};
 use wasm_bindgen_futures::JsFuture;
-use web_sys::{Cache, Headers, RequestInit, Response, WorkerGlobalScope};
+use web_sys::{AbortController, Cache, Headers, RequestInit, Response, WorkerGlobalScope};
 
 /// Name of the Cache API cache holding partition files. Bump the suffix if the entries'
 /// meaning ever changes.
@@ -16,6 +16,45 @@ const CACHE_NAME: &str = "crowdgrad-data-v1";
 /// Beyond this many cached files, entries other than the ones just used are dropped (several
 /// tabs of one origin share the cache, and a rejoin may hand out another partition).
 const MAX_CACHED_FILES: u32 = 8;
+/// Longest a join may take, reply included.
+pub(crate) const JOIN_TIMEOUT_MS: f64 = 30_000.0;
+/// Longest one data file may take to download (a partition is ~7.5 MiB, ~1.5 MiB gzipped).
+pub(crate) const DOWNLOAD_TIMEOUT_MS: f64 = 300_000.0;
+
+/// Aborts a request (its body too) when `ms` pass; dropping it cancels the timer.
+struct Deadline {
+    scope: WorkerGlobalScope,
+    controller: AbortController,
+    timer: Option<i32>,
+    _abort: wasm_bindgen::closure::Closure<dyn FnMut()>,
+}
+
+impl Deadline {
+    fn new(scope: &Scope, ms: f64) -> Result<Self> {
+        let controller = AbortController::new().map_err(|e| js_error("AbortController", e))?;
+        let c = controller.clone();
+        let abort = wasm_bindgen::closure::Closure::<dyn FnMut()>::new(move || c.abort());
+        let timer = scope.set_timeout(abort.as_ref().unchecked_ref(), ms);
+        Ok(Self {
+            scope: scope.global.clone(),
+            controller,
+            timer,
+            _abort: abort,
+        })
+    }
+
+    fn attach(&self, init: &RequestInit) {
+        init.set_signal(Some(&self.controller.signal()));
+    }
+}
+
+impl Drop for Deadline {
+    fn drop(&mut self) {
+        if let Some(t) = self.timer.take() {
+            self.scope.clear_timeout_with_handle(t);
+        }
+    }
+}
 
 /// Text of a JS exception (or whatever was thrown).
 pub(crate) fn js_error(what: &'static str, thrown: JsValue) -> Error {
@@ -89,11 +128,13 @@ impl Scope {
         Ok(resp)
     }
 
-    /// `POST`s `body` as JSON and decodes the JSON reply.
+    /// `POST`s `body` as JSON (with `Authorization: Bearer` when `bearer` is set) and decodes
+    /// the JSON reply, all within [`JOIN_TIMEOUT_MS`].
     pub(crate) async fn post_json<B: Serialize, R: DeserializeOwned>(
         &self,
         url: &str,
         body: &B,
+        bearer: Option<&str>,
     ) -> Result<R> {
         let json = serde_json::to_string(body).map_err(|e| Error::Json {
             url: url.to_owned(),
@@ -103,7 +144,14 @@ impl Scope {
         headers
             .set("content-type", "application/json")
             .map_err(|e| js_error("Headers.set", e))?;
+        if let Some(t) = bearer {
+            headers
+                .set("authorization", &format!("Bearer {t}"))
+                .map_err(|e| js_error("Headers.set", e))?;
+        }
+        let deadline = Deadline::new(self, JOIN_TIMEOUT_MS)?;
         let init = RequestInit::new();
+        deadline.attach(&init);
         init.set_headers(&headers);
         init.set_body(&JsValue::from_str(&json));
         let resp = self.fetch("POST", url, &init).await?;
@@ -148,7 +196,10 @@ impl Scope {
                 }
             }
         }
-        let resp = self.fetch("GET", url, &RequestInit::new()).await?;
+        let deadline = Deadline::new(self, DOWNLOAD_TIMEOUT_MS)?;
+        let init = RequestInit::new();
+        deadline.attach(&init);
+        let resp = self.fetch("GET", url, &init).await?;
         if let Some(cache) = &cache {
             if let Ok(copy) = resp.clone() {
                 if JsFuture::from(cache.put_with_str(url, &copy)).await.is_ok() {

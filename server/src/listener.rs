@@ -1,0 +1,160 @@
+//! The accept loop (mini-redis' `Listener`): every TCP connection is counted against
+//! `--max-connections` and, unless `--trust-proxy`, `--max-connections-per-ip` before anything
+//! is read from it; TLS handshakes (with `--tls-cert`) and request headers must arrive within
+//! `--header-timeout`; each connection is served by hyper (HTTP/1.1 with upgrades) with the
+//! router.
+//!
+//! A connection's slots are held by a [`ConnSlot`] shared by the connection task and, through
+//! the request extensions, by any WebSocket upgraded from it: they are released when the last
+//! of them ends, so an upgraded socket keeps counting.
+
+use crate::app::App;
+use crate::limits::{Count, IpGuard, IpKey, OpenGuard};
+use axum::extract::ConnectInfo;
+use axum::Router;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::service::TowerToHyperService;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::OwnedSemaphorePermit;
+use tokio_rustls::TlsAcceptor;
+use tower::ServiceExt;
+
+/// One TCP connection's share of the connection limits (see the module doc).
+#[derive(Debug)]
+pub struct ConnSlot {
+    _total: OwnedSemaphorePermit,
+    _ip: Option<IpGuard>,
+    _open: OpenGuard,
+}
+
+/// How long shutdown waits for HTTP connections (not WebSockets: `run` waits for those).
+const DRAIN: Duration = Duration::from_secs(5);
+
+/// Serves `router` on `listener` until `shutdown` completes, then stops accepting and lets
+/// open HTTP requests finish (at most [`DRAIN`]).
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    app: Arc<App>,
+    tls: Option<TlsAcceptor>,
+    shutdown: impl Future<Output = ()>,
+) {
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let limits = app.limits.clone();
+    let header_timeout = limits.cfg.header_timeout;
+    tokio::pin!(shutdown);
+    loop {
+        let (tcp, peer) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(c) => c,
+                Err(e) => {
+                    // Out of file descriptors, or a connection reset before accept: wait a
+                    // moment instead of spinning.
+                    tracing::warn!("accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let Ok(total) = app.connections.clone().try_acquire_owned() else {
+            limits.count(Count::RefusedTotal);
+            refuse(
+                &tcp,
+                tls.is_none(),
+                "503 Service Unavailable",
+                "too many connections",
+            );
+            continue;
+        };
+        let ip = if limits.cfg.trust_proxy {
+            None
+        } else {
+            match limits.connect_ip(IpKey::of(peer.ip())) {
+                Some(g) => Some(g),
+                None => {
+                    let m = "too many connections from your address";
+                    refuse(&tcp, tls.is_none(), "429 Too Many Requests", m);
+                    continue;
+                }
+            }
+        };
+        let slot = Arc::new(ConnSlot {
+            _total: total,
+            _ip: ip,
+            _open: limits.opened(),
+        });
+        let _ = tcp.set_nodelay(true);
+        let service = router
+            .clone()
+            .map_request(move |mut req: hyper::Request<Incoming>| {
+                req.extensions_mut().insert(ConnectInfo(peer));
+                req.extensions_mut().insert(slot.clone());
+                req
+            });
+        let service = TowerToHyperService::new(service);
+        let mut builder = auto::Builder::new(TokioExecutor::new());
+        builder
+            .http1()
+            .timer(TokioTimer::new())
+            .header_read_timeout(header_timeout);
+        let builder = builder.http1_only();
+        let tls = tls.clone();
+        let watcher = graceful.watcher();
+        let limits = limits.clone();
+        tokio::spawn(async move {
+            let r = match tls {
+                None => {
+                    let conn = builder.serve_connection_with_upgrades(TokioIo::new(tcp), service);
+                    watcher.watch(conn.into_owned()).await
+                }
+                Some(acceptor) => {
+                    let stream =
+                        match tokio::time::timeout(header_timeout, acceptor.accept(tcp)).await {
+                            Ok(Ok(s)) => s,
+                            Ok(Err(e)) => {
+                                limits.count(Count::TlsFailed);
+                                tracing::debug!(%peer, "TLS handshake failed: {e}");
+                                return;
+                            }
+                            Err(_) => {
+                                limits.count(Count::TlsFailed);
+                                tracing::debug!(%peer, "TLS handshake timed out");
+                                return;
+                            }
+                        };
+                    let conn =
+                        builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+                    watcher.watch(conn.into_owned()).await
+                }
+            };
+            if let Err(e) = r {
+                tracing::debug!(%peer, "connection ended: {e}");
+            }
+        });
+    }
+    drop(listener);
+    let _ = tokio::time::timeout(DRAIN, graceful.shutdown()).await;
+}
+
+/// Best effort, without waiting: tell a plain-HTTP client why, then close. (A TLS client just
+/// sees the connection close: answering would need a handshake first.)
+fn refuse(tcp: &TcpStream, plain: bool, status: &str, message: &str) {
+    if plain {
+        let body = format!("{{\"error\":\"{message}\"}}");
+        let reply = format!(
+            "HTTP/1.1 {status}\r\ncontent-type: application/json\r\nretry-after: 1\r\n\
+             content-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        let _ = tcp.try_write(reply.as_bytes());
+        // Read what already arrived so the close is a FIN, not a reset that could destroy
+        // the reply in flight.
+        let _ = tcp.try_read(&mut [0u8; 4096]);
+    }
+}
