@@ -12,5 +12,6 @@ mod ops;
 mod protocol;
 mod remote;
 mod sim;
+mod tls;
 mod training;
 mod util;
