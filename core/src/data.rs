@@ -1,12 +1,14 @@
-//! IDX datasets (MNIST, Fashion-MNIST and anything else in LeCun's IDX format with unsigned-byte
-//! images and labels), raw or gzip-compressed, and batching into normalised f32.
+//! Datasets: IDX files (MNIST, Fashion-MNIST and anything else in LeCun's IDX format with
+//! unsigned-byte images and labels, raw or gzip-compressed; images `N x H x W` or
+//! `N x H x W x C`) and NumPy `.npy` files ([`parse_npy`]), and batching into normalised f32.
 //!
-//! Pixels stay `u8` in memory (a quarter of the f32 size); a batch is converted to `x / 255` when
-//! it is filled.
+//! Pixels stay `u8` in memory (a quarter of the f32 size); a batch is converted to `x / 255`
+//! when it is filled, then normalised per channel when the run says so ([`Normalize`]).
 
 use crate::error::{Error, Result};
 use crate::rng::Rng;
 use ndarray::ArrayViewMut2;
+use serde::{Deserialize, Serialize};
 use std::io::Read;
 use std::ops::Range;
 
@@ -115,7 +117,7 @@ pub fn encode_idx(dims: &[usize], data: &[u8]) -> Vec<u8> {
 }
 
 /// Images and labels of a classification dataset.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Dataset {
     /// Image shape after the example axis (e.g. `[28, 28]`).
     pub image_dims: Vec<usize>,
@@ -123,7 +125,13 @@ pub struct Dataset {
     pub features: usize,
     pixels: Vec<u8>,
     labels: Vec<u8>,
+    /// `x = p * scale[c] + offset[c]` per channel (empty: `p / 255`).
+    scale: Vec<f32>,
+    offset: Vec<f32>,
 }
+
+// The normalisation is validated finite, so equality is an equivalence.
+impl Eq for Dataset {}
 
 impl Dataset {
     /// Builds a dataset from IDX image and label files (raw or gzip).
@@ -134,6 +142,14 @@ impl Dataset {
         let img = parse_idx(images)?;
         let lab = parse_idx(labels)?;
         Self::from_arrays(img, lab)
+    }
+
+    /// Builds a dataset from `.npy` image and label files ([`parse_npy`]).
+    ///
+    /// # Errors
+    /// [`Error::Data`] when either file is bad or their example counts differ.
+    pub fn from_npy(images: &[u8], labels: &[u8]) -> Result<Self> {
+        Self::from_arrays(parse_npy(images)?, parse_npy(labels)?)
     }
 
     /// Builds a dataset from parsed arrays.
@@ -169,7 +185,34 @@ impl Dataset {
             features,
             pixels: img.data,
             labels: lab.data,
+            scale: Vec::new(),
+            offset: Vec::new(),
         })
+    }
+
+    /// Channels of an image: the last dimension of `H x W x C` images, 1 otherwise.
+    pub fn channels(&self) -> usize {
+        channels_of(&self.image_dims)
+    }
+
+    /// Normalises every batch filled from now on with `n` (`x = (p / 255 - mean[c]) / std[c]`).
+    ///
+    /// # Errors
+    /// As [`Normalize::validate`] for this dataset's channels (nothing changes then).
+    pub fn set_normalize(&mut self, n: &Normalize) -> Result<()> {
+        let c = self.channels();
+        n.validate(c)?;
+        if n.is_identity() {
+            self.scale.clear();
+            self.offset.clear();
+            return Ok(());
+        }
+        let pick = |v: &[f32], i: usize| if v.len() == 1 { v[0] } else { v[i] };
+        self.scale = (0..c).map(|i| 1.0 / (255.0 * pick(&n.std, i))).collect();
+        self.offset = (0..c)
+            .map(|i| -pick(&n.mean, i) / pick(&n.std, i))
+            .collect();
+        Ok(())
     }
 
     /// Number of examples.
@@ -232,6 +275,8 @@ impl Dataset {
             features: self.features,
             pixels: self.pixels[range.start * self.features..range.end * self.features].to_vec(),
             labels: self.labels[range.clone()].to_vec(),
+            scale: self.scale.clone(),
+            offset: self.offset.clone(),
         })
     }
 
@@ -257,21 +302,313 @@ impl Dataset {
         ))
     }
 
-    /// Writes examples `indices` into `x` (as `pixel / 255`) and `y`.
+    /// Writes examples `indices` into `x` (as `pixel / 255`, then normalised per channel when
+    /// [`Dataset::set_normalize`] said so) and `y`.
     ///
     /// # Panics
     /// If `x` is not `indices.len() x features`, `y` is not `indices.len()` long or an index is
     /// out of range: callers size their buffers from this dataset.
     pub fn fill_batch(&self, indices: &[u32], x: &mut ArrayViewMut2<'_, f32>, y: &mut [u8]) {
         assert_eq!(x.dim(), (indices.len(), self.features));
+        let c = self.scale.len();
         for ((mut row, yi), &i) in x.outer_iter_mut().zip(y.iter_mut()).zip(indices) {
             let i = i as usize;
-            for (d, &p) in row.iter_mut().zip(self.pixels(i)) {
-                *d = f32::from(p) * (1.0 / 255.0);
+            if c == 0 {
+                for (d, &p) in row.iter_mut().zip(self.pixels(i)) {
+                    *d = f32::from(p) * (1.0 / 255.0);
+                }
+            } else {
+                for (j, (d, &p)) in row.iter_mut().zip(self.pixels(i)).enumerate() {
+                    let ch = j % c;
+                    *d = f32::from(p) * self.scale[ch] + self.offset[ch];
+                }
             }
             *yi = self.labels[i];
         }
     }
+}
+
+/// Channels of one example of shape `dims`: the last of `[h, w, c]`, 1 otherwise.
+pub fn channels_of(dims: &[usize]) -> usize {
+    if dims.len() == 3 {
+        dims[2]
+    } else {
+        1
+    }
+}
+
+/// Per-channel normalisation every worker applies to a batch, stated in the run spec:
+/// `x = (p / 255 - mean[c]) / std[c]` for pixel `p` of channel `c`. One value applies to every
+/// channel. The default (`mean` and `std` empty) is plain `p / 255`.
+///
+/// As text (`--normalize`): `MEAN/STD` with comma lists for several channels, e.g.
+/// `0.1307/0.3081` (MNIST) or `0.49,0.48,0.45/0.25,0.24,0.26`; `none` for the default.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct Normalize {
+    /// Mean per channel (or one for all), on the `p / 255` scale.
+    #[serde(default)]
+    pub mean: Vec<f32>,
+    /// Standard deviation per channel (or one for all), positive.
+    #[serde(default)]
+    pub std: Vec<f32>,
+}
+
+impl Normalize {
+    /// True for the default, plain `p / 255`.
+    pub fn is_identity(&self) -> bool {
+        self.mean.is_empty() && self.std.is_empty()
+    }
+
+    /// Parses `MEAN/STD` (comma lists per channel) or `none`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for any other text, a non-finite value or a non-positive deviation.
+    pub fn parse(text: &str) -> Result<Self> {
+        let t = text.trim();
+        if t == "none" || t.is_empty() {
+            return Ok(Self::default());
+        }
+        let bad = || {
+            Error::Config(format!("bad normalisation {t:?}: use MEAN/STD, e.g. 0.1307/0.3081, comma lists per channel, or none"))
+        };
+        let (m, s) = t.split_once('/').ok_or_else(bad)?;
+        let list = |v: &str| -> Result<Vec<f32>> {
+            v.split(',')
+                .map(|x| x.trim().parse::<f32>().map_err(|_| bad()))
+                .collect()
+        };
+        let n = Self {
+            mean: list(m)?,
+            std: list(s)?,
+        };
+        n.validate(n.mean.len().max(n.std.len()))?;
+        Ok(n)
+    }
+
+    /// Mean and standard deviation per channel of `data`'s pixels (on the `p / 255` scale).
+    pub fn of(data: &Dataset) -> Self {
+        let c = data.channels();
+        let mut sum = vec![0f64; c];
+        let mut sq = vec![0f64; c];
+        for (j, &p) in data.pixels.iter().enumerate() {
+            let v = f64::from(p) / 255.0;
+            sum[j % c] += v;
+            sq[j % c] += v * v;
+        }
+        let n = (data.pixels.len() / c).max(1) as f64;
+        let mean: Vec<f64> = sum.iter().map(|s| s / n).collect();
+        Self {
+            mean: mean.iter().map(|&m| m as f32).collect(),
+            std: sq
+                .iter()
+                .zip(&mean)
+                .map(|(q, m)| ((q / n - m * m).max(0.0).sqrt().max(1e-3)) as f32)
+                .collect(),
+        }
+    }
+
+    /// Checks the values fit images of `channels` channels.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when `mean` and `std` are not both empty, both of one value or both of
+    /// `channels` values, or a value is not finite or a deviation not positive.
+    pub fn validate(&self, channels: usize) -> Result<()> {
+        if self.is_identity() {
+            return Ok(());
+        }
+        let fits = |n: usize| n == 1 || n == channels;
+        if !fits(self.mean.len()) || !fits(self.std.len()) {
+            return Err(Error::Config(format!(
+                "normalisation has {} means and {} deviations for images of {channels} channels",
+                self.mean.len(),
+                self.std.len()
+            )));
+        }
+        if self.mean.iter().any(|m| !m.is_finite())
+            || self.std.iter().any(|s| !(s.is_finite() && *s > 0.0))
+        {
+            return Err(Error::Config(
+                "normalisation means must be finite and deviations positive".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for Normalize {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.is_identity() {
+            return write!(f, "none");
+        }
+        let list = |v: &[f32]| {
+            v.iter()
+                .map(|x| x.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        write!(f, "{}/{}", list(&self.mean), list(&self.std))
+    }
+}
+
+/// Parses a NumPy `.npy` file (format versions 1, 2 and 3; C order; element types `u1`, and
+/// for images `f4`, for labels also `i1`, `i4`, `i8`, `u4`, `u8`) into unsigned bytes:
+/// - `f4` values in `[0, 1]` are scaled by 255 and rounded; `f4` values that are all
+///   integers in `[0, 255]` are taken as they are; anything else is an error (pixels travel to
+///   workers as bytes; normalise with [`Normalize`] instead);
+/// - integer values must lie in `[0, 255]` (labels are class indices).
+///
+/// # Errors
+/// [`Error::Data`] naming the problem: not an `.npy` file, an unreadable or Fortran-order
+/// header, an unsupported element type, a shape whose data is larger than [`MAX_IDX_BYTES`],
+/// a truncated (or overlong) file, values out of range.
+pub fn parse_npy(bytes: &[u8]) -> Result<IdxArray> {
+    let bad = |m: String| Err(Error::Data(m));
+    if bytes.len() < 10 || &bytes[..6] != b"\x93NUMPY" {
+        return bad("not a .npy file (bad magic)".into());
+    }
+    let (len, start): (usize, usize) = match bytes[6] {
+        1 => (u16::from_le_bytes([bytes[8], bytes[9]]) as usize, 10),
+        2 | 3 if bytes.len() >= 12 => (
+            u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize,
+            12,
+        ),
+        v => return bad(format!(".npy format version {v} is not supported")),
+    };
+    let Some(header) = bytes.get(start..start.saturating_add(len)) else {
+        return bad(".npy header is truncated".into());
+    };
+    let header =
+        std::str::from_utf8(header).map_err(|_| Error::Data(".npy header is not text".into()))?;
+    let field = |key: &str| -> Option<&str> {
+        let at = header.find(&format!("'{key}'"))? + key.len() + 2;
+        let rest = header[at..].trim_start().strip_prefix(':')?.trim_start();
+        Some(rest)
+    };
+    let descr = field("descr")
+        .and_then(|r| r.strip_prefix('\'').and_then(|r| r.split('\'').next()))
+        .ok_or_else(|| Error::Data(format!(".npy header {header:?} has no descr")))?;
+    let fortran = field("fortran_order")
+        .ok_or_else(|| Error::Data(format!(".npy header {header:?} has no fortran_order")))?;
+    if fortran.starts_with("True") {
+        return bad(".npy file is in Fortran order; save it with np.ascontiguousarray".into());
+    }
+    let shape = field("shape")
+        .and_then(|r| r.strip_prefix('('))
+        .and_then(|r| r.split(')').next())
+        .ok_or_else(|| Error::Data(format!(".npy header {header:?} has no shape")))?;
+    let dims = shape
+        .split(',')
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+        .map(|d| {
+            d.parse::<usize>()
+                .map_err(|_| Error::Data(format!(".npy shape ({shape}) is not a list of integers")))
+        })
+        .collect::<Result<Vec<usize>>>()?;
+    if dims.is_empty() || dims.len() > 4 {
+        return bad(format!(
+            ".npy array of shape ({shape}): expected 1 to 4 dimensions"
+        ));
+    }
+    let size = match descr {
+        "|u1" | "<u1" | "u1" | "|i1" | "<i1" | "i1" => 1,
+        "<f4" | "<i4" | "<u4" => 4,
+        "<i8" | "<u8" => 8,
+        d => {
+            return bad(format!(
+                ".npy element type {d:?} is not supported (u1, <f4, or integer labels <i4/<i8)"
+            ))
+        }
+    };
+    let count = dims
+        .iter()
+        .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64))
+        .filter(|&n| n.saturating_mul(size as u64) <= MAX_IDX_BYTES)
+        .ok_or_else(|| Error::Data(format!(".npy shape ({shape}) is too large (over 1 GiB)")))?
+        as usize;
+    let data = &bytes[start + len..];
+    if data.len() != count * size {
+        return bad(format!(
+            ".npy shape ({shape}) of {descr} needs {} bytes of data, the file has {}{}",
+            count * size,
+            data.len(),
+            if data.len() < count * size {
+                " (truncated)"
+            } else {
+                ""
+            }
+        ));
+    }
+    let out_of_range = |i: usize| {
+        Error::Data(format!(
+            ".npy value #{i} is outside [0, 255] (labels must be class indices, pixels bytes)"
+        ))
+    };
+    let values: Vec<u8> = match descr {
+        "<f4" => {
+            let f: Vec<f32> = data
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            let unit = f.iter().all(|v| (0.0..=1.0).contains(v));
+            if !unit
+                && !f
+                    .iter()
+                    .all(|v| (0.0..=255.0).contains(v) && v.fract() == 0.0)
+            {
+                return bad(
+                    ".npy f4 values must all be in [0, 1] or all integers in [0, 255]".into(),
+                );
+            }
+            f.iter()
+                .map(|&v| {
+                    if unit {
+                        (v * 255.0).round() as u8
+                    } else {
+                        v as u8
+                    }
+                })
+                .collect()
+        }
+        _ if size == 1 => {
+            if descr.contains('i') {
+                if let Some(i) = data.iter().position(|&b| b > 127) {
+                    return Err(out_of_range(i));
+                }
+            }
+            data.to_vec()
+        }
+        _ => data
+            .chunks_exact(size)
+            .enumerate()
+            .map(|(i, c)| {
+                let mut v = [0u8; 8];
+                v[..size].copy_from_slice(c);
+                let n = u64::from_le_bytes(v);
+                // Negative values of signed types have the top bit set: out of range too.
+                u8::try_from(n).map_err(|_| out_of_range(i))
+            })
+            .collect::<Result<Vec<u8>>>()?,
+    };
+    Ok(IdxArray { dims, data: values })
+}
+
+/// Writes a version-1 `.npy` file of unsigned bytes (tests and tools).
+pub fn encode_npy_u8(dims: &[usize], data: &[u8]) -> Vec<u8> {
+    let shape: String = dims.iter().map(|d| format!("{d}, ")).collect();
+    let mut header = format!(
+        "{{'descr': '|u1', 'fortran_order': False, 'shape': ({}), }}",
+        shape.trim_end_matches(' ')
+    );
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut out = b"\x93NUMPY\x01\x00".to_vec();
+    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    out.extend_from_slice(data);
+    out
 }
 
 /// Endless shuffled batches over `n` examples: a new permutation every epoch, from a seed.
@@ -379,6 +716,141 @@ mod tests {
         .is_err());
         assert!(Dataset::from_idx(&img, &encode_idx(&[4], &[0; 4])).is_err());
         assert!(Dataset::from_idx(&lab, &lab).is_err());
+    }
+
+    fn npy(descr: &str, shape: &str, data: &[u8], version: u8) -> Vec<u8> {
+        let header =
+            format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}\n");
+        let mut out = b"\x93NUMPY".to_vec();
+        out.extend_from_slice(&[version, 0]);
+        if version == 1 {
+            out.extend_from_slice(&(header.len() as u16).to_le_bytes());
+        } else {
+            out.extend_from_slice(&(header.len() as u32).to_le_bytes());
+        }
+        out.extend_from_slice(header.as_bytes());
+        out.extend_from_slice(data);
+        out
+    }
+
+    #[test]
+    fn npy_files_parse_like_idx() {
+        let (img, lab) = toy();
+        let want = Dataset::from_idx(&img, &lab).unwrap();
+        let pixels: Vec<u8> = (0..5 * 4).map(|i| (i * 10) as u8).collect();
+        let labels = [0u8, 1, 2, 1, 0];
+        let u8_img = encode_npy_u8(&[5, 2, 2], &pixels);
+        assert_eq!(
+            Dataset::from_npy(&u8_img, &encode_npy_u8(&[5], &labels)).unwrap(),
+            want
+        );
+        // v2 header, f4 pixels in [0, 1], int64 labels (NumPy's default integer).
+        let f4: Vec<u8> = pixels
+            .iter()
+            .flat_map(|&p| (f32::from(p) / 255.0).to_le_bytes())
+            .collect();
+        let i8: Vec<u8> = labels
+            .iter()
+            .flat_map(|&l| i64::from(l).to_le_bytes())
+            .collect();
+        let d = Dataset::from_npy(
+            &npy("<f4", "(5, 2, 2)", &f4, 2),
+            &npy("<i8", "(5,)", &i8, 1),
+        )
+        .unwrap();
+        assert_eq!(d, want);
+        // Channels last: N x H x W x C.
+        let c = Dataset::from_npy(
+            &npy("|u1", "(5, 1, 2, 2)", &pixels, 1),
+            &encode_npy_u8(&[5], &labels),
+        )
+        .unwrap();
+        assert_eq!((c.image_dims.clone(), c.channels()), (vec![1, 2, 2], 2));
+    }
+
+    #[test]
+    fn bad_npy_files_are_clear_errors() {
+        let p = [0u8; 8];
+        let cases: [(Vec<u8>, &str); 10] = [
+            (b"PK\x03\x04 a zip".to_vec(), "bad magic"),
+            (npy("|u1", "(2, 4)", &p[..7], 1), "truncated"),
+            (npy("|u1", "(2, 4)", &[0; 9], 1), "needs 8 bytes"),
+            (npy(">f4", "(2,)", &p, 1), "not supported"),
+            (npy("<f8", "(1,)", &p, 1), "not supported"),
+            (npy("|u1", "(65536, 65536, 2)", &p, 1), "too large"),
+            (npy("|u1", "(2, x)", &p, 1), "not a list of integers"),
+            (
+                npy("<i8", "(1,)", &(-1i64).to_le_bytes(), 1),
+                "outside [0, 255]",
+            ),
+            (
+                npy("<f4", "(2,)", &[0, 0, 0x80, 0x3f, 0, 0, 0x20, 0x40], 1),
+                "[0, 1]",
+            ),
+            (
+                npy("|u1", "(1, 1, 1, 1, 1)", &p[..1], 1),
+                "1 to 4 dimensions",
+            ),
+        ];
+        for (bytes, needle) in cases {
+            let msg = parse_npy(&bytes).unwrap_err().to_string();
+            assert!(msg.contains(needle), "{msg:?} lacks {needle:?}");
+        }
+        let mut fortran = npy("|u1", "(2,)", &[1, 2], 1);
+        let at = fortran.windows(5).position(|w| w == b"False").unwrap();
+        fortran.splice(at..at + 5, b"True ".iter().copied());
+        assert!(parse_npy(&fortran)
+            .unwrap_err()
+            .to_string()
+            .contains("Fortran"));
+        assert!(parse_npy(&fortran[..12])
+            .unwrap_err()
+            .to_string()
+            .contains("truncated"));
+        // Mismatched label counts.
+        let err = Dataset::from_npy(
+            &encode_npy_u8(&[2, 2, 2], &p),
+            &encode_npy_u8(&[3], &[0, 1, 2]),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("2 images but 3 labels"), "{err}");
+    }
+
+    #[test]
+    fn normalisation_per_channel() {
+        // Two pixels of two channels: (10, 200), (30, 100).
+        let img = encode_idx(&[1, 1, 2, 2], &[10, 200, 30, 100]);
+        let mut d = Dataset::from_idx(&img, &encode_idx(&[1], &[0])).unwrap();
+        let mut x = ndarray::Array2::zeros((1, 4));
+        let mut y = [0u8];
+        let plain = |d: &Dataset, x: &mut ndarray::Array2<f32>, y: &mut [u8]| {
+            d.fill_batch(&[0], &mut x.view_mut(), y);
+            x.row(0).to_vec()
+        };
+        let before = plain(&d, &mut x, &mut y);
+        d.set_normalize(&Normalize::parse("0.1,0.5/0.2,0.25").unwrap())
+            .unwrap();
+        let after = plain(&d, &mut x, &mut y);
+        for (j, (&a, &b)) in after.iter().zip(&before).enumerate() {
+            let (m, s) = if j % 2 == 0 { (0.1, 0.2) } else { (0.5, 0.25) };
+            assert!((a - (b - m) / s).abs() < 1e-5, "{j}: {a} vs {b}");
+        }
+        // A bad normalisation changes nothing.
+        assert!(d
+            .set_normalize(&Normalize::parse("0.1,0.2,0.3/1").unwrap())
+            .is_err());
+        assert_eq!(plain(&d, &mut x, &mut y), after);
+        d.set_normalize(&Normalize::default()).unwrap();
+        assert_eq!(plain(&d, &mut x, &mut y), before);
+        for bad in ["0.1", "a/b", "0.1/0", "0.1/-1", "nan/1"] {
+            assert!(Normalize::parse(bad).is_err(), "{bad}");
+        }
+        assert_eq!(Normalize::parse("none").unwrap(), Normalize::default());
+        let n = Normalize::parse("0.1307/0.3081").unwrap();
+        assert_eq!(Normalize::parse(&n.to_string()).unwrap(), n);
+        let stats = Normalize::of(&d);
+        assert!((stats.mean[0] - 20.0 / 255.0).abs() < 1e-6);
+        assert!((stats.std[1] - 50.0 / 255.0).abs() < 1e-6);
     }
 
     #[test]

@@ -234,14 +234,13 @@ impl TryFrom<SpecRepr> for ModelSpec {
                 return Err(Error::Config("model has neither layers nor hidden".into()))
             }
         };
-        let spec = Self {
-            inputs: r.inputs,
-            input_shape,
-            layers,
-            classes: r.classes,
-        };
-        spec.validate()?;
-        Ok(spec)
+        if input_shape.iter().product::<usize>() != r.inputs {
+            return Err(Error::Config(format!(
+                "input shape {input_shape:?} does not have {} values",
+                r.inputs
+            )));
+        }
+        Self::from_layers(input_shape, layers, r.classes)
     }
 }
 
@@ -255,6 +254,13 @@ impl From<ModelSpec> for SpecRepr {
             classes: s.classes,
         }
     }
+}
+
+fn is_spatial(l: &Layer) -> bool {
+    matches!(
+        l,
+        Layer::Conv { .. } | Layer::MaxPool { .. } | Layer::AvgPool { .. }
+    )
 }
 
 fn mlp_layers(hidden: &[usize], classes: usize) -> Vec<Layer> {
@@ -289,12 +295,7 @@ impl ModelSpec {
     /// As [`ModelSpec::parse_shaped`].
     pub fn parse(text: &str, inputs: usize, classes: usize) -> Result<Self> {
         let layers = parse_layers(text, classes)?;
-        let spatial = layers.iter().any(|l| {
-            matches!(
-                l,
-                Layer::Conv { .. } | Layer::MaxPool { .. } | Layer::AvgPool { .. }
-            )
-        });
+        let spatial = layers.iter().any(is_spatial);
         let side = (inputs as f64).sqrt().round() as usize;
         let shape = if spatial && side * side == inputs {
             vec![side, side]
@@ -324,8 +325,17 @@ impl ModelSpec {
         layers: Vec<Layer>,
         classes: usize,
     ) -> Result<Self> {
+        // A model without convolution or pooling flattens its input, so its input shape is
+        // stored flat (`[784]` for 28x28 images): its spec and JSON do not depend on the
+        // images' shape, as before layers existed (old checkpoints still match).
+        let inputs = input_shape.iter().product();
+        let input_shape = if layers.iter().any(is_spatial) {
+            input_shape
+        } else {
+            vec![inputs]
+        };
         let spec = Self {
-            inputs: input_shape.iter().product(),
+            inputs,
             input_shape,
             layers,
             classes,
