@@ -19,8 +19,60 @@
 //! slow exchange does not swing `H`. Time is an input (sans-IO): the drivers report it.
 
 use crate::error::{Error, Result};
+use crate::optim::{OptimizerConfig, Rule};
 use serde::{Deserialize, Serialize};
 use std::fmt;
+
+/// How workers exchange with the shards: local steps, their optimizer, and overlap. Part of the
+/// run spec (`"local"` in the join reply; absent means [`LocalConfig::default`], protocol
+/// version 1's behaviour).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LocalConfig {
+    /// Inner steps per push.
+    #[serde(default)]
+    pub steps: LocalSteps,
+    /// The workers' inner optimizer (used when `steps` is not 1). Its state stays on the
+    /// worker, across rounds.
+    #[serde(default = "default_inner")]
+    pub inner: OptimizerConfig,
+    /// Keep the next pull in flight while computing (double-buffered parameters): no step
+    /// waits a full round trip, and each read misses the worker's own last push (one more
+    /// unit of staleness). Only for gradient pushes (`steps` = 1), and never in `sync:K`
+    /// runs, whose pulls wait for the next version.
+    #[serde(default)]
+    pub overlap: bool,
+}
+
+/// The inner optimizer a run gets unless it names one: Adam at learning rate 0.001.
+pub fn default_inner() -> OptimizerConfig {
+    OptimizerConfig {
+        rule: Rule::from_name("adam").unwrap_or(Rule::Sgd),
+        lr: 0.001,
+        weight_decay: 0.0,
+        clip_norm: None,
+    }
+}
+
+impl Default for LocalConfig {
+    fn default() -> Self {
+        Self {
+            steps: LocalSteps::default(),
+            inner: default_inner(),
+            overlap: false,
+        }
+    }
+}
+
+impl LocalConfig {
+    /// Checks the steps and the inner optimizer.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the problem.
+    pub fn validate(&self) -> Result<()> {
+        self.steps.validate()?;
+        self.inner.validate()
+    }
+}
 
 /// The share of wall time communication may take under [`LocalSteps::Auto`].
 pub const COMM_SHARE: f64 = 0.15;

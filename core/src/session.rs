@@ -47,11 +47,12 @@
 //! A gradient buffered from a worker that then left stays in the aggregate: it was computed
 //! from the current version and is as good as the others.
 
+use crate::codec::Encoding;
 use crate::error::Error;
 use crate::partition::KeyRange;
 use crate::shard::{Consistency, Outcome, ShardCore, SspClock};
 use crate::wire::{
-    self, Bye, ErrorCode, Message, Payload, Welcome, HEADER_LEN, MAGIC, MAX_META_LEN,
+    self, Bye, ErrorCode, Message, Payload, Report, Welcome, HEADER_LEN, MAGIC, MAX_META_LEN,
     PROTOCOL_VERSION,
 };
 use std::collections::{BTreeMap, VecDeque};
@@ -80,6 +81,27 @@ pub struct ShardConfig {
     pub heartbeat: f64,
     /// sync: a pull waiting this long (seconds) forces the partial aggregate through.
     pub sync_timeout: f64,
+    /// The most compact encoding the shard sends `Params` in, to a worker that can decode it
+    /// (it falls back through bf16 to f32).
+    pub pull_encoding: Encoding,
+    /// The most compact encoding the shard asks pushes in (int8 blocks, bf16, f32).
+    pub push_encoding: Encoding,
+    /// Ask workers for `Report` frames (shard 0 only).
+    pub reports: bool,
+    /// Pushes are pseudo-gradients (local steps): in async and SSP each is applied at
+    /// 1/(workers connected), so K workers that each moved the model by Δ move it by their
+    /// mean, as a sync aggregate would (applied whole, K concurrent Δs overshoot K-fold).
+    pub pseudo_gradients: bool,
+}
+
+/// The encodings a shard accepts for a direction when its most compact is `best`, most compact
+/// first.
+pub fn fallbacks(best: Encoding) -> Vec<Encoding> {
+    let all = [Encoding::INT8, Encoding::Bf16, Encoding::F32];
+    let from = all.iter().position(|e| e.id() == best.id()).unwrap_or(2);
+    let mut v = vec![best];
+    v.extend(all[from + 1..].iter().copied());
+    v
 }
 
 impl ShardConfig {
@@ -150,6 +172,20 @@ impl ShardState {
     /// The apply path (read-only).
     pub fn core(&self) -> &ShardCore {
         &self.core
+    }
+
+    /// Operator controls (the server's admin API, issue 9): pause or resume pushes (a paused
+    /// shard answers them `busy`, [`ShardCore::set_paused`]).
+    pub fn set_paused(&mut self, paused: bool) {
+        self.core.set_paused(paused);
+    }
+
+    /// Operator controls: the learning rate from the next update on ([`ShardCore::set_lr`]).
+    ///
+    /// # Errors
+    /// A learning rate that is not finite and positive; nothing changes.
+    pub fn set_lr(&mut self, lr: f32) -> crate::Result<()> {
+        self.core.set_lr(lr)
     }
 
     /// Current version.
@@ -235,7 +271,12 @@ impl ShardState {
                 message: e.to_string(),
             };
         }
-        let outcome = self.core.push(base_version, &self.scratch);
+        let scale = if self.cfg.pseudo_gradients {
+            1.0 / self.connected.max(1) as f32
+        } else {
+            1.0
+        };
+        let outcome = self.core.push_scaled(base_version, &self.scratch, scale);
         self.record(&outcome);
         if matches!(outcome, Outcome::Applied { .. } | Outcome::Buffered { .. }) {
             self.clock.tick(worker, now);
@@ -343,6 +384,8 @@ pub enum Record {
     Pulled {
         /// The reader.
         worker: u64,
+        /// Bytes of the Params frame.
+        bytes: usize,
         /// Version sent.
         version: u64,
         /// SSP: the reader's clock.
@@ -358,6 +401,17 @@ pub enum Record {
         outcome: Outcome,
         /// Samples the push claims.
         samples: u32,
+        /// Bytes of the Push frame.
+        bytes: usize,
+    },
+    /// A worker reported its measurements.
+    Reported {
+        /// The worker.
+        worker: u64,
+        /// What it measured.
+        report: Report,
+        /// The encodings this connection negotiated: pulls, pushes.
+        encodings: (Encoding, Encoding),
     },
     /// Any other frame was refused.
     Rejected {
@@ -396,6 +450,9 @@ pub struct ShardSession {
     deferred: VecDeque<Vec<u8>>,
     actions: VecDeque<Action>,
     closed: bool,
+    /// Negotiated in the handshake: what Params are sent in, what pushes should come in.
+    pull_encoding: Encoding,
+    push_encoding: Encoding,
 }
 
 /// The request id of a frame, if its header can be read (32 bytes, right magic); else 0.
@@ -416,6 +473,8 @@ impl ShardSession {
             deferred: VecDeque::new(),
             actions: VecDeque::new(),
             closed: false,
+            pull_encoding: Encoding::F32,
+            push_encoding: Encoding::F32,
         }
     }
 
@@ -541,18 +600,19 @@ impl ShardSession {
         request_id: u32,
         code: ErrorCode,
         message: String,
-        push_samples: Option<u32>,
+        push: Option<(u32, usize)>,
         _now: f64,
     ) {
         let worker = self.worker;
-        let record = match push_samples {
-            Some(samples) => Record::Pushed {
+        let record = match push {
+            Some((samples, bytes)) => Record::Pushed {
                 worker,
                 outcome: Outcome::Rejected {
                     code,
                     message: message.clone(),
                 },
                 samples,
+                bytes,
             },
             None => Record::Rejected { worker, code },
         };
@@ -623,14 +683,21 @@ impl ShardSession {
         }
         self.waiting = None;
         let (version, values) = shard.snapshot();
-        self.send(wire::encode_params(
+        let frame = wire::encode_params_as(
+            self.pull_encoding,
             request_id,
             self.cfg.id,
             version,
             &values,
-        ));
+        )
+        // Parameters are finite (every update is validated), so this does not happen;
+        // if it did, f32 says exactly what the shard holds.
+        .unwrap_or_else(|_| wire::encode_params(request_id, self.cfg.id, version, &values));
+        let bytes = frame.len();
+        self.send(frame);
         self.actions.push_back(Action::Record(Record::Pulled {
             worker,
+            bytes,
             version,
             clock,
             min_clock,
@@ -653,7 +720,7 @@ impl ShardSession {
                 shard,
                 samples,
                 ..
-            } => (*request_id, *shard, Some(*samples)),
+            } => (*request_id, *shard, Some((*samples, bytes.len()))),
             Message::Hello {
                 request_id, shard, ..
             }
@@ -672,7 +739,7 @@ impl ShardSession {
             | Message::Error {
                 request_id, shard, ..
             } => (*request_id, *shard, None),
-            Message::Bye { shard, .. } => (0, *shard, None),
+            Message::Bye { shard, .. } | Message::Report { shard, .. } => (0, *shard, None),
         };
         if addressed != id {
             let m = format!("frame addressed to shard {addressed} arrived at shard {id}");
@@ -715,6 +782,10 @@ impl ShardSession {
                 }
                 let worker = hello.worker_id;
                 self.worker = Some(worker);
+                self.pull_encoding =
+                    Encoding::negotiate(&hello.pull_encodings, &fallbacks(self.cfg.pull_encoding));
+                self.push_encoding =
+                    Encoding::negotiate(&hello.push_encodings, &fallbacks(self.cfg.push_encoding));
                 let version = shard.with(|s| {
                     s.join(worker, now);
                     s.version()
@@ -728,9 +799,9 @@ impl ShardSession {
                         protocol: PROTOCOL_VERSION,
                         range: self.cfg.range,
                         version,
-                        pull_encoding: Default::default(),
-                        push_encoding: Default::default(),
-                        reports: false,
+                        pull_encoding: self.pull_encoding,
+                        push_encoding: self.push_encoding,
+                        reports: self.cfg.reports && self.cfg.id == 0,
                     },
                 }));
             }
@@ -771,6 +842,7 @@ impl ShardSession {
                     worker: Some(worker),
                     outcome,
                     samples,
+                    bytes: bytes.len(),
                 }));
                 self.send(wire::encode(&Message::Ack {
                     request_id,
@@ -780,6 +852,19 @@ impl ShardSession {
                 }));
             }
             Message::Bye { .. } => self.close(shard, "worker said bye".into()),
+            Message::Report { report, .. } => {
+                if !(self.cfg.reports && self.cfg.id == 0) {
+                    let m = "this shard takes no Report frames".to_string();
+                    return self.fail(shard, request_id, ErrorCode::Protocol, m, None, now);
+                }
+                let worker = self.worker.unwrap_or_default();
+                let encodings = (self.pull_encoding, self.push_encoding);
+                self.actions.push_back(Action::Record(Record::Reported {
+                    worker,
+                    report,
+                    encodings,
+                }));
+            }
             Message::Welcome { .. }
             | Message::Params { .. }
             | Message::Ack { .. }
@@ -808,6 +893,10 @@ mod tests {
             consistency,
             heartbeat: 5.0,
             sync_timeout: 2.0,
+            pull_encoding: Encoding::F32,
+            push_encoding: Encoding::F32,
+            reports: false,
+            pseudo_gradients: false,
         };
         let opt = OptimizerConfig {
             rule: Rule::Sgd,

@@ -301,6 +301,8 @@ pub struct ShardCore {
     /// pushes (the reciprocal of their harmonic mean staleness), and how many it has seen.
     inv_staleness_mean: f64,
     scaled_pushes: u64,
+    /// Paused by the operator: pushes are answered [`ErrorCode::Busy`] and change nothing.
+    paused: bool,
 }
 
 impl ShardCore {
@@ -330,6 +332,7 @@ impl ShardCore {
             scratch: Vec::new(),
             inv_staleness_mean: 1.0,
             scaled_pushes: 0,
+            paused: false,
         }
     }
 
@@ -409,6 +412,17 @@ impl ShardCore {
         &self.cfg
     }
 
+    /// Pauses (`true`: every push is answered [`ErrorCode::Busy`], nothing changes) or resumes
+    /// the shard (the admin API's `pause` / `resume`).
+    pub fn set_paused(&mut self, paused: bool) {
+        self.paused = paused;
+    }
+
+    /// Whether pushes are paused.
+    pub fn is_paused(&self) -> bool {
+        self.paused
+    }
+
     /// Changes the learning rate from the next update on (the admin API's `set-lr`).
     ///
     /// # Errors
@@ -457,7 +471,23 @@ impl ShardCore {
     /// # Panics
     /// If `grad` has the wrong length (callers validate input first).
     pub fn push(&mut self, base_version: u64, grad: &[f32]) -> Outcome {
+        self.push_scaled(base_version, grad, 1.0)
+    }
+
+    /// [`ShardCore::push`] with the learning rate of an async/SSP update multiplied by `scale`
+    /// besides the staleness policy's multiplier (pseudo-gradients from K concurrent workers are
+    /// applied at 1/K, see `crate::session`). Sync aggregates ignore it (they average).
+    ///
+    /// # Panics
+    /// If `grad` has the wrong length (callers validate input first).
+    pub fn push_scaled(&mut self, base_version: u64, grad: &[f32], scale: f32) -> Outcome {
         assert_eq!(grad.len(), self.values.len(), "validated gradient length");
+        if self.paused {
+            return Outcome::Rejected {
+                code: ErrorCode::Busy,
+                message: "training is paused by the operator; retry later".into(),
+            };
+        }
         if base_version > self.version {
             return Outcome::Rejected {
                 code: ErrorCode::FutureVersion,
@@ -500,7 +530,7 @@ impl ShardCore {
                         };
                     }
                 }
-                let lr_scale = self.lr_scale(staleness);
+                let lr_scale = self.lr_scale(staleness) * scale;
                 match self.policy.dc_lambda {
                     Some(lambda) if staleness > 0 => {
                         let read = self
@@ -807,6 +837,30 @@ mod tests {
             Arc::make_mut(&mut bad.values)[0] = f32::INFINITY;
             assert!(ShardCore::restore(bad, cfg, policy, Consistency::Async).is_err());
         }
+    }
+
+    #[test]
+    fn a_paused_shard_refuses_pushes_with_busy_and_changes_nothing() {
+        let mut s = ShardCore::new(
+            vec![1.0],
+            sgd(0.1),
+            StalenessPolicy::default(),
+            Consistency::Async,
+        );
+        s.set_paused(true);
+        assert!(matches!(
+            s.push(0, &[1.0]),
+            Outcome::Rejected {
+                code: ErrorCode::Busy,
+                ..
+            }
+        ));
+        assert_eq!((s.version(), s.values()[0]), (0, 1.0));
+        s.set_paused(false);
+        assert!(matches!(
+            s.push(0, &[1.0]),
+            Outcome::Applied { version: 1, .. }
+        ));
     }
 
     #[test]

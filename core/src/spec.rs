@@ -6,7 +6,7 @@
 //! simulator, the loopback and the tests all call it), and checked again with
 //! [`RunSpec::validate`] by whoever receives one.
 
-use crate::data::Dataset;
+use crate::data::{channels_of, Dataset, Normalize};
 use crate::error::{Error, Result};
 use crate::local::LocalConfig;
 use crate::model::ModelSpec;
@@ -75,8 +75,8 @@ impl DataInfo {
 pub struct RunParams {
     /// Distinguishes runs (a restarted server starts a new one).
     pub run_id: String,
-    /// Model text, `softmax` or `mlp:W1[,W2...]` ([`ModelSpec::parse`]); the input and output
-    /// sizes come from `dataset`.
+    /// Model text ([`ModelSpec::parse_shaped`]: `softmax`, `mlp:W1[,W2...]`, `cnn` or a layer
+    /// list); the input shape and the classes come from `dataset`.
     pub model: String,
     /// The shards' optimizer.
     pub optimizer: OptimizerConfig,
@@ -118,6 +118,10 @@ pub struct RunSpec {
     /// per push, no overlap).
     #[serde(default)]
     pub local: LocalConfig,
+    /// Per-channel normalisation every worker applies to its batches (and the evaluator to
+    /// the test set); absent in JSON = plain `p / 255`, the behaviour before it existed.
+    #[serde(default, skip_serializing_if = "Normalize::is_identity")]
+    pub normalize: Normalize,
 }
 
 impl RunSpec {
@@ -129,8 +133,7 @@ impl RunSpec {
     /// [`Error::Config`] for a bad model text, a shard count that is zero or larger than the
     /// parameter count, or anything [`RunSpec::validate`] rejects.
     pub fn build(p: RunParams) -> Result<Self> {
-        let features = p.dataset.image_dims.iter().product();
-        let model = ModelSpec::parse(&p.model, features, p.dataset.classes)?;
+        let model = ModelSpec::parse_shaped(&p.model, &p.dataset.image_dims, p.dataset.classes)?;
         let ranges = partition(model.param_len(), p.shards)?;
         let spec = Self {
             run_id: p.run_id,
@@ -142,6 +145,7 @@ impl RunSpec {
             shards: shard_map(&ranges),
             dataset: p.dataset,
             local: p.local,
+            normalize: Normalize::default(),
         };
         spec.validate()?;
         Ok(spec)
@@ -188,6 +192,8 @@ impl RunSpec {
         if features != self.model.inputs || self.dataset.classes != self.model.classes {
             return Err(Error::Config("dataset does not fit the model".into()));
         }
+        self.normalize
+            .validate(channels_of(&self.dataset.image_dims))?;
         Ok(slicer)
     }
 }
@@ -203,6 +209,11 @@ pub struct JoinRequest {
     /// Optional display name.
     #[serde(default)]
     pub name: Option<String>,
+    /// Optional stable identity of the volunteer across sessions (8 to 64 characters of
+    /// `[A-Za-z0-9_-]`; the browser keeps a random one in localStorage): the key of the
+    /// server's contribution ledger. Absent: the session is not credited to anyone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identity: Option<String>,
 }
 
 impl JoinRequest {
@@ -212,6 +223,7 @@ impl JoinRequest {
             protocol: PROTOCOL_VERSION,
             client,
             name: None,
+            identity: None,
         }
     }
 }
@@ -286,8 +298,10 @@ mod tests {
     #[test]
     fn build_rejects_what_validate_rejects() {
         type Edit = fn(&mut RunParams);
-        let cases: [(&str, Edit); 6] = [
-            ("model", |p| p.model = "cnn".into()),
+        let cases: [(&str, Edit); 7] = [
+            ("model", |p| p.model = "mlp:x".into()),
+            // A 2x3 image is too small for the CNN's 5x5 convolution.
+            ("cnn on 2x3", |p| p.model = "cnn".into()),
             ("no shards", |p| p.shards = 0),
             ("more shards than parameters", |p| p.shards = 10_000),
             ("batch", |p| p.batch_size = 0),

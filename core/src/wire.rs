@@ -61,6 +61,8 @@ pub enum Kind {
     Error = 7,
     /// either way: the sender is going away.
     Bye = 8,
+    /// worker → shard: what the worker measured (only to a shard whose Welcome asked).
+    Report = 9,
 }
 
 impl Kind {
@@ -78,6 +80,7 @@ impl Kind {
             6 => Kind::Ack,
             7 => Kind::Error,
             8 => Kind::Bye,
+            9 => Kind::Report,
             other => return Err(Error::UnknownKind(other)),
         })
     }
@@ -284,6 +287,25 @@ pub struct Welcome {
 
 fn is_f32(e: &Encoding) -> bool {
     *e == Encoding::F32
+}
+
+/// Meta of a `Report`: what a worker measured about itself since it joined, for the dashboard.
+/// Sent at most once a second, on shard 0 only, and only when its Welcome had `reports`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Report {
+    /// Inner steps per push the worker uses now (1 for gradient pushes).
+    pub local_steps: u32,
+    /// Seconds spent computing.
+    pub compute_s: f64,
+    /// Seconds since the session started (computing + waiting).
+    pub wall_s: f64,
+    /// Mean exchange latency (pulls out to parameters in), seconds; 0 before the first.
+    #[serde(default)]
+    pub exchange_s: f64,
+    /// Bytes the worker sent on all its shard connections.
+    pub bytes_up: u64,
+    /// Bytes the worker received on all its shard connections.
+    pub bytes_down: u64,
 }
 
 /// Why a request failed. Codes marked fatal close the connection after the error frame.
@@ -566,6 +588,13 @@ pub enum Message<'a> {
         /// Meta.
         bye: Bye,
     },
+    /// A worker's measurements.
+    Report {
+        /// Shard index.
+        shard: u32,
+        /// Meta.
+        report: Report,
+    },
 }
 
 fn meta<'a, T: Deserialize<'a>>(bytes: &'a [u8], kind: Kind) -> Result<T> {
@@ -588,7 +617,7 @@ pub fn decode(bytes: &[u8], limit: usize) -> Result<Message<'_>> {
     };
     let has_meta = matches!(
         h.kind,
-        Kind::Hello | Kind::Welcome | Kind::Error | Kind::Bye
+        Kind::Hello | Kind::Welcome | Kind::Error | Kind::Bye | Kind::Report
     );
     let has_payload = matches!(h.kind, Kind::Params | Kind::Push);
     if !has_meta && h.meta_len != 0 {
@@ -641,6 +670,10 @@ pub fn decode(bytes: &[u8], limit: usize) -> Result<Message<'_>> {
         Kind::Bye => Message::Bye {
             shard,
             bye: meta(meta_bytes, h.kind)?,
+        },
+        Kind::Report => Message::Report {
+            shard,
+            report: meta(meta_bytes, h.kind)?,
         },
     })
 }
@@ -882,6 +915,9 @@ pub fn encode(msg: &Message<'_>) -> Vec<u8> {
             &[],
         ),
         Message::Bye { shard, bye } => frame(header(Kind::Bye, 0, *shard, 0, 0), &json(bye), &[]),
+        Message::Report { shard, report } => {
+            frame(header(Kind::Report, 0, *shard, 0, 0), &json(report), &[])
+        }
     }
 }
 

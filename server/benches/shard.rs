@@ -29,6 +29,9 @@ fn apply(c: &mut Criterion) {
             consistency: Consistency::Async,
             heartbeat: Duration::from_secs(5),
             sync_timeout: Duration::from_secs(1),
+            pull_encoding: crowdgrad_core::codec::Encoding::F32,
+            push_encoding: crowdgrad_core::codec::Encoding::F32,
+            pseudo_gradients: false,
         };
         let shard = Shard::start(0, KeyRange { start: 0, end: N }, vec![0.1; N], opts);
         let grad = vec![1e-3f32; N];

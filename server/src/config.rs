@@ -24,7 +24,8 @@ pub struct TrainingArgs {
     #[arg(long, default_value = "mlp:128")]
     pub model: String,
     /// The shards' optimizer: sgd, momentum, nesterov, adagrad, rmsprop, adam [default: adagrad;
-    /// with local steps, sgd at lr 1.0, which applies each pseudo-gradient as it is].
+    /// with local steps, the outer optimizer: in sync:K DiLoCo's nesterov at lr 0.7, momentum
+    /// 0.9; in async and ssp sgd at lr 1.0 (each pseudo-gradient is applied at 1/workers)].
     #[arg(long)]
     pub optimizer: Option<String>,
     /// Learning rate [default: sgd 0.1, momentum/nesterov 0.01, adagrad 0.05, rmsprop/adam 0.001].
@@ -73,23 +74,25 @@ pub struct TrainingArgs {
     /// defaults to 256).
     #[arg(long, default_value = "1")]
     pub local_steps: String,
-    /// The workers' inner optimizer under local steps (same names as --optimizer).
-    #[arg(long, default_value = "sgd")]
+    /// The workers' inner optimizer under local steps (same names as --optimizer; its state
+    /// stays on the worker across rounds, as DiLoCo's inner AdamW does).
+    #[arg(long, default_value = "adam")]
     pub inner_optimizer: String,
-    /// The inner optimizer's learning rate [default: that rule's default, sgd 0.1].
+    /// The inner optimizer's learning rate [default: that rule's default, adam 0.001].
     #[arg(long)]
     pub inner_lr: Option<f32>,
     /// Workers keep their next pull in flight while computing (double-buffered parameters;
-    /// each read misses the worker's own last push). Ignored in sync:K.
-    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
+    /// each read misses the worker's own last push). Only with --local-steps 1; ignored in
+    /// sync:K.
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     pub overlap: String,
     /// The most compact encoding shards send parameters in, to workers that can decode it:
     /// f32, bf16.
-    #[arg(long, default_value = "f32")]
+    #[arg(long, default_value = "bf16")]
     pub pull_encoding: String,
     /// The most compact encoding shards ask pushes in: f32, bf16, int8_block (blocks of 256
     /// with one f32 scale each; workers carry the rounding error into their next push).
-    #[arg(long, default_value = "f32")]
+    #[arg(long, default_value = "int8_block")]
     pub push_encoding: String,
 }
 
@@ -164,11 +167,19 @@ impl TrainingArgs {
         let (name, lr) = match (&self.optimizer, pseudo) {
             (Some(n), _) => (n.as_str(), self.lr),
             (None, false) => ("adagrad", self.lr),
-            // Pseudo-gradients already carry the inner learning rate: apply them as they are.
+            // Pseudo-gradients already carry the inner learning rate: DiLoCo's outer Nesterov
+            // step on sync aggregates; async ones are applied as they are (at 1/workers).
+            (None, true) if self.consistency.trim().starts_with("sync:") => {
+                ("nesterov", Some(self.lr.unwrap_or(0.7)))
+            }
             (None, true) => ("sgd", Some(self.lr.unwrap_or(1.0))),
         };
+        let momentum = match (&self.optimizer, pseudo, self.momentum) {
+            (None, true, None) if name == "nesterov" => Some(0.9),
+            (_, _, m) => m,
+        };
         let optimizer =
-            optimizer_from_flags(name, lr, self.momentum, self.weight_decay, self.clip_norm)?;
+            optimizer_from_flags(name, lr, momentum, self.weight_decay, self.clip_norm)?;
         let inner = optimizer_from_flags(&self.inner_optimizer, self.inner_lr, None, 0.0, None)
             .map_err(|e| Error::Config(format!("--inner-optimizer/--inner-lr: {e}")))?;
         let exchange = Exchange {

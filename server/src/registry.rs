@@ -68,6 +68,10 @@ impl WorkerTotals {
 pub struct Counters {
     /// Pull requests served.
     pub pulls: u64,
+    /// Bytes of the push frames received (what workers sent up).
+    pub bytes_up: u64,
+    /// Bytes of the parameter frames sent (what workers received).
+    pub bytes_down: u64,
     /// Pushes applied (in sync mode: accepted into an aggregate).
     pub pushes_applied: u64,
     /// Sync mode: pushes buffered for an aggregate (included in `pushes_applied`).
@@ -178,12 +182,35 @@ pub struct WorkerRecord {
     /// What it did.
     #[serde(flatten)]
     pub counters: Counters,
+    /// What it reported about its exchanges (None until its first `Report`).
+    pub exchange: Option<ExchangeView>,
     #[serde(skip)]
     last_read: Vec<Option<u64>>,
     #[serde(skip)]
     joined: Option<Instant>,
     #[serde(skip)]
     last_seen: Option<Instant>,
+}
+
+/// A worker's exchanges, from its `Report` frames and the shard's own byte counts.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct ExchangeView {
+    /// Inner steps per push it uses now.
+    pub local_steps: u32,
+    /// Pull encoding negotiated (shard 0).
+    pub pull_encoding: String,
+    /// Push encoding negotiated (shard 0).
+    pub push_encoding: String,
+    /// Share of its wall time spent computing (the rest is waiting), 0..1.
+    pub compute_share: f64,
+    /// Mean exchange latency, seconds.
+    pub exchange_s: f64,
+    /// Bytes per second it sent, over the last report interval.
+    pub up_bps: f64,
+    /// Bytes per second it received, over the last report interval.
+    pub down_bps: f64,
+    #[serde(skip)]
+    last: Option<(f64, u64, u64)>,
 }
 
 /// One served pull, as the server's own read log keeps it.
@@ -216,6 +243,8 @@ struct Inner {
     reads: VecDeque<ReadEntry>,
     read_skew_hist: Vec<u64>,
     epoch: Option<Instant>,
+    /// Contributions by stable identity (crate::ledger), kept across restarts by checkpoints.
+    ledger: crate::ledger::Ledger,
 }
 
 /// Cheap-to-clone handle to the registry.
@@ -283,6 +312,7 @@ impl Registry {
                 joined_s: 0.0,
                 last_rejection: None,
                 counters: Counters::default(),
+                exchange: None,
                 last_read: Vec::new(),
                 joined: Some(now),
                 last_seen: Some(now),
@@ -371,6 +401,78 @@ impl Registry {
                 w.last_rejection = Some(format!("{}: {message}", code.name()));
             }
         }
+        if let Some(id) = worker {
+            g.ledger.pushed(id, outcome, samples);
+        }
+    }
+
+    /// Worker `worker` joined as the volunteer `identity` (checked by the caller): its pushes
+    /// and reports count in the ledger from now on.
+    pub fn identify(&self, worker: u64, identity: &str, name: Option<&str>, client: ClientKind) {
+        self.lock().ledger.joined(worker, identity, name, client);
+    }
+
+    /// Runs `f` on the ledger (read-only).
+    pub fn with_ledger<R>(&self, f: impl FnOnce(&crate::ledger::Ledger) -> R) -> R {
+        f(&self.lock().ledger)
+    }
+
+    /// Replaces the ledger (with the one a checkpoint saved).
+    pub fn restore_ledger(&self, ledger: crate::ledger::Ledger) {
+        self.lock().ledger = ledger;
+    }
+
+    /// Bytes moved on `shard` for `worker`: a push frame received (`up`), a parameter frame
+    /// sent (`down`).
+    pub fn traffic(&self, shard: u32, worker: Option<u64>, up: usize, down: usize) {
+        let mut g = self.lock();
+        let (up, down) = (up as u64, down as u64);
+        let add = |c: &mut Counters| {
+            c.bytes_up += up;
+            c.bytes_down += down;
+        };
+        if let Some(c) = g.shards.get_mut(shard as usize) {
+            add(c);
+        }
+        add(&mut g.totals);
+        if let Some(w) = worker.and_then(|id| g.workers.get_mut(&id)) {
+            add(&mut w.counters);
+        }
+    }
+
+    /// `worker` reported its measurements (`Report` on shard 0).
+    pub fn reported(
+        &self,
+        worker: u64,
+        report: &crowdgrad_core::wire::Report,
+        encodings: (crowdgrad_core::codec::Encoding, crowdgrad_core::codec::Encoding),
+    ) {
+        let mut g = self.lock();
+        g.ledger.reported(worker, report.compute_s);
+        let Some(w) = g.workers.get_mut(&worker) else {
+            return;
+        };
+        let v = w.exchange.get_or_insert_with(ExchangeView::default);
+        v.local_steps = report.local_steps;
+        v.pull_encoding = encodings.0.name().into();
+        v.push_encoding = encodings.1.name().into();
+        let finite = |x: f64| if x.is_finite() { x.max(0.0) } else { 0.0 };
+        let (wall, compute) = (finite(report.wall_s), finite(report.compute_s));
+        v.compute_share = if wall > 0.0 {
+            (compute / wall).min(1.0)
+        } else {
+            0.0
+        };
+        v.exchange_s = finite(report.exchange_s);
+        if let Some((t, up, down)) = v.last {
+            let dt = wall - t;
+            if dt > 0.0 {
+                v.up_bps = report.bytes_up.saturating_sub(up) as f64 / dt;
+                v.down_bps = report.bytes_down.saturating_sub(down) as f64 / dt;
+            }
+        }
+        v.last = Some((wall, report.bytes_up, report.bytes_down));
+        w.last_seen = Some(Instant::now());
     }
 
     /// A frame that is not a push was refused on `shard` with `code` (from `worker`, `None`

@@ -116,6 +116,19 @@ impl Shard {
         Self::with_core(id, range, core, opts)
     }
 
+    /// Pauses or resumes pushes (the admin API; a paused shard answers pushes `busy`).
+    pub fn set_paused(&self, paused: bool) {
+        self.state().set_paused(paused);
+    }
+
+    /// Sets the learning rate from the next update on (the admin API).
+    ///
+    /// # Errors
+    /// A learning rate that is not finite and positive; nothing changes.
+    pub fn set_lr(&self, lr: f32) -> crate::Result<()> {
+        Ok(self.state().set_lr(lr)?)
+    }
+
     /// What a checkpoint keeps of this shard, taken under its lock (the values' `Arc` and a
     /// copy of the optimizer state: a memory copy, no I/O).
     pub fn export(&self) -> ShardExport {

@@ -276,6 +276,8 @@ pub struct SimConfig {
     pub heartbeat: f64,
     /// sync:K straggler timeout, seconds.
     pub sync_timeout: f64,
+    /// Local steps, overlap and encodings.
+    pub exchange: crate::config::Exchange,
     /// Keep every read in [`SimResult::reads`] (for tests; costs memory on long runs).
     pub log_reads: bool,
 }
@@ -349,6 +351,7 @@ impl SimArgs {
             fault: Fault::parse(&self.fault)?,
             heartbeat: t.heartbeat_timeout,
             sync_timeout: t.sync_timeout,
+            exchange: t.exchange,
             log_reads: false,
         };
         cfg.validate()?;
@@ -1076,7 +1079,7 @@ mod tests {
         assert_eq!(c.partitions, c.workers);
         assert_eq!(c.optimizer.lr, 0.05);
         type Edit = fn(&mut SimArgs);
-        let cases: [(&str, Edit); 15] = [
+        let cases: [(&str, Edit); 19] = [
             ("workers", |a| a.workers = 0),
             ("consistency", |a| a.training.consistency = "bsp".into()),
             ("staleness", |a| a.training.staleness = "drop".into()),
@@ -1087,7 +1090,11 @@ mod tests {
             ("step", |a| a.step_ms = f64::NAN),
             ("delay", |a| a.delay_ms = -1.0),
             ("lr", |a| a.training.lr = Some(-0.1)),
-            ("model", |a| a.training.model = "cnn".into()),
+            ("model", |a| a.training.model = "lstm".into()),
+            ("local steps", |a| a.training.local_steps = "0".into()),
+            ("inner lr", |a| a.training.inner_lr = Some(f32::NAN)),
+            ("pull encoding", |a| a.training.pull_encoding = "int8_block".into()),
+            ("push encoding", |a| a.training.push_encoding = "fp8".into()),
             ("eval", |a| a.eval_every = 0),
             ("samples", |a| a.samples = Some(0)),
             ("seconds", |a| a.sim_seconds = Some(f64::INFINITY)),

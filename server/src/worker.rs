@@ -46,6 +46,9 @@ pub struct WorkOptions {
     pub max_backoff: Duration,
     /// Extra time each gradient step takes (to play a slow volunteer in experiments).
     pub step_delay: Duration,
+    /// The volunteer's stable identity sent with every join (the server's contribution
+    /// ledger credits it across sessions); `None`: not credited.
+    pub identity: Option<String>,
     /// A private run's join token (sent as `Authorization: Bearer`).
     pub join_token: Option<String>,
     /// Trust only the certificates in this PEM file for `https://` servers (a self-signed
@@ -92,6 +95,7 @@ impl WorkOptions {
             progress: false,
             max_backoff: Duration::from_secs_f64(backoff::CAP_S),
             step_delay: Duration::ZERO,
+            identity: None,
             join_token: None,
             ca: None,
             timeouts: Timeouts::default(),
@@ -119,6 +123,35 @@ pub struct Summary {
     /// The server refused to let the worker join (a private run and a missing or wrong
     /// `--join-token`): the worker gave up instead of retrying.
     pub refused: bool,
+}
+
+/// The identity kept in `path` (created with 32 random hex digits when missing): how
+/// `crowdgrad work` stays the same volunteer across runs.
+///
+/// # Errors
+/// When the file cannot be read or created, or holds an unusable identity.
+pub fn identity_from_file(path: &std::path::Path) -> Result<String> {
+    match std::fs::read_to_string(path) {
+        Ok(s) => {
+            let id = s.trim().to_string();
+            crate::ledger::check_identity(&id)
+                .map_err(|m| Error::Config(format!("identity file {}: {m}", path.display())))?;
+            Ok(id)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let bytes =
+                crate::credential::run_secret().map_err(|e| Error::io("drawing an identity", e))?;
+            let id: String = bytes[..16].iter().map(|b| format!("{b:02x}")).collect();
+            if let Some(dir) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+                std::fs::create_dir_all(dir)
+                    .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+            }
+            std::fs::write(path, format!("{id}\n"))
+                .map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
+            Ok(id)
+        }
+        Err(e) => Err(Error::io(format!("reading {}", path.display()), e)),
+    }
 }
 
 /// Peak resident set size of this process in KiB, from /proc (Linux only).
@@ -214,10 +247,12 @@ async fn join(
     net: &Net,
     http: &str,
     name: Option<String>,
+    identity: Option<String>,
 ) -> std::result::Result<JoinResponse, JoinError> {
     let url = format!("{http}/api/join");
     let mut req = JoinRequest::new(ClientKind::Native);
     req.name = name;
+    req.identity = identity;
     let body = serde_json::to_vec(&req).map_err(|e| Error::Http(e.to_string()))?;
     let net2 = net.clone();
     let (status, bytes) = tokio::task::spawn_blocking(move || -> Result<(u16, Vec<u8>)> {
@@ -440,7 +475,7 @@ async fn session(
     mut shutdown: std::pin::Pin<&mut impl Future<Output = ()>>,
 ) -> Result<End> {
     let prepare = async {
-        let joined = join(net, http, opts.name.clone()).await?;
+        let joined = join(net, http, opts.name.clone(), opts.identity.clone()).await?;
         ids.push(joined.worker_id);
         let data = match cache.get(&joined.partition.images) {
             Some(d) => d.clone(),
