@@ -698,7 +698,9 @@ impl Worker {
             let enc = self.shards[shard].push_encoding;
             let slice = self.slicer.slice(&self.grad, shard);
             let feedback = (enc != Encoding::F32).then(|| &mut self.feedback[shard]);
-            let frame = match wire::encode_push_as(
+            // A non-finite gradient (a diverged model) is not sent: the shard would refuse it,
+            // and the driver's rejoin starts again from the shard's parameters.
+            let frame = wire::encode_push_as(
                 enc,
                 request_id,
                 shard as u32,
@@ -706,12 +708,7 @@ impl Worker {
                 samples,
                 slice,
                 feedback,
-            ) {
-                Ok(f) => f,
-                // A non-finite gradient (a diverged model): send nothing; the shard would
-                // refuse it, and the driver's rejoin starts from the shard's parameters.
-                Err(e) => return Err(e),
-            };
+            )?;
             let slot = &mut self.shards[shard];
             slot.in_flight += 1;
             if self.sync {

@@ -1,0 +1,465 @@
+//! The simulator's flags ([`SimArgs`], with the training flags of `serve` flattened in) and
+//! their checked form ([`SimConfig`]).
+
+use super::*;
+
+/// Flags of `crowdgrad sim`. The training flags ([`TrainingArgs`]: model, optimizer, batch,
+/// seed, shards, consistency, staleness, timeouts) are `crowdgrad serve`'s, flattened; `--mode`
+/// is kept as an alias of `--consistency`.
+#[derive(Debug, Clone, Args)]
+#[command(
+    mut_arg("consistency", |a| a.visible_alias("mode")),
+    mut_arg("shards", |a| a.default_value("1")), // SIM_SHARDS
+)]
+pub struct SimArgs {
+    /// Directory holding the four IDX files (raw or .gz).
+    #[arg(long, default_value = "data/mnist")]
+    pub data_dir: PathBuf,
+    /// Do not fetch MNIST when the data directory is empty.
+    #[arg(long)]
+    pub no_fetch: bool,
+    /// Output directory (run.csv, run.svg, summary.csv, summary.md).
+    #[arg(long, default_value = "sim-out")]
+    pub out: PathBuf,
+    /// Simulated workers.
+    #[arg(long, default_value_t = 8)]
+    pub workers: usize,
+    /// Model, optimizer, batch, seed, shards, consistency, staleness and timeouts (as `serve`).
+    #[command(flatten)]
+    pub training: TrainingArgs,
+    /// Data partitions; worker i trains on partition i mod partitions [default: one per worker].
+    #[arg(long)]
+    pub partitions: Option<usize>,
+    /// Budget: training examples (summed over workers) [default: 200000 unless --sim-seconds].
+    #[arg(long)]
+    pub samples: Option<u64>,
+    /// Budget: simulated seconds.
+    #[arg(long)]
+    pub sim_seconds: Option<f64>,
+    /// Evaluate on the test subset every this many training examples.
+    #[arg(long, default_value_t = 10_000)]
+    pub eval_every: u64,
+    /// Test examples for the periodic evaluations (every n-th example of the test set; 0 = all).
+    /// The final row always uses the full test set.
+    #[arg(long, default_value_t = 2_000)]
+    pub eval_subset: usize,
+    /// Mean compute time of one gradient step, milliseconds.
+    #[arg(long, default_value_t = 50.0)]
+    pub step_ms: f64,
+    /// How worker speeds spread around the mean: `fixed`, `uniform:SPREAD` (mean x U[1-S, 1+S])
+    /// or `lognormal:SIGMA` (mean-preserving).
+    #[arg(long, default_value = "lognormal:0.5")]
+    pub speed: String,
+    /// Per-step jitter: each step's time is multiplied by a mean-one lognormal of this sigma.
+    #[arg(long, default_value_t = 0.1)]
+    pub jitter: f64,
+    /// Mean one-way network latency per message, milliseconds.
+    #[arg(long, default_value_t = 10.0)]
+    pub delay_ms: f64,
+    /// Latency jitter: each message's latency is the mean x U[1-J, 1+J].
+    #[arg(long, default_value_t = 0.5)]
+    pub delay_jitter: f64,
+    /// Link bandwidth in Mbit/s (adds size/bandwidth to each message) [default: unlimited].
+    #[arg(long)]
+    pub mbps: Option<f64>,
+    /// Mean simulated seconds a worker stays before it leaves (exponential) [default: never].
+    #[arg(long)]
+    pub dropout_every: Option<f64>,
+    /// Mean simulated seconds a worker stays away before it comes back (exponential).
+    #[arg(long, default_value_t = 10.0)]
+    pub away: f64,
+    /// How a worker leaves: `disconnect` (closes its connections; rejoins as a new worker) or
+    /// `pause` (goes silent on open connections, like a sleeping laptop, and resumes).
+    #[arg(long, default_value = "disconnect")]
+    pub dropout_kind: String,
+    /// Fraction of faulty workers.
+    #[arg(long, default_value_t = 0.0)]
+    pub faulty: f64,
+    /// What faulty workers push: `nan` (one NaN per push), `noise` (Gaussian noise with the
+    /// gradient's norm) or `scale:F` (the gradient times F).
+    #[arg(long, default_value = "nan")]
+    pub fault: String,
+    /// Run one simulation per value: PARAM=V1,V2,... with PARAM one of consistency (or mode),
+    /// workers, ssp, staleness, lr, faulty, fault, dropout-every, dropout-kind, delay-ms,
+    /// step-ms, batch-size.
+    /// Separate values with `;` when they contain commas (staleness=accept;drop:8,scale).
+    #[arg(long)]
+    pub sweep: Option<String>,
+    /// Print only the summary.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// How per-worker mean step times spread around `--step-ms`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum SpeedDist {
+    /// Every worker has the mean speed.
+    Fixed,
+    /// Mean x U[1 - spread, 1 + spread].
+    Uniform {
+        /// Relative half-width, in [0, 1).
+        spread: f64,
+    },
+    /// Mean x exp(sigma N(0,1) - sigma^2 / 2): mean-preserving, a long tail of slow workers.
+    LogNormal {
+        /// Standard deviation of the log.
+        sigma: f64,
+    },
+}
+
+impl SpeedDist {
+    /// Parses `fixed`, `uniform:SPREAD` or `lognormal:SIGMA`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] on anything else or an out-of-range number.
+    pub fn parse(text: &str) -> Result<Self> {
+        let t = text.trim();
+        let num = |s: &str, ok: &dyn Fn(f64) -> bool| {
+            match s.parse::<f64>() {
+            Ok(v) if v.is_finite() && ok(v) => Ok(v),
+            _ => Err(Error::Config(format!(
+                "bad number in --speed {t:?}: uniform:SPREAD needs 0 <= SPREAD < 1, lognormal:SIGMA needs 0 <= SIGMA <= 3"
+            ))),
+        }
+        };
+        if t == "fixed" {
+            Ok(SpeedDist::Fixed)
+        } else if let Some(s) = t.strip_prefix("uniform:") {
+            Ok(SpeedDist::Uniform {
+                spread: num(s, &|v| (0.0..1.0).contains(&v))?,
+            })
+        } else if let Some(s) = t.strip_prefix("lognormal:") {
+            Ok(SpeedDist::LogNormal {
+                sigma: num(s, &|v| (0.0..=3.0).contains(&v))?,
+            })
+        } else {
+            Err(Error::Config(format!(
+                "unknown --speed {t:?}: use fixed, uniform:SPREAD (0 <= SPREAD < 1) or lognormal:SIGMA (0..3)"
+            )))
+        }
+    }
+}
+
+/// What a faulty worker does to each of its pushes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Fault {
+    /// Puts one NaN in the push: the shard must reject it (and closes the connection, as the
+    /// server does for a non-finite payload).
+    Nan,
+    /// Replaces the gradient by Gaussian noise of the same L2 norm.
+    Noise,
+    /// Multiplies the gradient by a factor.
+    Scale(f32),
+}
+
+impl Fault {
+    /// Parses `nan`, `noise` or `scale:F`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] on anything else.
+    pub fn parse(text: &str) -> Result<Self> {
+        match text.trim() {
+            "nan" => Ok(Fault::Nan),
+            "noise" => Ok(Fault::Noise),
+            t => match t.strip_prefix("scale:").map(str::parse::<f32>) {
+                Some(Ok(f)) if f.is_finite() => Ok(Fault::Scale(f)),
+                _ => Err(Error::Config(format!(
+                    "unknown --fault {t:?}: use nan, noise or scale:F"
+                ))),
+            },
+        }
+    }
+}
+
+/// How a worker leaves for a while.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DropoutKind {
+    /// Closes its connections (the shards see it leave at once) and rejoins later as a new
+    /// worker, like a closed and reopened tab.
+    Disconnect,
+    /// Stays connected but silent (a sleeping laptop): the shards drop it from the SSP clock
+    /// after the heartbeat timeout; it resumes where it stopped.
+    Pause,
+}
+
+/// A checked simulation config. `Default` gives the defaults of `crowdgrad sim`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimConfig {
+    /// Simulated workers.
+    pub workers: usize,
+    /// Parameter shards.
+    pub shards: usize,
+    /// Data partitions (worker i trains on partition i mod partitions).
+    pub partitions: usize,
+    /// Model text, e.g. `mlp:128`.
+    pub model: String,
+    /// The shards' optimizer.
+    pub optimizer: OptimizerConfig,
+    /// Examples per gradient.
+    pub batch_size: usize,
+    /// Consistency mode.
+    pub consistency: Consistency,
+    /// Staleness policy for async/SSP pushes.
+    pub staleness: StalenessPolicy,
+    /// Seed of everything.
+    pub seed: u64,
+    /// Budget in training examples.
+    pub samples: Option<u64>,
+    /// Budget in simulated seconds.
+    pub sim_seconds: Option<f64>,
+    /// Training examples between evaluations.
+    pub eval_every: u64,
+    /// Test examples in periodic evaluations (0: the full test set).
+    pub eval_subset: usize,
+    /// Mean step compute time, seconds.
+    pub step_time: f64,
+    /// Spread of worker speeds.
+    pub speed: SpeedDist,
+    /// Per-step jitter (lognormal sigma).
+    pub jitter: f64,
+    /// Mean one-way latency, seconds.
+    pub delay: f64,
+    /// Relative latency jitter in [0, 1].
+    pub delay_jitter: f64,
+    /// Bandwidth in bits per second, if limited.
+    pub bandwidth: Option<f64>,
+    /// Mean seconds between departures of one worker.
+    pub dropout_every: Option<f64>,
+    /// Mean seconds away.
+    pub away: f64,
+    /// How workers leave.
+    pub dropout_kind: DropoutKind,
+    /// Fraction of faulty workers.
+    pub faulty: f64,
+    /// What they push.
+    pub fault: Fault,
+    /// SSP heartbeat timeout, seconds.
+    pub heartbeat: f64,
+    /// sync:K straggler timeout, seconds.
+    pub sync_timeout: f64,
+    /// Local steps, overlap and encodings.
+    pub exchange: crate::config::Exchange,
+    /// Keep every read in [`SimResult::reads`] (for tests; costs memory on long runs).
+    pub log_reads: bool,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct P {
+            #[command(flatten)]
+            a: SimArgs,
+        }
+        P::parse_from(["sim"])
+            .a
+            .check()
+            .expect("the defaults of `crowdgrad sim` are valid")
+    }
+}
+
+/// `--shards` of `crowdgrad sim` when not given.
+pub const SIM_SHARDS: usize = 1;
+
+/// Default budget when neither `--samples` nor `--sim-seconds` is given.
+pub const DEFAULT_SAMPLES: u64 = 200_000;
+
+impl SimArgs {
+    /// Parses and validates the flags.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the first bad flag.
+    pub fn check(&self) -> Result<SimConfig> {
+        // The same flags, defaults and checks as `serve`.
+        let t = self.training.check(SIM_SHARDS)?;
+        let dropout_kind = match self.dropout_kind.trim() {
+            "disconnect" => DropoutKind::Disconnect,
+            "pause" => DropoutKind::Pause,
+            other => {
+                return Err(Error::Config(format!(
+                    "unknown --dropout-kind {other:?}: use disconnect or pause"
+                )))
+            }
+        };
+        let samples = match (self.samples, self.sim_seconds) {
+            (None, None) => Some(DEFAULT_SAMPLES),
+            (s, _) => s,
+        };
+        let cfg = SimConfig {
+            workers: self.workers,
+            shards: t.shards,
+            partitions: self.partitions.unwrap_or(self.workers),
+            model: t.model,
+            optimizer: t.optimizer,
+            batch_size: t.batch_size,
+            consistency: t.consistency,
+            staleness: t.staleness,
+            seed: t.seed,
+            samples,
+            sim_seconds: self.sim_seconds,
+            eval_every: self.eval_every,
+            eval_subset: self.eval_subset,
+            step_time: self.step_ms / 1e3,
+            speed: SpeedDist::parse(&self.speed)?,
+            jitter: self.jitter,
+            delay: self.delay_ms / 1e3,
+            delay_jitter: self.delay_jitter,
+            bandwidth: self.mbps.map(|m| m * 1e6),
+            dropout_every: self.dropout_every,
+            away: self.away,
+            dropout_kind,
+            faulty: self.faulty,
+            fault: Fault::parse(&self.fault)?,
+            heartbeat: t.heartbeat_timeout,
+            sync_timeout: t.sync_timeout,
+            exchange: t.exchange,
+            log_reads: false,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}
+
+impl SimConfig {
+    /// Checks every value is in range (the fields are public, so [`run`] checks again).
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the first bad value.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Config(m));
+        self.optimizer.validate()?;
+        ModelSpec::parse(&self.model, 784, 10)?;
+        let finite = |v: f64| v.is_finite();
+        // Each simulated worker holds its parameters and gradient (~1 MB for the default MLP).
+        if !(1..=1024).contains(&self.workers) {
+            return bad(format!("--workers {} must be in 1..=1024", self.workers));
+        }
+        if !(1..=256).contains(&self.shards) {
+            return bad(format!("--shards {} must be in 1..=256", self.shards));
+        }
+        if !(1..=10_000).contains(&self.partitions) {
+            return bad(format!(
+                "--partitions {} must be in 1..=10000",
+                self.partitions
+            ));
+        }
+        if !(1..=4096).contains(&self.batch_size) {
+            return bad(format!(
+                "--batch-size {} must be in 1..=4096",
+                self.batch_size
+            ));
+        }
+        match (self.samples, self.sim_seconds) {
+            (None, None) => return bad("give a budget: --samples or --sim-seconds".into()),
+            (Some(0), _) => return bad("--samples must be positive".into()),
+            (_, Some(s)) if !(finite(s) && s > 0.0 && s <= 1e7) => {
+                return bad(format!("--sim-seconds {s} must be in (0, 1e7]"))
+            }
+            _ => {}
+        }
+        if self.eval_every == 0 {
+            return bad("--eval-every must be positive".into());
+        }
+        if !(finite(self.step_time) && self.step_time > 0.0 && self.step_time <= 3600.0) {
+            return bad(format!(
+                "--step-ms {} must be in (0, 3600000]",
+                self.step_time * 1e3
+            ));
+        }
+        if !(finite(self.jitter) && (0.0..=3.0).contains(&self.jitter)) {
+            return bad(format!("--jitter {} must be in [0, 3]", self.jitter));
+        }
+        if !(finite(self.delay) && (0.0..=3600.0).contains(&self.delay)) {
+            return bad(format!(
+                "--delay-ms {} must be in [0, 3600000]",
+                self.delay * 1e3
+            ));
+        }
+        if !(finite(self.delay_jitter) && (0.0..=1.0).contains(&self.delay_jitter)) {
+            return bad(format!(
+                "--delay-jitter {} must be in [0, 1]",
+                self.delay_jitter
+            ));
+        }
+        if let Some(b) = self.bandwidth {
+            if !(finite(b) && b >= 1e3) {
+                return bad(format!("--mbps {} must be at least 0.001", b / 1e6));
+            }
+        }
+        if let Some(d) = self.dropout_every {
+            if !(finite(d) && d > 0.0 && d <= 1e7) {
+                return bad(format!("--dropout-every {d} must be in (0, 1e7]"));
+            }
+        }
+        if !(finite(self.away) && self.away > 0.0 && self.away <= 1e7) {
+            return bad(format!("--away {} must be in (0, 1e7]", self.away));
+        }
+        if !(finite(self.faulty) && (0.0..=1.0).contains(&self.faulty)) {
+            return bad(format!("--faulty {} must be in [0, 1]", self.faulty));
+        }
+        for (flag, v) in [
+            ("--heartbeat-timeout", self.heartbeat),
+            ("--sync-timeout", self.sync_timeout),
+        ] {
+            if !(finite(v) && (0.01..=3600.0).contains(&v)) {
+                return bad(format!("{flag} {v} must be between 0.01 and 3600 seconds"));
+            }
+        }
+        Ok(())
+    }
+
+    /// A one-line description for titles and logs.
+    pub fn describe(&self) -> String {
+        self.describe_except("")
+    }
+
+    /// [`SimConfig::describe`] without the part a sweep varies (`param` as in `--sweep`).
+    pub fn describe_except(&self, param: &str) -> String {
+        let mut parts = Vec::new();
+        if param != "workers" {
+            parts.push(format!("{} workers", self.workers));
+        }
+        if !matches!(param, "consistency" | "mode" | "ssp") {
+            parts.push(self.consistency.to_string());
+        }
+        if param != "staleness" {
+            parts.push(format!("staleness {}", self.staleness));
+        }
+        if param != "lr" {
+            parts.push(format!("lr {}", self.optimizer.lr));
+        }
+        if param != "batch-size" {
+            parts.push(format!("batch {}", self.batch_size));
+        }
+        if self.faulty > 0.0 || param == "fault" {
+            let share = if param == "faulty" {
+                String::new()
+            } else {
+                format!("{:.1}% ", self.faulty * 100.0)
+            };
+            let kind = match (param, self.fault) {
+                ("fault", _) => String::new(),
+                (_, Fault::Nan) => " (nan)".into(),
+                (_, Fault::Noise) => " (noise)".into(),
+                (_, Fault::Scale(f)) => format!(" (scale:{f})"),
+            };
+            parts.push(format!("{share}faulty{kind}"));
+        }
+        if let Some(every) = self.dropout_every {
+            let kind = match self.dropout_kind {
+                DropoutKind::Disconnect => "disconnect",
+                DropoutKind::Pause => "pause",
+            };
+            let mut d = String::from("dropouts");
+            if param != "dropout-every" {
+                let _ = write!(d, " every ~{every} s");
+            }
+            let _ = write!(d, " for ~{} s", self.away);
+            if param != "dropout-kind" {
+                let _ = write!(d, " ({kind})");
+            }
+            parts.push(d);
+        }
+        parts.join(", ")
+    }
+}
