@@ -1,0 +1,167 @@
+#!/usr/bin/env node
+// Browser test, TLS and a private run: the release server serves https/wss directly
+// (`--tls-cert/--tls-key`, a self-signed certificate made here with openssl) and requires a
+// join token; a headless Chromium tab (playwright-core driving /usr/bin/chromium, told to accept
+// the test certificate) opens the page with `#token=...`, clicks Contribute and trains over wss.
+// A second tab without the token is refused (401) and never trains. The token never shows up
+// in the page or the status.
+//
+//   node tests/browser/tls.mjs     (after `cargo xtask build-web` and a release build;
+//                                   `cargo xtask test` runs it after e2e.mjs)
+//
+// Everything binds 127.0.0.1, every wait is bounded (TLS_TIMEOUT_S, default 240), child
+// processes are killed on exit, and the last line is `N passed, M failed`.
+
+import { execFileSync, spawn } from 'node:child_process';
+import fs from 'node:fs';
+import net from 'node:net';
+import os from 'node:os';
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { chromium } from 'playwright-core';
+
+// Only this test's own status requests go to the self-signed server.
+process.env.NODE_TLS_REJECT_UNAUTHORIZED = '0';
+
+const ROOT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '../..');
+const TARGET = process.env.CARGO_TARGET_DIR || path.join(ROOT, 'target');
+const SERVER = process.env.CROWDGRAD_BIN || path.join(TARGET, 'release/crowdgrad');
+const CHROMIUM = process.env.CHROMIUM || '/usr/bin/chromium';
+const OUT = path.join(TARGET, 'browser');
+const LIMIT_S = Number(process.env.TLS_TIMEOUT_S || 240);
+const TOKEN = 'tls-e2e-Vq3k9';
+
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+const results = [];
+const check = (name, ok, detail = '') => {
+  results.push(!!ok);
+  console.log(`${ok ? 'ok  ' : 'FAIL'} ${name}${detail ? ` (${detail})` : ''}`);
+};
+const children = new Set();
+let context = null;
+let tmp = null;
+
+function finish() {
+  const passed = results.filter(Boolean).length;
+  console.log(`${passed} passed, ${results.length - passed} failed`);
+  process.exit(results.length > 0 && passed === results.length ? 0 : 1);
+}
+
+async function cleanup() {
+  if (context) await Promise.race([context.close().catch(() => {}), sleep(10_000)]);
+  for (const c of children) {
+    try { c.kill('SIGKILL'); } catch { /* gone */ }
+  }
+  if (tmp) fs.rmSync(tmp, { recursive: true, force: true });
+}
+
+process.on('exit', () => children.forEach((c) => { try { c.kill('SIGKILL'); } catch { /* gone */ } }));
+const watchdog = setTimeout(async () => {
+  check(`whole test within ${LIMIT_S} s`, false);
+  await cleanup();
+  finish();
+}, LIMIT_S * 1000);
+watchdog.unref();
+
+async function waitFor(what, fn, timeoutMs, intervalMs = 250) {
+  const end = Date.now() + timeoutMs;
+  let last = null;
+  while (Date.now() < end) {
+    try {
+      const v = await fn();
+      if (v) return v;
+    } catch (e) {
+      last = e;
+    }
+    await sleep(intervalMs);
+  }
+  throw new Error(`timed out waiting for ${what}${last ? ` (${last.message})` : ''}`);
+}
+
+function freePort() {
+  return new Promise((resolve, reject) => {
+    const s = net.createServer();
+    s.on('error', reject);
+    s.listen(0, '127.0.0.1', () => {
+      const { port } = s.address();
+      s.close(() => resolve(port));
+    });
+  });
+}
+
+async function status(base) {
+  const r = await fetch(`${base}/api/status`, { signal: AbortSignal.timeout(3_000) });
+  if (!r.ok) throw new Error(`status ${r.status}`);
+  return r.json();
+}
+
+async function main() {
+  fs.mkdirSync(OUT, { recursive: true });
+  tmp = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-tls-'));
+  const cert = path.join(tmp, 'cert.pem');
+  const key = path.join(tmp, 'key.pem');
+  execFileSync('openssl', ['req', '-x509', '-newkey', 'ec', '-pkeyopt', 'ec_paramgen_curve:P-256',
+    '-nodes', '-days', '2', '-subj', '/CN=localhost',
+    '-addext', 'subjectAltName=IP:127.0.0.1,DNS:localhost', '-keyout', key, '-out', cert],
+  { stdio: 'ignore' });
+
+  const port = await freePort();
+  const base = `https://127.0.0.1:${port}`;
+  const logFd = fs.openSync(path.join(OUT, 'server-tls.log'), 'w');
+  const server = spawn(SERVER, ['serve', '--addr', `127.0.0.1:${port}`, '--model', 'softmax',
+    '--data-dir', path.join(ROOT, 'data/mnist'), '--web-dir', path.join(ROOT, 'web'),
+    '--tls-cert', cert, '--tls-key', key],
+  { cwd: ROOT, stdio: ['ignore', logFd, logFd], env: { ...process.env, CROWDGRAD_JOIN_TOKEN: TOKEN } });
+  children.add(server);
+  await waitFor('the https server', () => status(base), 120_000, 200);
+  console.log(`server up at ${base}`);
+
+  tmp && fs.mkdirSync(path.join(tmp, 'profile'));
+  context = await chromium.launchPersistentContext(path.join(tmp, 'profile'), {
+    executablePath: CHROMIUM,
+    headless: true,
+    ignoreHTTPSErrors: true,
+    args: ['--headless', '--no-sandbox', '--disable-gpu', '--no-first-run',
+      '--ignore-certificate-errors', '--disable-background-networking'],
+  });
+  const page = context.pages()[0] || await context.newPage();
+  await page.goto(`${base}/#token=${TOKEN}`, { waitUntil: 'load', timeout: 60_000 });
+  check('the token is taken off the address bar', !page.url().includes(TOKEN), page.url());
+  await page.getByRole('button', { name: 'Contribute' }).click({ timeout: 30_000 });
+  const accepted = await waitFor('an accepted push from the tab over wss', async () => {
+    const n = Number(((await page.locator('#my-accepted').textContent()) || '').replace(/[^0-9]/g, '') || 0);
+    return n > 20 ? n : null;
+  }, 90_000, 200);
+  check('a tab trains over https/wss in a private run', accepted > 20, `${accepted} accepted`);
+
+  // Without the token: the join is refused, nothing trains.
+  const other = await context.newPage();
+  await other.goto(`${base}/`, { waitUntil: 'load', timeout: 60_000 });
+  await other.getByRole('button', { name: 'Contribute' }).click({ timeout: 30_000 });
+  const refused = await waitFor('the tokenless tab to report the refusal', async () => {
+    const p = await other.evaluate(() => window.crowdgrad && window.crowdgrad.volunteer.progress);
+    return p && p.error && /401/.test(p.error) ? p.error : null;
+  }, 30_000, 200).catch((e) => e.message);
+  check('a tab without the token is refused with 401', /401/.test(refused), refused);
+  const fieldShown = await other.locator('#join-token-label').isVisible();
+  check('the page offers a token field for a private run', fieldShown);
+
+  const s = await status(base);
+  const browsers = s.totals.workers.browser;
+  check('exactly one browser worker registered', browsers.registered === 1, JSON.stringify(browsers));
+  check('the refused join is counted', s.limits.joins_unauthorized >= 1, JSON.stringify(s.limits));
+  const html = await page.content();
+  check('no token in the page or the status', !html.includes(TOKEN) && !JSON.stringify(s).includes(TOKEN));
+  await page.screenshot({ path: path.join(OUT, 'tls.png') });
+
+  server.kill('SIGTERM');
+  const stopped = await Promise.race([new Promise((r) => server.on('exit', () => r(true))), sleep(10_000)]);
+  check('the server stops on SIGTERM', stopped === true);
+}
+
+main()
+  .catch((e) => check('tls browser test ran', false, e.stack || String(e)))
+  .finally(async () => {
+    await cleanup();
+    finish();
+  });
