@@ -94,6 +94,61 @@ pub struct ShardConfig {
     pub pseudo_gradients: bool,
 }
 
+/// How a run's shards are set up: everything of [`ShardConfig`] but the shard's id and range,
+/// and the update rules. One place turns it into a shard, for the server, the simulator, the
+/// loopback and the tests alike.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ShardSetup {
+    /// The update rule.
+    pub optimizer: crate::optim::OptimizerConfig,
+    /// Staleness policy for async/SSP pushes.
+    pub staleness: crate::shard::StalenessPolicy,
+    /// Consistency mode.
+    pub consistency: Consistency,
+    /// SSP heartbeat timeout, seconds.
+    pub heartbeat: f64,
+    /// sync straggler timeout, seconds.
+    pub sync_timeout: f64,
+    /// Most compact pull encoding.
+    pub pull_encoding: Encoding,
+    /// Most compact push encoding.
+    pub push_encoding: Encoding,
+    /// Ask for `Report` frames on shard 0.
+    pub reports: bool,
+    /// Pushes are pseudo-gradients.
+    pub pseudo_gradients: bool,
+}
+
+impl ShardSetup {
+    /// The description of shard `id` over `range`.
+    pub fn config(&self, id: u32, range: KeyRange) -> ShardConfig {
+        ShardConfig {
+            id,
+            range,
+            consistency: self.consistency,
+            heartbeat: self.heartbeat,
+            sync_timeout: self.sync_timeout,
+            pull_encoding: self.pull_encoding,
+            push_encoding: self.push_encoding,
+            reports: self.reports,
+            pseudo_gradients: self.pseudo_gradients,
+        }
+    }
+
+    /// A fresh apply path over `values`.
+    pub fn core(&self, values: Vec<f32>) -> ShardCore {
+        ShardCore::new(values, self.optimizer, self.staleness, self.consistency)
+    }
+
+    /// Shard `id` over `range`, holding `values` at version 0.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when `values` does not fit the range.
+    pub fn state(&self, id: u32, range: KeyRange, values: Vec<f32>) -> crate::Result<ShardState> {
+        ShardState::new(self.config(id, range), self.core(values))
+    }
+}
+
 /// The encodings a shard accepts for a direction when its most compact is `best`, most compact
 /// first.
 pub fn fallbacks(best: Encoding) -> Vec<Encoding> {

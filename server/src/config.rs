@@ -538,6 +538,20 @@ impl ServeArgs {
 }
 
 impl ServeConfig {
+    /// The options every in-process shard of this server runs with.
+    pub fn shard_options(&self) -> crate::shard::ShardOptions {
+        crate::shard::ShardOptions {
+            optimizer: self.optimizer,
+            staleness: self.staleness,
+            consistency: self.consistency,
+            heartbeat: self.heartbeat_timeout,
+            sync_timeout: self.sync_timeout,
+            pull_encoding: self.exchange.pull_encoding,
+            push_encoding: self.exchange.push_encoding,
+            pseudo_gradients: self.exchange.local.steps.pseudo_gradients(),
+        }
+    }
+
     /// The defaults of `crowdgrad serve` with the given data directory (for tests and benches).
     pub fn defaults(data_dir: impl Into<PathBuf>) -> Self {
         use clap::Parser;

@@ -13,15 +13,18 @@
 //! - [`worker`]: the native worker (tokio-tungstenite) driving core's sans-IO worker.
 //! - [`bench`]: end-to-end benchmarks.
 
+pub mod admin;
 pub mod app;
 pub mod bench;
 pub mod checkpoint;
 pub mod config;
+pub mod ctl;
 pub mod credential;
 pub mod data;
 pub mod error;
 pub mod handler;
 pub mod http;
+pub mod ledger;
 pub mod limits;
 pub mod listener;
 pub mod metrics;
@@ -118,16 +121,7 @@ pub async fn run(
         if remote.is_some() {
             break;
         }
-        let opts = shard::ShardOptions {
-            optimizer: cfg.optimizer,
-            staleness: cfg.staleness,
-            consistency: cfg.consistency,
-            heartbeat: cfg.heartbeat_timeout,
-            sync_timeout: cfg.sync_timeout,
-            pull_encoding: cfg.exchange.pull_encoding,
-            push_encoding: cfg.exchange.push_encoding,
-            pseudo_gradients: cfg.exchange.local.steps.pseudo_gradients(),
-        };
+        let opts = cfg.shard_options();
         shards.push(match saved.as_mut().and_then(Iterator::next) {
             Some(export) => Shard::restore(i as u32, *r, export, opts)?,
             None => Shard::start(i as u32, *r, initial[r.start..r.end].to_vec(), opts),
@@ -152,6 +146,12 @@ pub async fn run(
         // Every Hello must carry the credential its join handed out (crate::credential).
         s.require_credential(secret.as_bytes().to_vec());
     }
+    let (admin, generated) = admin::Admin::new(cfg.admin_token.clone(), cfg.optimizer.lr)
+        .map_err(|e| Error::io("admin token", e))?;
+    if let Some(token) = generated {
+        // Printed once, on stdout, never logged (crate::admin).
+        println!("admin token (for crowdgrad ctl and /api/admin; shown only now): {token}");
+    }
     let (stop_tx, stop_rx) = watch::channel(false);
     let app = Arc::new(App {
         limits: limits::Limits::new(cfg.limits),
@@ -173,10 +173,17 @@ pub async fn run(
         metrics: Default::default(),
         remote,
         checkpoints: checkpoints.clone(),
+        admin,
     });
     if let Some(r) = app.remote.clone() {
         let stop = app.shutdown.clone();
         tokio::spawn(async move { r.monitor(stop).await });
+    }
+    if let Some(r) = &restored {
+        match ledger::Ledger::restore(&r.ledger) {
+            Ok(l) => app.registry.restore_ledger(l),
+            Err(e) => tracing::warn!(%e, "the checkpoint's ledger is unusable; starting it empty"),
+        }
     }
     let stop_tx = Arc::new(stop_tx);
     let stopper = stop_tx.clone();
@@ -187,8 +194,12 @@ pub async fn run(
     let router = http::router(app.clone());
     // Our own accept loop rather than `axum::serve`: it counts every TCP connection, per IP
     // too, bounds the header read and the TLS handshake (crate::listener).
+    let admin_stop = app.admin.stopped();
     listener::serve(listener, router, app.clone(), tls, async move {
-        shutdown.await;
+        tokio::select! {
+            _ = shutdown => {}
+            _ = admin_stop => {}
+        }
         tracing::info!("shutting down: closing worker connections");
         let _ = stopper.send(true);
     })
@@ -196,7 +207,12 @@ pub async fn run(
     let served = Ok(());
     // Axum's graceful shutdown does not wait for upgraded connections (axum #3003): do it here.
     app.tracker.close();
-    let _ = tokio::time::timeout(DRAIN, app.tracker.wait()).await;
+    // `ctl stop` does not wait for the connections (crate::admin).
+    let wait = match app.admin.stop_mode() {
+        Some(admin::StopMode::Stop) => Duration::ZERO,
+        _ => DRAIN,
+    };
+    let _ = tokio::time::timeout(wait, app.tracker.wait()).await;
     let _ = evaluator.await;
     // Every connection is done, so every acknowledged push is in the shards: the final
     // checkpoint holds them all. A failure here is the run's error (exit code 1).

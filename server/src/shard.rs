@@ -19,7 +19,7 @@ use arc_swap::ArcSwap;
 use crowdgrad_core::codec::Encoding;
 use crowdgrad_core::optim::OptimizerConfig;
 use crowdgrad_core::partition::KeyRange;
-use crowdgrad_core::session::{Admission, ShardAccess, ShardConfig, ShardState};
+use crowdgrad_core::session::{Admission, ShardAccess, ShardConfig, ShardSetup, ShardState};
 use crowdgrad_core::shard::{Consistency, ShardCore, ShardExport, StalenessPolicy};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -91,6 +91,24 @@ pub struct ShardOptions {
     pub pseudo_gradients: bool,
 }
 
+impl ShardOptions {
+    /// The same options in seconds, as core's shard session takes them (the server asks for
+    /// `Report` frames).
+    pub fn setup(&self) -> ShardSetup {
+        ShardSetup {
+            optimizer: self.optimizer,
+            staleness: self.staleness,
+            consistency: self.consistency,
+            heartbeat: self.heartbeat.as_secs_f64(),
+            sync_timeout: self.sync_timeout.as_secs_f64(),
+            pull_encoding: self.pull_encoding,
+            push_encoding: self.push_encoding,
+            reports: true,
+            pseudo_gradients: self.pseudo_gradients,
+        }
+    }
+}
+
 impl Shard {
     /// Starts shard `id` over `range` with `initial` values.
     ///
@@ -141,17 +159,7 @@ impl Shard {
         core: ShardCore,
         opts: ShardOptions,
     ) -> crate::Result<Self> {
-        let cfg = ShardConfig {
-            id,
-            range,
-            consistency: opts.consistency,
-            heartbeat: opts.heartbeat.as_secs_f64(),
-            sync_timeout: opts.sync_timeout.as_secs_f64(),
-            pull_encoding: opts.pull_encoding,
-            push_encoding: opts.push_encoding,
-            reports: true,
-            pseudo_gradients: opts.pseudo_gradients,
-        };
+        let cfg = opts.setup().config(id, range);
         let (version, values) = (core.version(), core.values().clone());
         let state = ShardState::new(cfg, core)?;
         Ok(Self {

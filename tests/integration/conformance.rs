@@ -6,8 +6,7 @@ use crate::util::{config, get, join, server};
 use crowdgrad::config::ServeConfig;
 use crowdgrad::sim::shard::{Output, ShardDriver};
 use crowdgrad_core::partition::partition;
-use crowdgrad_core::session::{ShardConfig, ShardState};
-use crowdgrad_core::shard::{Consistency, ShardCore, StalenessPolicy};
+use crowdgrad_core::shard::{Consistency, StalenessPolicy};
 use crowdgrad_core::wire::{self, Bye, ClientKind, Hello, Message as Frame, PROTOCOL_VERSION};
 use futures_util::{SinkExt, StreamExt};
 use std::collections::{BTreeMap, BinaryHeap};
@@ -219,24 +218,12 @@ fn through_sim(cfg: &ServeConfig, server: &Played, script: Script) -> Played {
         .iter()
         .enumerate()
         .map(|(i, r)| {
-            let core = ShardCore::new(
-                initial[r.start..r.end].to_vec(),
-                cfg.optimizer,
-                cfg.staleness,
-                cfg.consistency,
-            );
-            let sc = ShardConfig {
-                id: i as u32,
-                range: *r,
-                consistency: cfg.consistency,
-                heartbeat: cfg.heartbeat_timeout.as_secs_f64(),
-                sync_timeout: cfg.sync_timeout.as_secs_f64(),
-                pull_encoding: cfg.exchange.pull_encoding,
-                push_encoding: cfg.exchange.push_encoding,
-                reports: true,
-                pseudo_gradients: cfg.exchange.local.steps.pseudo_gradients(),
-            };
-            let mut d = ShardDriver::new(ShardState::new(sc, core).expect("state"));
+            let state = cfg
+                .shard_options()
+                .setup()
+                .state(i as u32, *r, initial[r.start..r.end].to_vec())
+                .expect("state");
+            let mut d = ShardDriver::new(state);
             for &id in &server.ids {
                 d.register(id);
             }

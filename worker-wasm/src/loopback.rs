@@ -5,12 +5,13 @@
 //! and an MNIST-shaped dataset from a seed. Used by `tests/parity.rs` (natively and as wasm) and
 //! `examples/step_time.rs` (native step timing, to compare with the browser's).
 
+use crowdgrad_core::codec::Encoding;
 use crowdgrad_core::data::{encode_idx, Dataset};
 use crowdgrad_core::model::Model;
 use crowdgrad_core::optim::OptimizerConfig;
 use crowdgrad_core::rng::Rng;
-use crowdgrad_core::session::{Action, ShardConfig, ShardSession, ShardState};
-use crowdgrad_core::shard::{Consistency, ShardCore, StalenessPolicy};
+use crowdgrad_core::session::{Action, ShardSession, ShardSetup, ShardState};
+use crowdgrad_core::shard::{Consistency, StalenessPolicy};
 use crowdgrad_core::spec::{DataInfo, JoinResponse, PartitionInfo, RunParams, RunSpec};
 use crowdgrad_core::wire::{self, Message, PROTOCOL_VERSION};
 use crowdgrad_core::worker::Worker;
@@ -66,8 +67,8 @@ pub fn synthetic_run(
                 train_len: examples,
                 test_len: 0,
             },
-                    local: crowdgrad_core::local::LocalConfig::default(),
-})?,
+            local: crowdgrad_core::local::LocalConfig::default(),
+        })?,
         partition: PartitionInfo {
             index: 0,
             count: 1,
@@ -104,24 +105,19 @@ impl Loopback {
             .iter()
             .enumerate()
             .map(|(i, r)| {
-                let core = ShardCore::new(
-                    init[r.start..r.end].to_vec(),
-                    join.run.optimizer,
-                    StalenessPolicy::default(),
-                    consistency,
-                );
-                let cfg = ShardConfig {
-                    id: i as u32,
-                    range: *r,
+                let setup = ShardSetup {
+                    optimizer: join.run.optimizer,
+                    staleness: StalenessPolicy::default(),
                     consistency,
                     heartbeat: 5.0,
                     sync_timeout: 2.0,
-                    pull_encoding: crowdgrad_core::codec::Encoding::F32,
-                    push_encoding: crowdgrad_core::codec::Encoding::F32,
+                    pull_encoding: Encoding::F32,
+                    push_encoding: Encoding::F32,
                     reports: false,
                     pseudo_gradients: join.run.local.steps.pseudo_gradients(),
                 };
-                Ok((ShardState::new(cfg, core)?, ShardSession::new(cfg)))
+                let state = setup.state(i as u32, *r, init[r.start..r.end].to_vec())?;
+                Ok((state, ShardSession::new(setup.config(i as u32, *r))))
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {

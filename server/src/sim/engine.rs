@@ -22,8 +22,8 @@ use crowdgrad_core::data::{encode_idx, Dataset};
 use crowdgrad_core::model::{Model, ModelSpec};
 use crowdgrad_core::partition::partition;
 use crowdgrad_core::rng::Rng;
-use crowdgrad_core::session::{Record, ShardConfig, ShardState};
-use crowdgrad_core::shard::{Outcome, ShardCore};
+use crowdgrad_core::session::{Record, ShardSetup};
+use crowdgrad_core::shard::Outcome;
 use crowdgrad_core::spec::{DataInfo, JoinResponse, PartitionInfo, RunParams, RunSpec};
 use crowdgrad_core::wire::{self, ClientKind, ErrorCode, Message, PROTOCOL_VERSION};
 use crowdgrad_core::worker::{Worker, WorkerStats};
@@ -221,15 +221,9 @@ impl<'a> Engine<'a> {
             .iter()
             .enumerate()
             .map(|(i, r)| {
-                let core = ShardCore::new(
-                    initial[r.start..r.end].to_vec(),
-                    cfg.optimizer,
-                    cfg.staleness,
-                    cfg.consistency,
-                );
-                let config = ShardConfig {
-                    id: i as u32,
-                    range: *r,
+                let setup = ShardSetup {
+                    optimizer: cfg.optimizer,
+                    staleness: cfg.staleness,
                     consistency: cfg.consistency,
                     heartbeat: cfg.heartbeat,
                     sync_timeout: cfg.sync_timeout,
@@ -238,8 +232,9 @@ impl<'a> Engine<'a> {
                     reports: false,
                     pseudo_gradients: cfg.exchange.local.steps.pseudo_gradients(),
                 };
+                let state = setup.state(i as u32, *r, initial[r.start..r.end].to_vec())?;
                 Ok(SimShard {
-                    driver: ShardDriver::new(ShardState::new(config, core)?),
+                    driver: ShardDriver::new(state),
                     links: BTreeMap::new(),
                 })
             })
