@@ -535,9 +535,10 @@ mod tests {
 
     #[test]
     fn per_ip_connections_release_on_drop() {
-        let mut cfg = LimitConfig::default();
-        cfg.max_connections_per_ip = 2;
-        let l = Limits::new(cfg);
+        let l = Limits::new(LimitConfig {
+            max_connections_per_ip: 2,
+            ..Default::default()
+        });
         let ip = IpKey::of("10.0.0.1".parse().unwrap());
         let a = l.connect_ip(ip).unwrap();
         let _b = l.connect_ip(ip).unwrap();

@@ -519,6 +519,7 @@ enum Event {
     Closed(usize, String),
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn drive(
     worker: &mut Worker,
     net: &Net,
