@@ -3,6 +3,10 @@
 //! - `e2e`: a `crowdgrad serve` process and N `crowdgrad work` processes on loopback; reports
 //!   samples/s, applied steps/s, time to 95% test accuracy and peak RSS of each process.
 //! - `roundtrip`: push + pull round trip over one loopback WebSocket for a shard of a given size.
+//! - `link` ([`link`]): training over plain loopback and a shaped link (issue 8): samples/s,
+//!   bytes per sample, times to 95% / 97%, compute utilisation, per exchange configuration.
+
+pub mod link;
 
 use crate::config::ServeConfig;
 use crate::data::TrainTest;

@@ -152,6 +152,9 @@ enum BenchCmd {
         #[arg(last = true)]
         serve_args: Vec<String>,
     },
+    /// Training over plain loopback and a link shaped in a private network namespace (needs
+    /// root): samples/s, bytes per sample, time to 95%/97%, compute utilisation (issue 8).
+    Link(Box<crowdgrad::bench::link::LinkArgs>),
     /// Push + pull round trip over loopback for shards of these sizes.
     Roundtrip {
         /// Parameter counts.
@@ -386,6 +389,9 @@ fn main() -> anyhow::Result<()> {
                 );
             }
         }
+        Cmd::Bench {
+            command: BenchCmd::Link(args),
+        } => crowdgrad::bench::link::cli(&args)?,
         Cmd::Bench {
             command:
                 BenchCmd::Roundtrip {
