@@ -1,0 +1,267 @@
+//! Operations: `/metrics` (parses, counters rise), `/healthz` and `/readyz`, the TOML run file
+//! (the example runs, flags override it, bad files are refused naming the key) and JSON logs.
+//! The run-file tests spawn the real `crowdgrad` binary.
+
+use crate::util;
+use crowdgrad::worker::{WorkOptions, WorkerThread};
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The release binary next to this test binary (`cargo xtask test` builds it first).
+pub fn binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let bin = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .map(|d| d.join("crowdgrad"))
+        .expect("target dir");
+    assert!(
+        bin.exists(),
+        "{} is missing: run `cargo build --release -p crowdgrad` first",
+        bin.display()
+    );
+    bin
+}
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Parses an OpenMetrics text body into `name{labels}` → value; panics on a malformed line.
+pub fn parse_metrics(text: &str) -> HashMap<String, f64> {
+    assert!(text.trim_end().ends_with("# EOF"), "no # EOF:\n{text}");
+    let mut out = HashMap::new();
+    for line in text.lines() {
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let (series, value) = line.rsplit_once(' ').expect("`series value`");
+        let value: f64 = value
+            .parse()
+            .unwrap_or_else(|_| panic!("bad value in {line:?}"));
+        let name_end = series.find('{').unwrap_or(series.len());
+        let name = &series[..name_end];
+        assert!(
+            !name.is_empty()
+                && name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':'),
+            "bad metric name in {line:?}"
+        );
+        if name_end < series.len() {
+            assert!(series.ends_with('}'), "unclosed labels in {line:?}");
+        }
+        out.insert(series.to_string(), value);
+    }
+    out
+}
+
+async fn scrape(base: &str) -> HashMap<String, f64> {
+    let (code, body) = util::get(format!("{base}/metrics")).await;
+    assert_eq!(code, 200);
+    parse_metrics(&String::from_utf8(body).expect("utf-8"))
+}
+
+fn sum(m: &HashMap<String, f64>, name: &str) -> f64 {
+    m.iter()
+        .filter(|(k, _)| k.split('{').next() == Some(name))
+        .map(|(_, v)| v)
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_parse_and_counters_rise_health_and_ready() {
+    let running = util::server(util::config()).await;
+    let base = running.url();
+    let (code, body) = util::get(format!("{base}/healthz")).await;
+    assert_eq!(code, 200, "{}", String::from_utf8_lossy(&body));
+    let (code, body) = util::get(format!("{base}/readyz")).await;
+    assert_eq!(code, 200);
+    let ready: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(ready["ready"], true);
+    assert_eq!(ready["shards"].as_array().unwrap().len(), 2);
+
+    let before = scrape(&base).await;
+    for name in [
+        "crowdgrad_pushes_applied_total",
+        "crowdgrad_pulls_total",
+        "crowdgrad_push_staleness_count",
+        "crowdgrad_apply_seconds_count",
+        "crowdgrad_workers_connected",
+        "crowdgrad_samples_total",
+        "crowdgrad_samples_per_second",
+        "crowdgrad_bytes_received_total",
+        "crowdgrad_uptime_seconds",
+    ] {
+        assert!(
+            before.keys().any(|k| k.split('{').next() == Some(name)),
+            "{name} missing"
+        );
+    }
+    assert_eq!(sum(&before, "crowdgrad_pushes_applied_total"), 0.0);
+
+    let mut o = WorkOptions::new(&base);
+    o.steps = Some(150);
+    let w = WorkerThread::spawn(o);
+    let t0 = Instant::now();
+    loop {
+        let m = scrape(&base).await;
+        if sum(&m, "crowdgrad_pushes_applied_total") >= 200.0 {
+            assert!(m["crowdgrad_workers_connected{kind=\"native\"}"] >= 0.0);
+            assert!(sum(&m, "crowdgrad_samples_total") > 0.0);
+            assert!(sum(&m, "crowdgrad_apply_seconds_count") >= 200.0);
+            assert!(sum(&m, "crowdgrad_push_staleness_count") >= 200.0);
+            assert!(
+                sum(&m, "crowdgrad_bytes_sent_total") > sum(&before, "crowdgrad_bytes_sent_total")
+            );
+            assert!(sum(&m, "crowdgrad_bytes_received_total") > 100_000.0);
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "pushes never rose");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let _ = tokio::task::spawn_blocking(move || w.join()).await;
+    running.stop().await.unwrap();
+}
+
+/// A `crowdgrad serve` child: killed on drop.
+struct Serve {
+    child: Child,
+    base: String,
+    stderr: std::sync::mpsc::Receiver<String>,
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Spawns `crowdgrad <args>` and waits (at most 60 s) for its `... listening on URL` line.
+fn spawn_listening(args: &[String]) -> Serve {
+    let mut child = Command::new(binary())
+        .args(args)
+        .current_dir(repo())
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn crowdgrad");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let out = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if let Some((_, url)) = line.split_once(" listening on ") {
+                let _ = tx.send(url.trim().to_string());
+            }
+        }
+    });
+    let (etx, erx) = std::sync::mpsc::channel();
+    let err = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(err).lines().map_while(Result::ok) {
+            let _ = etx.send(line);
+        }
+    });
+    let base = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the child prints its address within 60 s");
+    let base = base.replace("ws://", "http://");
+    Serve {
+        child,
+        base,
+        stderr: erx,
+    }
+}
+
+fn strings(a: &[&str]) -> Vec<String> {
+    a.iter().map(|s| s.to_string()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_example_run_file_runs_flags_override_it_and_logs_are_json() {
+    let data = util::mnist_dir();
+    util::mnist();
+    let serve = spawn_listening(&strings(&[
+        "--log-format",
+        "json",
+        "serve",
+        "--config",
+        "docs/run.example.toml",
+        "--addr",
+        "127.0.0.1:0",
+        "--batch-size",
+        "16",
+        "--data-dir",
+        data.to_str().unwrap(),
+    ]));
+    let s = util::status(&serve.base).await;
+    assert_eq!(s["batch_size"], 16, "the flag wins over the file's 32");
+    let cfg = &s["config"];
+    assert_eq!(cfg["training"]["batch_size"], 16);
+    assert_eq!(cfg["training"]["model"], "mlp:128", "from the file");
+    assert_eq!(cfg["limits"]["max_workers"], 10000);
+    // It trains.
+    let mut o = WorkOptions::new(&serve.base);
+    o.steps = Some(300);
+    let summary = tokio::task::spawn_blocking(move || WorkerThread::spawn(o).join())
+        .await
+        .unwrap()
+        .expect("worker ran");
+    assert_eq!(summary.stats.steps, 300);
+    util::wait_for(&serve.base, Duration::from_secs(30), "an evaluation", |s| {
+        s["eval"]["accuracy"].as_f64().unwrap_or(0.0) > 0.5
+    })
+    .await;
+    // Every log line so far is one JSON object.
+    let lines: Vec<String> = serve.stderr.try_iter().collect();
+    assert!(!lines.is_empty(), "no log lines");
+    for l in &lines {
+        let v: serde_json::Value =
+            serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"));
+        assert!(v.get("level").is_some() && v.get("fields").is_some(), "{l}");
+    }
+}
+
+fn refused(file_text: &str, flags: &[&str]) -> String {
+    let dir = std::env::temp_dir().join(format!("crowdgrad-ops-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join(format!("run-{}.toml", file_text.len()));
+    std::fs::write(&file, file_text).unwrap();
+    let out = Command::new(binary())
+        .args([
+            "serve",
+            "--config",
+            file.to_str().unwrap(),
+            "--addr",
+            "127.0.0.1:0",
+        ])
+        .args(flags)
+        .current_dir(repo())
+        .output()
+        .expect("run crowdgrad");
+    assert!(!out.status.success(), "{file_text:?} was accepted");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn bad_run_files_are_refused_naming_the_key() {
+    let e = refused("[training]\nbatchsize = 3\n", &[]);
+    assert!(e.contains("unknown key training.batchsize"), "{e}");
+    let e = refused("[limits]\nmax_workers = \"many\"\n", &[]);
+    assert!(e.contains("limits.max_workers"), "{e}");
+    let e = refused("[training]\nbatch_size = 0\n", &[]);
+    assert!(e.contains("training.batch_size"), "{e}");
+    let e = refused("[training]\noptimizer = \"sgd\"\nmomentum = 0.9\n", &[]);
+    assert!(e.contains("training.momentum"), "bad combination: {e}");
+    // A bad flag over a good file is refused too, as a flag.
+    let e = refused("[training]\nbatch_size = 8\n", &["--batch-size", "0"]);
+    assert!(
+        e.contains("--batch-size") && !e.contains("training.batch_size"),
+        "{e}"
+    );
+}

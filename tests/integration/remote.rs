@@ -1,0 +1,178 @@
+//! Shards in their own processes: a coordinator (`serve --shard-urls`) and two real
+//! `crowdgrad shard` processes on 127.0.0.1, trained by two native workers to the accuracy of
+//! the in-process setup; one shard process killed with SIGKILL and restarted on the same
+//! address: the coordinator reports it down, then the run recovers without a restart.
+
+use crate::ops::binary;
+use crate::util;
+use crowdgrad::worker::{WorkOptions, WorkerThread};
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+const SECRET: &str = "integration-run-secret-0123456789";
+
+struct ShardProc {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for ShardProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts shard `index` of 2 on `listen` and waits for its address line.
+fn shard(index: usize, listen: &str) -> ShardProc {
+    let mut child = Command::new(binary())
+        .args([
+            "shard",
+            "--listen",
+            listen,
+            "--index",
+            &index.to_string(),
+            "--of",
+            "2",
+        ])
+        .env("CROWDGRAD_RUN_SECRET", SECRET)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn crowdgrad shard");
+    let out = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if let Some((_, url)) = line.split_once(" listening on ws://") {
+                let _ = tx.send(url.trim().to_string());
+            }
+        }
+    });
+    let addr = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the shard prints its address");
+    ShardProc { child, addr }
+}
+
+fn accuracy(s: &serde_json::Value) -> f64 {
+    s["eval"]["accuracy"].as_f64().unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_shards_reach_in_process_accuracy_and_survive_a_kill() {
+    let s0 = shard(0, "127.0.0.1:0");
+    let mut s1 = shard(1, "127.0.0.1:0");
+    let mut cfg = util::config();
+    cfg.shard_urls = vec![format!("ws://{}", s0.addr), format!("ws://{}", s1.addr)];
+    cfg.run_secret = Some(crowdgrad::credential::Secret::new(SECRET));
+    let running = util::server(cfg).await;
+    let base = running.url();
+    util::wait_for(&base, Duration::from_secs(20), "both shards up", |s| {
+        s["remote_shards"]
+            .as_array()
+            .is_some_and(|a| a.iter().all(|h| h["ready"] == true))
+    })
+    .await;
+    let (code, _) = util::get(format!("{base}/readyz")).await;
+    assert_eq!(code, 200);
+    // The join hands out the shard processes' absolute URLs.
+    let joined = util::join(&base).await;
+    assert_eq!(
+        joined.run.shards[1].path,
+        format!("ws://{}/ws/shard/1", s1.addr)
+    );
+    // A Hello without the credential is refused by the shard process.
+    {
+        use crowdgrad_core::wire::{self, ClientKind, ErrorCode, Hello, Message};
+        use futures_util::{SinkExt, StreamExt};
+        let url = format!("ws://{}/ws/shard/0", s0.addr);
+        let (mut ws, _) = tokio_tungstenite::connect_async(url.as_str())
+            .await
+            .unwrap();
+        let hello = wire::encode(&Message::Hello {
+            request_id: 3,
+            shard: 0,
+            hello: Hello {
+                protocol: 1,
+                worker_id: joined.worker_id,
+                client: ClientKind::Native,
+                credential: Some("00".repeat(32)),
+                ..Default::default()
+            },
+        });
+        ws.send(tokio_tungstenite::tungstenite::Message::Binary(
+            hello.into(),
+        ))
+        .await
+        .unwrap();
+        let reply = tokio::time::timeout(Duration::from_secs(10), ws.next())
+            .await
+            .expect("a reply")
+            .expect("a frame")
+            .expect("ok");
+        let frame = reply.into_data();
+        match wire::decode(&frame, usize::MAX).unwrap() {
+            Message::Error { error, .. } => assert!(
+                matches!(
+                    error.code,
+                    ErrorCode::Unauthorized | ErrorCode::UnknownWorker
+                ),
+                "{error:?}"
+            ),
+            other => panic!("expected unauthorized, got {other:?}"),
+        }
+    }
+
+    let workers: Vec<WorkerThread> = (0..2)
+        .map(|i| {
+            let mut o = WorkOptions::new(&base);
+            o.name = Some(format!("remote-{i}"));
+            o.max_backoff = Duration::from_millis(500);
+            WorkerThread::spawn(o)
+        })
+        .collect();
+    let s = util::wait_for(&base, Duration::from_secs(120), "95% accuracy", |s| {
+        accuracy(s) > 0.95
+    })
+    .await;
+    let before = s["remote_shards"][1]["version"].as_u64().unwrap();
+    assert!(before > 100, "shard 1 applied updates: {before}");
+    assert!(s["totals"]["pushes_applied"].as_u64().unwrap() > 200);
+
+    // kill -9 shard 1, then start it again on the same address.
+    let addr = s1.addr.clone();
+    let _ = s1.child.kill();
+    let _ = s1.child.wait();
+    util::wait_for(
+        &base,
+        Duration::from_secs(20),
+        "shard 1 reported down",
+        |s| s["remote_shards"][1]["up"] == false,
+    )
+    .await;
+    let (code, body) = util::get(format!("{base}/readyz")).await;
+    assert_eq!(code, 503);
+    let r: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(r["shards"][1]["ready"], false);
+    assert!(r["shards"][1]["error"].is_string());
+    s1 = shard(1, &addr);
+    util::wait_for(&base, Duration::from_secs(30), "shard 1 back", |s| {
+        s["remote_shards"][1]["ready"] == true
+    })
+    .await;
+    // Without a checkpoint the restarted shard starts from the initial weights; the workers
+    // reconnect by themselves and the run climbs back.
+    util::wait_for(&base, Duration::from_secs(120), "recovery to 93%", |s| {
+        accuracy(s) > 0.93 && s["remote_shards"][1]["version"].as_u64().unwrap_or(0) > 50
+    })
+    .await;
+    for w in workers {
+        let _ = tokio::task::spawn_blocking(move || w.stop()).await;
+    }
+    running.stop().await.unwrap();
+    drop(s1);
+    drop(s0);
+}
