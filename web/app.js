@@ -325,8 +325,29 @@ function markMyWorker() {
   }
 }
 
-function renderShards(shards) {
-  $('shards').replaceChildren(...shards.map((s) => {
+// Remote shard processes (serve --shard-urls) report their health; in-process shards are
+// always up.
+function shardHealth(h) {
+  if (!h) return 'in process';
+  if (h.ready) return `up (${h.url})`;
+  return `${h.up ? 'wrong layout' : 'DOWN'}: ${h.error || ''} (${h.url})`;
+}
+
+// The resolved configuration as TOML-like text: top-level keys, then [sections].
+function configText(cfg) {
+  if (!cfg || typeof cfg !== 'object') return '–';
+  const v = (x) => (typeof x === 'string' ? JSON.stringify(x) : Array.isArray(x) ? JSON.stringify(x) : String(x));
+  const plain = Object.entries(cfg).filter(([, x]) => typeof x !== 'object' || Array.isArray(x));
+  const sections = Object.entries(cfg).filter(([, x]) => x && typeof x === 'object' && !Array.isArray(x));
+  const lines = plain.map(([k, x]) => `${k} = ${v(x)}`);
+  for (const [name, t] of sections) {
+    lines.push('', `[${name}]`, ...Object.entries(t).map(([k, x]) => `${k} = ${v(x)}`));
+  }
+  return lines.join('\n');
+}
+
+function renderShards(shards, health) {
+  $('shards').replaceChildren(...shards.map((s, i) => {
     const tr = document.createElement('tr');
     tr.append(
       cell(String(s.id)),
@@ -335,6 +356,7 @@ function renderShards(shards) {
       cell(`${num(s.pushes_applied)} / ${num(s.pushes_rejected)}`, 'num'),
       cell(num(s.pulls), 'num'),
       cell(`${fixed(s.staleness_mean, 1)} / ${num(s.staleness_max)}`, 'num'),
+      cell(shardHealth(health && health[i])),
     );
     return tr;
   }));
@@ -370,7 +392,8 @@ function renderStatus(st) {
   if (workerPages.offset === 0) renderWorkers(workerPages.recent);
   else loadWorkerPage();
   renderWorkerPager();
-  renderShards(st.shards || []);
+  renderShards(st.shards || [], st.remote_shards);
+  $('config').textContent = configText(st.config);
   renderHist(st);
   const h = st.eval_history || [];
   if (chart) chart.setData([h.map((e) => e.time_s), h.map((e) => e.accuracy), h.map((e) => e.loss)]);

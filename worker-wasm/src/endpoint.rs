@@ -1,8 +1,12 @@
 //! Server URLs: the page gives the base (`http://host:port`), the join reply gives paths.
 
 /// The WebSocket URL of `path` (e.g. `/ws/shard/0`) on the server at `base`: `http` becomes
-/// `ws` and `https` becomes `wss`.
+/// `ws` and `https` becomes `wss`. An absolute `ws://`/`wss://` path (a shard in its own
+/// process, `crowdgrad serve --shard-urls`) is kept as is.
 pub fn ws_url(base: &str, path: &str) -> String {
+    if path.starts_with("ws://") || path.starts_with("wss://") {
+        return path.to_owned();
+    }
     let host = base
         .strip_prefix("https://")
         .map(|h| format!("wss://{h}"))
@@ -26,6 +30,10 @@ mod tests {
 
     #[test]
     fn urls() {
+        assert_eq!(
+            ws_url("http://127.0.0.1:8080", "ws://10.0.0.2:9000/ws/shard/1"),
+            "ws://10.0.0.2:9000/ws/shard/1"
+        );
         assert_eq!(
             ws_url("http://127.0.0.1:8080", "/ws/shard/0"),
             "ws://127.0.0.1:8080/ws/shard/0"
