@@ -72,6 +72,8 @@ pub struct App {
     pub metrics: crate::metrics::Metrics,
     /// The checkpoint writer (`--checkpoint-dir`), for the final checkpoint and checkpoint-now.
     pub checkpoints: Option<Arc<crate::checkpoint::Checkpointer>>,
+    /// The admin API's token and controls (pause, drain...).
+    pub admin: crate::admin::Admin,
     /// With `--shard-urls`: the shard processes (then `shards` is empty).
     pub remote: Option<Arc<crate::shardproc::remote::RemoteShards>>,
 }

@@ -28,6 +28,9 @@ pub enum Error {
     /// A WebSocket operation failed.
     #[error("websocket: {0}")]
     WebSocket(String),
+    /// A checkpoint could not be written, read or used (corrupt, truncated, another model).
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
     /// A task or thread ended abnormally: it panicked, was cancelled or was killed.
     #[error("task failed: {0}")]
     Task(String),

@@ -35,6 +35,8 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/api/workers", get(workers))
         .route("/api/params", get(params))
         .route("/api/reads", get(reads))
+        .merge(crate::admin::routes())
+        .route("/api/contributors", get(crate::ledger::contributors))
         .route("/api/data/{tag}/train/{index}/{file}", get(data))
         .route("/ws/shard/{id}", get(ws))
         .route("/metrics", get(metrics))
@@ -98,18 +100,30 @@ async fn join(
             ),
         );
     }
-    if *app.shutdown.borrow() {
+    if *app.shutdown.borrow() || app.admin.draining() {
         return error(StatusCode::SERVICE_UNAVAILABLE, "server is shutting down");
     }
-    let name = req
+    if let Some(id) = &req.identity {
+        if let Err(m) = crate::ledger::check_identity(id) {
+            return error(StatusCode::BAD_REQUEST, format!("bad identity: {m}"));
+        }
+    }
+    let name: Option<String> = req
         .name
         .map(|n| n.chars().filter(|c| !c.is_control()).take(64).collect());
-    let Some((worker_id, index)) = app.registry.join(req.client, name, app.cfg.partitions) else {
+    let Some((worker_id, index)) =
+        app.registry
+            .join(req.client, name.clone(), app.cfg.partitions)
+    else {
         return error(
             StatusCode::SERVICE_UNAVAILABLE,
             "too many workers registered",
         );
     };
+    if let Some(id) = &req.identity {
+        app.registry
+            .identify(worker_id, id, name.as_deref(), req.client);
+    }
     let Ok(range) = app.train.partition(index, app.cfg.partitions) else {
         return error(StatusCode::INTERNAL_SERVER_ERROR, "no such data partition");
     };

@@ -73,6 +73,13 @@ enum Cmd {
         /// Make every step take this many extra milliseconds (play a slow volunteer).
         #[arg(long, default_value_t = 0)]
         step_delay_ms: u64,
+        /// Your stable volunteer identity for the contribution ledger (8-64 of A-Z a-z 0-9 - _);
+        /// default: the one kept in --id-file.
+        #[arg(long)]
+        id: Option<String>,
+        /// Where the identity is kept (created on first run).
+        #[arg(long, default_value = "data/worker-id")]
+        id_file: PathBuf,
         /// A private run's join token (sent as `Authorization: Bearer`); also read from
         /// CROWDGRAD_JOIN_TOKEN.
         #[arg(long, env = "CROWDGRAD_JOIN_TOKEN", hide_env_values = true)]
@@ -107,6 +114,9 @@ enum Cmd {
         #[arg(long, default_value = "model.safetensors")]
         out: PathBuf,
     },
+    /// Control a running server through its admin API (pause, resume, drain, stop,
+    /// checkpoint, set-lr, set-consistency, state).
+    Ctl(Box<crowdgrad::ctl::CtlArgs>),
     /// Datasets.
     Data {
         #[command(subcommand)]
@@ -230,6 +240,8 @@ fn main() -> anyhow::Result<()> {
             quiet,
             json,
             step_delay_ms,
+            id,
+            id_file,
             join_token,
             ca,
             connect_timeout,
@@ -254,6 +266,14 @@ fn main() -> anyhow::Result<()> {
             opts.join_token = join_token;
             opts.ca = ca;
             opts.step_delay = Duration::from_millis(step_delay_ms);
+            opts.identity = Some(match id {
+                Some(id) => {
+                    crowdgrad::ledger::check_identity(&id)
+                        .map_err(|m| anyhow::anyhow!("--id: {m}"))?;
+                    id
+                }
+                None => crowdgrad::worker::identity_from_file(&id_file)?,
+            });
             opts.steps = steps;
             if let Some(s) = seconds {
                 anyhow::ensure!(s.is_finite() && s > 0.0, "--seconds must be positive");
@@ -313,6 +333,10 @@ fn main() -> anyhow::Result<()> {
             })?;
         }
         Cmd::Sim(args) => crowdgrad::sim::cli(&args)?,
+        Cmd::Ctl(args) => {
+            let answer = crowdgrad::ctl::run(&args)?;
+            println!("{}", serde_json::to_string_pretty(&answer)?);
+        }
         Cmd::Export {
             checkpoint_dir,
             server,

@@ -1,0 +1,353 @@
+//! The admin API, `/api/admin/...`, which `crowdgrad ctl` calls (docs/protocol.md, "Admin
+//! API").
+//!
+//! Every call needs `Authorization: Bearer TOKEN` with the admin token (`--admin-token` or
+//! `CROWDGRAD_ADMIN_TOKEN`; when neither is set, one is generated at start and printed once on
+//! stdout, never logged, never in `/api/status`). The comparison runs in constant time
+//! ([`crate::credential::token_eq`]). A missing or wrong token is a 401 and changes nothing.
+//!
+//! | call | what |
+//! |---|---|
+//! | `GET /api/admin/state` | paused, draining, learning rate, consistency, last checkpoint |
+//! | `POST /api/admin/pause` | shards answer every push with the non-fatal `busy` error (pulls are served) |
+//! | `POST /api/admin/resume` | pushes are applied again |
+//! | `POST /api/admin/drain` | refuse joins; every connection finishes the frames it has sent and gets Bye; final checkpoint; the process exits 0 |
+//! | `POST /api/admin/stop` | as drain, without waiting for connections to finish |
+//! | `POST /api/admin/checkpoint` | write a checkpoint now; answers what was written |
+//! | `POST /api/admin/set-lr` `{"lr": 0.01}` | every shard's learning rate from its next update |
+//! | `POST /api/admin/set-consistency` `{"consistency": "ssp:2"}` | refused unless it is the current mode (see [`set_consistency`]) |
+
+use crate::app::App;
+use crate::credential::Secret;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use crowdgrad_core::shard::Consistency;
+use serde::Serialize;
+use serde_json::json;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+use tokio::sync::watch;
+
+/// How the admin API asked the server to end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopMode {
+    /// Graceful: connections finish what they sent, then the final checkpoint.
+    Drain,
+    /// At once: the final checkpoint without waiting for connections.
+    Stop,
+}
+
+/// The admin side of a running server.
+pub struct Admin {
+    token: Secret,
+    stop: watch::Sender<Option<StopMode>>,
+    draining: AtomicBool,
+    paused: AtomicBool,
+    lr_bits: AtomicU32,
+}
+
+impl std::fmt::Debug for Admin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Admin")
+            .field("token", &self.token)
+            .field("paused", &self.paused())
+            .field("draining", &self.draining())
+            .finish()
+    }
+}
+
+impl Admin {
+    /// The admin side with `token`, or a generated one, returned for printing once.
+    ///
+    /// # Errors
+    /// When the OS has no randomness for a token.
+    pub fn new(token: Option<Secret>, lr: f32) -> std::io::Result<(Self, Option<String>)> {
+        let (token, generated) = match token {
+            Some(t) => (t, None),
+            None => {
+                let bytes = crate::credential::run_secret()?;
+                let t: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+                (Secret::new(t.clone()), Some(t))
+            }
+        };
+        Ok((
+            Self {
+                token,
+                stop: watch::channel(None).0,
+                draining: AtomicBool::new(false),
+                paused: AtomicBool::new(false),
+                lr_bits: AtomicU32::new(lr.to_bits()),
+            },
+            generated,
+        ))
+    }
+
+    /// Whether `headers` carry the admin token (constant-time comparison).
+    pub fn authorized(&self, headers: &HeaderMap) -> bool {
+        let Some(v) = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+        else {
+            return false;
+        };
+        match v.strip_prefix("Bearer ") {
+            Some(t) => self.token.matches(t.trim()),
+            None => false,
+        }
+    }
+
+    /// Whether joins are refused because of a drain or stop.
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    /// Whether pushes are paused.
+    pub fn paused(&self) -> bool {
+        self.paused.load(Ordering::Relaxed)
+    }
+
+    /// The learning rate set last (the configured one until `set-lr`).
+    pub fn lr(&self) -> f32 {
+        f32::from_bits(self.lr_bits.load(Ordering::Relaxed))
+    }
+
+    /// How the admin API asked the server to end, if it did.
+    pub fn stop_mode(&self) -> Option<StopMode> {
+        *self.stop.borrow()
+    }
+
+    /// Completes when the admin API asks the server to end.
+    pub fn stopped(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut rx = self.stop.subscribe();
+        async move {
+            let _ = rx.wait_for(Option::is_some).await;
+        }
+    }
+
+    fn request_stop(&self, mode: StopMode) {
+        self.draining.store(true, Ordering::Relaxed);
+        self.stop.send_if_modified(|m| {
+            if m.is_none() {
+                *m = Some(mode);
+                true
+            } else {
+                false
+            }
+        });
+    }
+}
+
+/// The admin routes (merged into [`crate::http::router`]).
+pub fn routes() -> Router<Arc<App>> {
+    Router::new()
+        .route("/api/admin/state", get(state))
+        .route("/api/admin/pause", post(pause))
+        .route("/api/admin/resume", post(resume))
+        .route("/api/admin/drain", post(drain))
+        .route("/api/admin/stop", post(stop))
+        .route("/api/admin/checkpoint", post(checkpoint_now))
+        .route("/api/admin/set-lr", post(set_lr))
+        .route("/api/admin/set-consistency", post(set_consistency))
+}
+
+fn reply(status: StatusCode, body: serde_json::Value) -> Response {
+    (status, Json(body)).into_response()
+}
+
+fn refuse(status: StatusCode, message: impl Into<String>) -> Response {
+    reply(status, json!({ "error": message.into() }))
+}
+
+/// 401 unless `headers` carry the token.
+// The error is the reply itself, made once per refused call: its size does not matter.
+#[allow(clippy::result_large_err)]
+fn check(app: &App, headers: &HeaderMap) -> Result<(), Response> {
+    if app.admin.authorized(headers) {
+        return Ok(());
+    }
+    let mut r = refuse(
+        StatusCode::UNAUTHORIZED,
+        "admin calls need `Authorization: Bearer TOKEN` with the admin token",
+    );
+    r.headers_mut()
+        .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    Err(r)
+}
+
+fn state_json(app: &App) -> serde_json::Value {
+    json!({
+        "paused": app.admin.paused(),
+        "draining": app.admin.draining(),
+        "stop": app.admin.stop_mode(),
+        "lr": app.admin.lr(),
+        "consistency": app.spec.consistency.to_string(),
+        "versions": app.shards.iter().map(|s| s.version()).collect::<Vec<_>>(),
+        "checkpoint": app.checkpoints.as_ref().map(|c| json!({
+            "location": c.store().location(),
+            "every_s": c.config().every.as_secs_f64(),
+            "keep": c.config().keep,
+            "last": c.last(),
+        })),
+    })
+}
+
+async fn state(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    if let Err(r) = check(&app, &headers) {
+        return r;
+    }
+    reply(StatusCode::OK, state_json(&app))
+}
+
+fn set_paused(app: &App, paused: bool) {
+    for s in &app.shards {
+        s.set_paused(paused);
+    }
+    app.admin.paused.store(paused, Ordering::Relaxed);
+    tracing::info!(
+        paused,
+        "admin: pushes {}",
+        if paused { "paused" } else { "resumed" }
+    );
+}
+
+async fn pause(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    if let Err(r) = check(&app, &headers) {
+        return r;
+    }
+    set_paused(&app, true);
+    reply(StatusCode::OK, state_json(&app))
+}
+
+async fn resume(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    if let Err(r) = check(&app, &headers) {
+        return r;
+    }
+    set_paused(&app, false);
+    reply(StatusCode::OK, state_json(&app))
+}
+
+async fn drain(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    if let Err(r) = check(&app, &headers) {
+        return r;
+    }
+    tracing::info!("admin: drain requested");
+    app.admin.request_stop(StopMode::Drain);
+    reply(StatusCode::ACCEPTED, state_json(&app))
+}
+
+async fn stop(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    if let Err(r) = check(&app, &headers) {
+        return r;
+    }
+    tracing::info!("admin: stop requested");
+    app.admin.request_stop(StopMode::Stop);
+    reply(StatusCode::ACCEPTED, state_json(&app))
+}
+
+async fn checkpoint_now(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    if let Err(r) = check(&app, &headers) {
+        return r;
+    }
+    let Some(ck) = app.checkpoints.clone() else {
+        return refuse(
+            StatusCode::CONFLICT,
+            "this server writes no checkpoints (start it with --checkpoint-dir)",
+        );
+    };
+    match ck.write(&app).await {
+        Ok(w) => {
+            tracing::info!(checkpoint = %w.name, bytes = w.bytes, "admin: checkpoint written");
+            reply(StatusCode::OK, json!({ "written": w }))
+        }
+        Err(e) => refuse(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}
+
+fn body_field<'a>(body: &'a serde_json::Value, key: &str) -> Option<&'a serde_json::Value> {
+    body.as_object().and_then(|o| o.get(key))
+}
+
+// The error is the reply itself, made once per refused call: its size does not matter.
+#[allow(clippy::result_large_err)]
+fn parse_body(body: &Bytes, key: &str) -> Result<serde_json::Value, Response> {
+    let v: serde_json::Value = serde_json::from_slice(body).map_err(|e| {
+        refuse(
+            StatusCode::BAD_REQUEST,
+            format!("body must be JSON like {{\"{key}\": ...}}: {e}"),
+        )
+    })?;
+    match v.as_object() {
+        Some(o) if o.len() == 1 && o.contains_key(key) => Ok(v),
+        _ => Err(refuse(
+            StatusCode::BAD_REQUEST,
+            format!("body must be an object with exactly the key {key:?}"),
+        )),
+    }
+}
+
+async fn set_lr(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(r) = check(&app, &headers) {
+        return r;
+    }
+    let v = match parse_body(&body, "lr") {
+        Ok(v) => v,
+        Err(r) => return r,
+    };
+    let Some(lr) = body_field(&v, "lr").and_then(serde_json::Value::as_f64) else {
+        return refuse(StatusCode::BAD_REQUEST, "lr must be a number");
+    };
+    let lr = lr as f32;
+    // Checked once for all shards first, so a bad value changes none of them.
+    let mut probe = app.spec.optimizer;
+    probe.lr = lr;
+    if let Err(e) = probe.validate() {
+        return refuse(StatusCode::BAD_REQUEST, e.to_string());
+    }
+    for s in &app.shards {
+        if let Err(e) = s.set_lr(lr) {
+            return refuse(StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
+        }
+    }
+    app.admin.lr_bits.store(lr.to_bits(), Ordering::Relaxed);
+    tracing::info!(lr, "admin: learning rate set");
+    reply(StatusCode::OK, state_json(&app))
+}
+
+/// Changing the consistency mode of a running server is refused (409) unless the mode asked
+/// for is the current one: every open shard session holds its mode (`core::session`), so a
+/// change would apply to new connections only and mix two modes on one shard. Resuming the
+/// run's checkpoint with another `--consistency` is the safe way (the state carries over).
+async fn set_consistency(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(r) = check(&app, &headers) {
+        return r;
+    }
+    let v = match parse_body(&body, "consistency") {
+        Ok(v) => v,
+        Err(r) => return r,
+    };
+    let Some(text) = body_field(&v, "consistency").and_then(serde_json::Value::as_str) else {
+        return refuse(StatusCode::BAD_REQUEST, "consistency must be a string");
+    };
+    let mode = match Consistency::parse(text) {
+        Ok(m) => m,
+        Err(e) => return refuse(StatusCode::BAD_REQUEST, e.to_string()),
+    };
+    if mode == app.spec.consistency {
+        return reply(StatusCode::OK, state_json(&app));
+    }
+    refuse(
+        StatusCode::CONFLICT,
+        format!(
+            "cannot change the consistency mode of a running server from {} to {mode}: open \
+             shard sessions hold the mode. Drain the server and start it again with \
+             --consistency {mode} and the same --checkpoint-dir (parameters, optimizer state \
+             and versions carry over)",
+            app.spec.consistency
+        ),
+    )
+}

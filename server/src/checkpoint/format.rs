@@ -1,0 +1,578 @@
+//! The checkpoint file format: one safetensors file per checkpoint (docs/checkpoints.md).
+//!
+//! - Tensors are whole named tensors of the full model, assembled from the shards' key ranges:
+//!   `layer0.weight` `[784, 128]`, `layer0.bias` `[128]`, ... exactly as
+//!   [`crowdgrad_core::model::ModelSpec::layout`] lays out the flat vector; the optimizer's
+//!   state slots are tensors of the same shapes named `{tensor}.{slot}`
+//!   (`layer0.weight.adagrad_acc`, [`crowdgrad_core::optim::Rule::slot_names`]). All F32.
+//! - The header's metadata holds the rest as strings: `format` (`crowdgrad-checkpoint`),
+//!   `format_version` (`1`), `run` (the run spec JSON, its shard map included), `shards` (JSON:
+//!   per shard its range, version, optimizer update count and the `scale` policy's running
+//!   mean), `ledger` (the contribution ledger JSON), `created_unix_ms` and `checksum`.
+//! - `checksum` is `sha256:` and the hex SHA-256 of every tensor (sorted by name: the name, a 0
+//!   byte, its little-endian data) followed by every other metadata entry (sorted by key: key,
+//!   0, value, 0). safetensors itself checks the size: a truncated file does not parse.
+//!
+//! Because tensors are whole, a checkpoint does not depend on the shard layout: restoring onto
+//! another shard count is re-cutting the flat vectors ([`Checkpoint::exports_for`]).
+//!
+//! [`encode_model`] writes the export format (`crowdgrad export`): the model tensors only, for
+//! Python's `safetensors` / PyTorch.
+
+use crate::error::{Error, Result};
+use crowdgrad_core::optim::OptState;
+use crowdgrad_core::partition::KeyRange;
+use crowdgrad_core::shard::ShardExport;
+use crowdgrad_core::spec::RunSpec;
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+/// `format` of a checkpoint.
+pub const FORMAT: &str = "crowdgrad-checkpoint";
+/// `format` of an exported model.
+pub const EXPORT_FORMAT: &str = "crowdgrad-model";
+/// `format_version` this build writes and reads.
+pub const FORMAT_VERSION: &str = "1";
+
+/// A shard as the checkpoint's `shards` metadata records it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShardMeta {
+    /// Shard index.
+    pub id: u32,
+    /// Its key range of the flat vector.
+    pub range: KeyRange,
+    /// Updates applied.
+    pub version: u64,
+    /// The optimizer's update count (Adam's bias correction).
+    pub opt_t: u64,
+    /// `scale` policy: running mean of `1 / max(1, staleness)`.
+    pub inv_staleness_mean: f64,
+    /// `scale` policy: pushes that mean has seen.
+    pub scaled_pushes: u64,
+}
+
+/// Everything a checkpoint holds, decoded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Checkpoint {
+    /// The run (model, optimizer, shard map, dataset, run id).
+    pub spec: RunSpec,
+    /// Per shard, in shard order.
+    pub shards: Vec<ShardMeta>,
+    /// The full flat parameter vector.
+    pub values: Vec<f32>,
+    /// The optimizer's state slots over the full vector, in slot order.
+    pub slots: Vec<Vec<f32>>,
+    /// The contribution ledger (JSON, [`crate::ledger`]).
+    pub ledger: serde_json::Value,
+    /// When it was taken, milliseconds since the Unix epoch.
+    pub created_unix_ms: u64,
+}
+
+fn bad(m: impl Into<String>) -> Error {
+    Error::Checkpoint(m.into())
+}
+
+/// Little-endian bytes of `v` (borrowed where the machine is little-endian).
+fn le_bytes(v: &[f32]) -> Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        Cow::Borrowed(bytemuck::cast_slice(v))
+    } else {
+        Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect())
+    }
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+struct F32<'a> {
+    shape: Vec<usize>,
+    data: Cow<'a, [u8]>,
+}
+
+impl safetensors::View for F32<'_> {
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(&self.data)
+    }
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+fn checksum<'a>(
+    tensors: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+    meta: &HashMap<String, String>,
+) -> String {
+    let mut h = Sha256::new();
+    let sorted: BTreeMap<&str, &[u8]> = tensors.into_iter().collect();
+    for (name, data) in sorted {
+        h.update(name.as_bytes());
+        h.update([0]);
+        h.update(data);
+    }
+    let sorted: BTreeMap<&String, &String> =
+        meta.iter().filter(|(k, _)| *k != "checksum").collect();
+    for (k, v) in sorted {
+        h.update(k.as_bytes());
+        h.update([0]);
+        h.update(v.as_bytes());
+        h.update([0]);
+    }
+    format!("sha256:{}", hex(&h.finalize()))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Serialises named tensors of `spec`'s layout cut from `flats` (each the full vector: values
+/// first, then slots named by `suffixes`), with `meta` and its checksum.
+fn serialize(
+    spec: &RunSpec,
+    flats: &[(&str, &[f32])],
+    mut meta: HashMap<String, String>,
+) -> Result<Vec<u8>> {
+    let layout = spec.model.layout();
+    let mut named: Vec<(String, F32<'_>)> = Vec::new();
+    for (suffix, flat) in flats {
+        if flat.len() != layout.len() {
+            return Err(bad(format!(
+                "{} values for a model of {}",
+                flat.len(),
+                layout.len()
+            )));
+        }
+        for t in &layout.tensors {
+            let name = if suffix.is_empty() {
+                t.name.clone()
+            } else {
+                format!("{}.{suffix}", t.name)
+            };
+            named.push((
+                name,
+                F32 {
+                    shape: t.shape.clone(),
+                    data: le_bytes(&flat[t.offset..t.offset + t.len()]),
+                },
+            ));
+        }
+    }
+    let sum = checksum(named.iter().map(|(n, t)| (n.as_str(), &*t.data)), &meta);
+    meta.insert("checksum".into(), sum);
+    safetensors::serialize(named, Some(meta)).map_err(|e| bad(format!("serialising: {e}")))
+}
+
+impl Checkpoint {
+    /// A checkpoint of `spec` from its shards' exports (in shard order) and the ledger.
+    ///
+    /// # Errors
+    /// When the exports do not tile the spec's shard map or their optimizer state does not
+    /// fit its rule.
+    pub fn assemble(
+        spec: RunSpec,
+        exports: &[ShardExport],
+        ledger: serde_json::Value,
+    ) -> Result<Self> {
+        let ranges = spec.ranges();
+        if ranges.len() != exports.len() {
+            return Err(bad(format!(
+                "{} shard exports for {} shards",
+                exports.len(),
+                ranges.len()
+            )));
+        }
+        let rule = spec.optimizer.rule;
+        let n = spec.model.param_len();
+        let mut values = Vec::with_capacity(n);
+        let mut slots = vec![Vec::with_capacity(n); rule.slots()];
+        let mut shards = Vec::with_capacity(exports.len());
+        for (i, (r, e)) in ranges.iter().zip(exports).enumerate() {
+            if e.values.len() != r.len() {
+                return Err(bad(format!(
+                    "shard {i} exported {} values for a range of {}",
+                    e.values.len(),
+                    r.len()
+                )));
+            }
+            values.extend_from_slice(&e.values);
+            let s = e.state.slots(&rule);
+            for (all, part) in slots.iter_mut().zip(&s) {
+                if part.len() != r.len() {
+                    return Err(bad(format!("shard {i}: optimizer state of the wrong size")));
+                }
+                all.extend_from_slice(part);
+            }
+            shards.push(ShardMeta {
+                id: i as u32,
+                range: *r,
+                version: e.version,
+                opt_t: e.state.t,
+                inv_staleness_mean: e.inv_staleness_mean,
+                scaled_pushes: e.scaled_pushes,
+            });
+        }
+        Ok(Self {
+            spec,
+            shards,
+            values,
+            slots,
+            ledger,
+            created_unix_ms: now_ms(),
+        })
+    }
+
+    /// The shards' versions, in shard order.
+    pub fn versions(&self) -> Vec<u64> {
+        self.shards.iter().map(|s| s.version).collect()
+    }
+
+    /// Shard exports for the key ranges `ranges` (the checkpoint's own, or another layout's
+    /// when resharding): values and slots are re-cut from the full vectors; a new shard takes
+    /// the largest version and update count of the old shards it overlaps, and the `scale`
+    /// statistics of the first of them.
+    pub fn exports_for(&self, ranges: &[KeyRange]) -> Vec<ShardExport> {
+        ranges
+            .iter()
+            .map(|r| {
+                let overlap: Vec<&ShardMeta> = self
+                    .shards
+                    .iter()
+                    .filter(|s| s.range.start < r.end && r.start < s.range.end)
+                    .collect();
+                let slots: Vec<Vec<f32>> = self
+                    .slots
+                    .iter()
+                    .map(|s| s[r.start..r.end].to_vec())
+                    .collect();
+                let mut it = slots.into_iter();
+                ShardExport {
+                    version: overlap.iter().map(|s| s.version).max().unwrap_or(0),
+                    values: Arc::new(self.values[r.start..r.end].to_vec()),
+                    state: OptState {
+                        slot0: it.next().unwrap_or_default(),
+                        slot1: it.next().unwrap_or_default(),
+                        t: overlap.iter().map(|s| s.opt_t).max().unwrap_or(0),
+                    },
+                    inv_staleness_mean: overlap.first().map_or(1.0, |s| s.inv_staleness_mean),
+                    scaled_pushes: overlap.first().map_or(0, |s| s.scaled_pushes),
+                }
+            })
+            .collect()
+    }
+
+    /// The safetensors bytes.
+    ///
+    /// # Errors
+    /// When the checkpoint is inconsistent (lengths) or cannot be serialised.
+    pub fn encode(&self) -> Result<Vec<u8>> {
+        let rule = self.spec.optimizer.rule;
+        if self.slots.len() != rule.slots() {
+            return Err(bad("optimizer slots do not match the rule"));
+        }
+        let meta: HashMap<String, String> = [
+            ("format", FORMAT.to_string()),
+            ("format_version", FORMAT_VERSION.to_string()),
+            ("run", json(&self.spec)?),
+            ("shards", json(&self.shards)?),
+            ("ledger", json(&self.ledger)?),
+            ("created_unix_ms", self.created_unix_ms.to_string()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        let mut flats: Vec<(&str, &[f32])> = vec![("", &self.values)];
+        for (name, s) in rule.slot_names().iter().zip(&self.slots) {
+            flats.push((name, s));
+        }
+        serialize(&self.spec, &flats, meta)
+    }
+
+    /// Parses and checks a checkpoint: size (safetensors), format, checksum, then that every
+    /// tensor of the run's layout and optimizer is there with its shape, and nothing else.
+    ///
+    /// # Errors
+    /// [`Error::Checkpoint`] saying what is wrong (truncated, checksum mismatch, a missing
+    /// tensor...).
+    pub fn decode(bytes: &[u8]) -> Result<Self> {
+        let st = SafeTensors::deserialize(bytes).map_err(|e| {
+            bad(format!(
+                "not a readable safetensors file ({} bytes; truncated?): {e}",
+                bytes.len()
+            ))
+        })?;
+        let (_, header) = SafeTensors::read_metadata(bytes)
+            .map_err(|e| bad(format!("unreadable header: {e}")))?;
+        let meta = header.metadata().clone().unwrap_or_default();
+        let get = |k: &str| {
+            meta.get(k)
+                .ok_or_else(|| bad(format!("metadata has no {k:?}")))
+        };
+        if get("format")? != FORMAT {
+            return Err(bad(format!(
+                "format is {:?}, not {FORMAT:?}",
+                get("format")?
+            )));
+        }
+        if get("format_version")? != FORMAT_VERSION {
+            return Err(bad(format!(
+                "format version {} (this build reads {FORMAT_VERSION})",
+                get("format_version")?
+            )));
+        }
+        let tensors = st.tensors();
+        let sum = checksum(tensors.iter().map(|(n, t)| (n.as_str(), t.data())), &meta);
+        if &sum != get("checksum")? {
+            return Err(bad("checksum mismatch: the file is corrupt"));
+        }
+        let spec: RunSpec =
+            serde_json::from_str(get("run")?).map_err(|e| bad(format!("bad run spec: {e}")))?;
+        spec.validate()?;
+        let shards: Vec<ShardMeta> = serde_json::from_str(get("shards")?)
+            .map_err(|e| bad(format!("bad shard list: {e}")))?;
+        if shards.iter().map(|s| s.range).collect::<Vec<_>>() != spec.ranges() {
+            return Err(bad("the shard list does not match the run's shard map"));
+        }
+        let ledger =
+            serde_json::from_str(get("ledger")?).map_err(|e| bad(format!("bad ledger: {e}")))?;
+        let created_unix_ms = get("created_unix_ms")?
+            .parse()
+            .map_err(|_| bad("bad created_unix_ms"))?;
+        let layout = spec.model.layout();
+        let rule = spec.optimizer.rule;
+        let by_name: HashMap<&str, &TensorView<'_>> =
+            tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        let expected = layout.tensors.len() * (1 + rule.slots());
+        if by_name.len() != expected {
+            return Err(bad(format!(
+                "{} tensors, the run's model and optimizer need {expected}",
+                by_name.len()
+            )));
+        }
+        let flat = |suffix: &str| -> Result<Vec<f32>> {
+            let mut all = Vec::with_capacity(layout.len());
+            for t in &layout.tensors {
+                let name = if suffix.is_empty() {
+                    t.name.clone()
+                } else {
+                    format!("{}.{suffix}", t.name)
+                };
+                let v = by_name
+                    .get(name.as_str())
+                    .ok_or_else(|| bad(format!("tensor {name} is missing")))?;
+                if v.dtype() != Dtype::F32 || v.shape() != t.shape.as_slice() {
+                    return Err(bad(format!(
+                        "tensor {name} is {:?} {:?}, expected F32 {:?}",
+                        v.dtype(),
+                        v.shape(),
+                        t.shape
+                    )));
+                }
+                all.extend(f32s(v.data()));
+            }
+            Ok(all)
+        };
+        let values = flat("")?;
+        let slots = rule
+            .slot_names()
+            .iter()
+            .map(|s| flat(s))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            spec,
+            shards,
+            values,
+            slots,
+            ledger,
+            created_unix_ms,
+        })
+    }
+}
+
+/// The export format: the model's named tensors only (`layer0.weight` `[784, 128]`, ...), F32,
+/// with `format` = `crowdgrad-model`, `run` (the run spec JSON), `versions` (the shards'
+/// versions, JSON) and `checksum` in the metadata. Loads with Python's
+/// `safetensors.numpy.load_file` and `safetensors.torch.load_file`.
+///
+/// # Errors
+/// When `values` does not have the model's length.
+pub fn encode_model(spec: &RunSpec, values: &[f32], versions: &[u64]) -> Result<Vec<u8>> {
+    let meta: HashMap<String, String> = [
+        ("format", EXPORT_FORMAT.to_string()),
+        ("format_version", FORMAT_VERSION.to_string()),
+        ("run", json(spec)?),
+        ("versions", json(&versions)?),
+        ("created_unix_ms", now_ms().to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    serialize(spec, &[("", values)], meta)
+}
+
+/// JSON for the metadata.
+fn json<T: Serialize>(v: &T) -> Result<String> {
+    serde_json::to_string(v).map_err(|e| bad(format!("encoding metadata: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crowdgrad_core::optim::{OptimizerConfig, Rule};
+    use crowdgrad_core::shard::Consistency;
+    use crowdgrad_core::spec::{DataInfo, RunParams};
+
+    pub(crate) fn spec(shards: usize, optimizer: &str) -> RunSpec {
+        RunSpec::build(RunParams {
+            run_id: "r1".into(),
+            model: "mlp:5".into(),
+            optimizer: OptimizerConfig {
+                rule: Rule::from_name(optimizer).unwrap(),
+                ..OptimizerConfig::default()
+            },
+            batch_size: 4,
+            seed: 1,
+            consistency: Consistency::Async,
+            shards,
+            dataset: DataInfo {
+                name: "toy".into(),
+                image_dims: vec![2, 3],
+                classes: 4,
+                train_len: 10,
+                test_len: 5,
+            },
+            local: Default::default(),
+        })
+        .unwrap()
+    }
+
+    fn sample(shards: usize, optimizer: &str) -> Checkpoint {
+        let spec = spec(shards, optimizer);
+        let rule = spec.optimizer.rule;
+        let exports: Vec<ShardExport> = spec
+            .ranges()
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let vals: Vec<f32> = (r.start..r.end).map(|k| k as f32 * 0.5).collect();
+                let mut state = OptState::new(&rule, r.len());
+                state
+                    .slot0
+                    .iter_mut()
+                    .enumerate()
+                    .for_each(|(k, v)| *v = k as f32);
+                state.slot1.iter_mut().for_each(|v| *v = -1.0);
+                state.t = 10 + i as u64;
+                ShardExport {
+                    version: 10 + i as u64,
+                    values: Arc::new(vals),
+                    state,
+                    inv_staleness_mean: 0.5,
+                    scaled_pushes: 3,
+                }
+            })
+            .collect();
+        Checkpoint::assemble(spec, &exports, serde_json::json!({"contributors": []})).unwrap()
+    }
+
+    #[test]
+    fn round_trips_with_named_tensors() {
+        for opt in ["sgd", "adagrad", "adam"] {
+            let c = sample(3, opt);
+            let bytes = c.encode().unwrap();
+            let back = Checkpoint::decode(&bytes).unwrap();
+            assert_eq!(back, c, "{opt}");
+            let st = SafeTensors::deserialize(&bytes).unwrap();
+            let w = st.tensor("layer0.weight").unwrap();
+            assert_eq!(w.shape(), &[6, 5]);
+            assert_eq!(f32s(w.data())[1], 0.5);
+            if opt == "adagrad" {
+                assert_eq!(st.tensor("layer1.bias.adagrad_acc").unwrap().shape(), &[4]);
+            }
+            if opt == "adam" {
+                assert!(st.tensor("layer0.weight.adam_v").is_ok());
+            }
+            // The same layout gives back the same exports.
+            let ex = back.exports_for(&back.spec.ranges());
+            assert_eq!(ex.len(), 3);
+            assert_eq!(ex[2].version, 12);
+        }
+    }
+
+    #[test]
+    fn truncation_and_corruption_are_detected() {
+        let bytes = sample(2, "adagrad").encode().unwrap();
+        for cut in [0, 7, 100, bytes.len() / 2, bytes.len() - 1] {
+            let e = Checkpoint::decode(&bytes[..cut]).unwrap_err().to_string();
+            assert!(e.contains("truncated"), "{cut}: {e}");
+        }
+        let mut flipped = bytes.clone();
+        let last = flipped.len() - 3;
+        flipped[last] ^= 0x40;
+        let e = Checkpoint::decode(&flipped).unwrap_err().to_string();
+        assert!(e.contains("checksum"), "{e}");
+        let export = encode_model(&spec(2, "sgd"), &vec![0.0; 59], &[1, 2]).unwrap();
+        let e = Checkpoint::decode(&export).unwrap_err().to_string();
+        assert!(e.contains("format"), "{e}");
+    }
+
+    #[test]
+    fn resharding_recuts_whole_tensors() {
+        let c = sample(3, "adam");
+        let target = spec(2, "adam").ranges();
+        let ex = c.exports_for(&target);
+        let mut values = Vec::new();
+        let mut slot1 = Vec::new();
+        for (e, r) in ex.iter().zip(&target) {
+            assert_eq!(e.values.len(), r.len());
+            values.extend_from_slice(&e.values);
+            slot1.extend_from_slice(&e.state.slot1);
+        }
+        assert_eq!(values, c.values);
+        assert_eq!(slot1, c.slots[1]);
+        assert_eq!(ex[1].version, 12, "the newest overlapping shard's version");
+    }
+
+    #[test]
+    fn the_export_has_only_model_tensors() {
+        let s = spec(2, "adagrad");
+        let n = s.model.param_len();
+        let v: Vec<f32> = (0..n).map(|i| i as f32).collect();
+        let bytes = encode_model(&s, &v, &[3, 4]).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let mut names = st.names();
+        names.sort();
+        assert_eq!(
+            names,
+            [
+                "layer0.bias",
+                "layer0.weight",
+                "layer1.bias",
+                "layer1.weight"
+            ]
+        );
+        assert_eq!(st.tensor("layer1.weight").unwrap().shape(), &[5, 4]);
+        assert_eq!(
+            f32s(st.tensor("layer1.bias").unwrap().data()),
+            vec![55.0, 56.0, 57.0, 58.0]
+        );
+    }
+}
