@@ -183,8 +183,55 @@ fn compute() -> Fingerprint {
         fp.put_exact(&format!("optim.{name}"), fnv_f32(&p));
     }
 
+    cnn(&mut fp, &x, &y);
     worker_session(&mut fp);
     fp
+}
+
+/// The default CNN (`cnn`: im2col convolutions, max-pooling, dense layers) and a small model
+/// with every other layer kind (padding, stride, average pooling, dropout), on the MNIST-shaped
+/// batch `x`, `y`: initial weights exactly, loss and gradients within tolerance.
+fn cnn(fp: &mut Fingerprint, x: &Array2<f32>, y: &[u8]) {
+    let cnn =
+        Model::new(ModelSpec::parse_shaped("cnn", &[28, 28], 10).expect("spec")).expect("model");
+    let p0 = cnn.init_params(7);
+    fp.put_exact("init.cnn.len", p0.len().to_string());
+    fp.put_exact("init.cnn.bits", fnv_f32(&p0));
+    let mut grad = vec![0.0f32; p0.len()];
+    let mut ws = cnn.workspace(32);
+    let stats = cnn
+        .loss_and_grad(&p0, x.view(), y, &mut grad, &mut ws)
+        .expect("fits");
+    fp.put_approx("cnn.loss", [stats.mean_loss()]);
+    fp.put_approx("cnn.grad.l2_sum", [l2(&grad), sum(&grad)]);
+    // One entry of every tensor: the first, and one in the middle.
+    let picks: Vec<f64> = cnn
+        .layout()
+        .tensors
+        .iter()
+        .flat_map(|t| [t.offset, t.offset + t.len() / 2])
+        .map(|i| f64::from(grad[i]))
+        .collect();
+    fp.put_approx("cnn.grad.picks", picks);
+
+    let small = Model::new(
+        ModelSpec::parse_shaped(
+            "conv:4x3x3/p1,pool:2,conv:6x3x3/s2,avgpool:2,dense:16,dropout:0.25",
+            &[28, 28],
+            10,
+        )
+        .expect("spec"),
+    )
+    .expect("model");
+    let sp = small.init_params(5);
+    let mut sg = vec![0.0f32; sp.len()];
+    let mut sws = small.workspace(32);
+    let ss = small
+        .loss_and_grad_seeded(&sp, x.view(), y, 99, &mut sg, &mut sws)
+        .expect("fits");
+    fp.put_exact("small_cnn.init.bits", fnv_f32(&sp));
+    fp.put_approx("small_cnn.loss", [ss.mean_loss()]);
+    fp.put_approx("small_cnn.grad", sg.iter().map(|&g| f64::from(g)));
 }
 
 /// Runs the sans-IO worker against the in-memory two-shard [`Loopback`] for a few steps.
