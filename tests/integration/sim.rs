@@ -115,12 +115,15 @@ fn sixteen_async_workers_with_scaled_lr_reach_95_percent() {
 fn one_worker_without_delay_equals_applying_its_gradients_through_shardcore() {
     let data = mnist();
     let steps = 40u64;
+    // Protocol version 1's exchange (f32 both ways, no overlap): the reference applies the
+    // exact gradients the worker computed from the exact parameters it pulled.
     let cfg = SimConfig {
         shards: 2,
         delay: 0.0,
         delay_jitter: 0.0,
         jitter: 0.0,
         speed: SpeedDist::Fixed,
+        exchange: crowdgrad::config::Exchange::default(),
         ..small(1, steps * 32)
     };
     let r = sim::run(&cfg, &data).expect("run");
@@ -230,10 +233,14 @@ fn one_worker_without_delay_equals_applying_its_gradients_through_shardcore() {
 #[test]
 fn nan_pushes_from_faulty_workers_are_rejected_and_counted() {
     let data = mnist();
+    // Protocol version 1's exchange: a worker waits for its pushes' round trip, so every push
+    // it sends reaches an open connection (with overlap, a push can follow one the shard has
+    // already answered with a fatal error, and is dropped with the connection).
     let cfg = SimConfig {
         faulty: 0.5,
         fault: Fault::Nan,
         shards: 2,
+        exchange: crowdgrad::config::Exchange::default(),
         ..small(6, 12_000)
     };
     let r = sim::run(&cfg, &data).expect("run");
