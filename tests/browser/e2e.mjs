@@ -481,6 +481,7 @@ async function main() {
   await cleanup();
 
   await measureFigures();
+  await cnnTab();
 }
 
 // ------------------------------------------------------------------ phase 4: figures
@@ -605,6 +606,43 @@ async function measureFigures() {
   } finally {
     if (browser) await browser.close();
     await stopChild(server, 'figures server');
+    fs.rmSync(dir, { recursive: true, force: true });
+  }
+}
+
+/// Issue 12: one plain tab trains the default CNN (`--model cnn`: im2col convolutions and
+/// max-pooling in wasm) for a short budget; the server's evaluation must climb well above
+/// chance, and the tab's step time goes into the figures.
+async function cnnTab() {
+  phase = 'cnn';
+  const port = await freePort();
+  const base = `http://127.0.0.1:${port}`;
+  const server = await startServer(port, 'cnn', ['--model', 'cnn', '--eval-every', '2']);
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-cnn-'));
+  let browser = null;
+  try {
+    const st = await getStatus(base);
+    check('the server runs the CNN', String(st.model).startsWith('conv:16x5x5'), String(st.model));
+    browser = await PipeBrowser.launch(dir);
+    await browser.send('Page.navigate', { url: `${base}/` }, browser.session);
+    await waitFor('the CNN page to load', () => browser.evaluate(
+      "document.readyState === 'complete' && !!window.crowdgrad"), 30_000, 100);
+    await browser.evaluate("document.getElementById('contribute').click()");
+    await waitFor('the CNN tab\'s first push', () => browser.evaluate(
+      'window.crowdgrad.volunteer.firstPushAt && true'), 60_000, 100);
+    const acc = await waitFor('the CNN to pass 80% test accuracy', async () => {
+      const s = await getStatus(base);
+      const a = s.eval && s.eval.accuracy;
+      return a >= 0.8 ? a : null;
+    }, 60_000, 500);
+    const p = JSON.parse(await browser.evaluate('JSON.stringify(window.crowdgrad.volunteer.progress)'));
+    check('a headless tab trains the CNN (test accuracy > 80%)', acc >= 0.8 && p.pushes_accepted > 0,
+      `accuracy ${(acc * 100).toFixed(1)}%, ${p.pushes_accepted} pushes accepted`);
+    figures['CNN (cnn) in one tab'] =
+      `${p.samples_per_sec.toFixed(0)} samples/s; per step ${p.step_ms.toFixed(3)} ms computing + ${p.wait_ms.toFixed(3)} ms waiting`;
+  } finally {
+    if (browser) await browser.close();
+    await stopChild(server, 'cnn server');
     fs.rmSync(dir, { recursive: true, force: true });
   }
 }
