@@ -92,7 +92,43 @@ pub struct ShardConfig {
     /// 1/(workers connected), so K workers that each moved the model by Δ move it by their
     /// mean, as a sync aggregate would (applied whole, K concurrent Δs overshoot K-fold).
     pub pseudo_gradients: bool,
+    /// Bounds every push must keep.
+    pub guard: PushGuard,
 }
+
+/// What a push must keep to be applied, beyond a finite payload of the right length: the
+/// defences against one hostile or broken push wrecking a run. A push that breaks one is
+/// answered [`ErrorCode::OutOfBounds`] (not fatal) and changes nothing.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PushGuard {
+    /// Largest |value| in a push. With it no optimizer state can overflow: Adagrad's
+    /// accumulator grows by at most `max_abs²` (1e8) per push, far from f32's 3.4e38.
+    pub max_abs: f32,
+    /// A push's L2 norm per step (norm / (samples / batch), so local rounds of any H compare)
+    /// may be at most this many times the median of the last [`NORM_WINDOW`] accepted ones;
+    /// 0 turns it off. Checked once [`NORM_WARMUP`] pushes were accepted.
+    pub norm_factor: f32,
+    /// Largest sample count a push may claim: batch × the most local steps.
+    pub max_samples: u32,
+    /// The run's batch size (for the per-step norm).
+    pub batch: u32,
+}
+
+impl Default for PushGuard {
+    fn default() -> Self {
+        Self {
+            max_abs: 1e4,
+            norm_factor: 10.0,
+            max_samples: u32::MAX,
+            batch: 1,
+        }
+    }
+}
+
+/// Accepted pushes whose norms the median is taken over.
+pub const NORM_WINDOW: usize = 64;
+/// Accepted pushes before the norm bound applies.
+pub const NORM_WARMUP: usize = 16;
 
 /// How a run's shards are set up: everything of [`ShardConfig`] but the shard's id and range,
 /// and the update rules. One place turns it into a shard, for the server, the simulator, the
@@ -117,6 +153,8 @@ pub struct ShardSetup {
     pub reports: bool,
     /// Pushes are pseudo-gradients.
     pub pseudo_gradients: bool,
+    /// Bounds every push must keep.
+    pub guard: PushGuard,
 }
 
 impl ShardSetup {
@@ -132,6 +170,7 @@ impl ShardSetup {
             push_encoding: self.push_encoding,
             reports: self.reports,
             pseudo_gradients: self.pseudo_gradients,
+            guard: self.guard,
         }
     }
 
@@ -180,6 +219,8 @@ pub struct ShardState {
     epoch: u64,
     /// The gradient of the push being applied, validated before it reaches `core`.
     scratch: Vec<f32>,
+    /// Per-step norms of the last accepted pushes (for [`PushGuard::norm_factor`]).
+    norms: std::collections::VecDeque<f32>,
 }
 
 impl ShardState {
@@ -216,6 +257,7 @@ impl ShardState {
             connected: 0,
             updates: BTreeMap::new(),
             epoch: 0,
+            norms: std::collections::VecDeque::new(),
         })
     }
 
@@ -319,13 +361,29 @@ impl ShardState {
     }
 
     /// Validates `grad` (length, finite) into scratch and applies it (rule 1 included).
-    fn push(&mut self, worker: u64, base_version: u64, grad: Payload<'_>, now: f64) -> Outcome {
+    fn push(
+        &mut self,
+        worker: u64,
+        base_version: u64,
+        grad: Payload<'_>,
+        samples: u32,
+        now: f64,
+    ) -> Outcome {
         if let Err(e) = grad.copy_into(&mut self.scratch) {
             return Outcome::Rejected {
                 code: ErrorCode::from(&e),
                 message: e.to_string(),
             };
         }
+        let norm = match self.guard(samples) {
+            Ok(n) => n,
+            Err(message) => {
+                return Outcome::Rejected {
+                    code: ErrorCode::OutOfBounds,
+                    message,
+                }
+            }
+        };
         let scale = if self.cfg.pseudo_gradients {
             1.0 / self.connected.max(1) as f32
         } else {
@@ -334,6 +392,10 @@ impl ShardState {
         let outcome = self.core.push_scaled(base_version, &self.scratch, scale);
         self.record(&outcome);
         if matches!(outcome, Outcome::Applied { .. } | Outcome::Buffered { .. }) {
+            if self.norms.len() >= NORM_WINDOW {
+                self.norms.pop_front();
+            }
+            self.norms.push_back(norm);
             self.clock.tick(worker, now);
             self.epoch += 1;
         }
@@ -343,6 +405,43 @@ impl ShardState {
             }
         }
         outcome
+    }
+
+    /// Checks the validated gradient in scratch against the guard; returns its per-step norm.
+    fn guard(&self, samples: u32) -> Result<f32, String> {
+        let g = self.cfg.guard;
+        if samples == 0 || samples > g.max_samples {
+            return Err(format!(
+                "a push claims {samples} samples; a round has 1 to {}",
+                g.max_samples
+            ));
+        }
+        let (mut max, mut sq) = (0.0f32, 0.0f64);
+        for &v in &self.scratch {
+            max = max.max(v.abs());
+            sq += f64::from(v) * f64::from(v);
+        }
+        if max > g.max_abs {
+            return Err(format!(
+                "a value of magnitude {max:e} exceeds the bound {:e}",
+                g.max_abs
+            ));
+        }
+        let steps = (samples as f32 / g.batch.max(1) as f32).max(1.0);
+        let norm = (sq.sqrt() as f32) / steps;
+        if g.norm_factor > 0.0 && self.norms.len() >= NORM_WARMUP {
+            let mut recent: Vec<f32> = self.norms.iter().copied().collect();
+            recent.sort_by(f32::total_cmp);
+            let median = recent[recent.len() / 2];
+            let bound = g.norm_factor * median;
+            if norm > bound {
+                return Err(format!(
+                    "norm per step {norm:.3e} exceeds {} x the recent median {median:.3e}",
+                    g.norm_factor
+                ));
+            }
+        }
+        Ok(norm)
     }
 
     /// Whether `worker`'s pull for `min_version` may be answered now; if not, the time by which
@@ -508,6 +607,8 @@ pub struct ShardSession {
     /// Negotiated in the handshake: what Params are sent in, what pushes should come in.
     pull_encoding: Encoding,
     push_encoding: Encoding,
+    /// The request id of the last push on this connection (replays are refused).
+    last_push: Option<u32>,
 }
 
 /// The request id of a frame, if its header can be read (32 bytes, right magic); else 0.
@@ -530,6 +631,7 @@ impl ShardSession {
             closed: false,
             pull_encoding: Encoding::F32,
             push_encoding: Encoding::F32,
+            last_push: None,
         }
     }
 
@@ -882,7 +984,15 @@ impl ShardSession {
                     );
                     return self.fail(shard, request_id, ErrorCode::WrongLength, m, push, now);
                 }
-                let outcome = shard.with(|s| s.push(worker, base_version, grad, now));
+                if self.last_push.is_some_and(|last| request_id <= last) {
+                    let m = format!(
+                        "push request id {request_id} is not above this connection's last push {}",
+                        self.last_push.unwrap_or_default()
+                    );
+                    return self.fail(shard, request_id, ErrorCode::Replayed, m, push, now);
+                }
+                self.last_push = Some(request_id);
+                let outcome = shard.with(|s| s.push(worker, base_version, grad, samples, now));
                 let (version, staleness) = match &outcome {
                     Outcome::Applied {
                         version, staleness, ..
@@ -952,6 +1062,7 @@ mod tests {
             push_encoding: Encoding::F32,
             reports: false,
             pseudo_gradients: false,
+            guard: PushGuard::default(),
         };
         let opt = OptimizerConfig {
             rule: Rule::Sgd,
@@ -1170,5 +1281,53 @@ mod tests {
         b.shutdown(&mut sh);
         assert_eq!(sent(&mut b), ["welcome 1", "bye", "close"]);
         assert_eq!(sh.connected(), 0);
+    }
+
+    /// Issue 10: a push replayed on its connection, a value near f32's limit (which would
+    /// overflow Adagrad's accumulator), a push scaled far above the recent norms, and an
+    /// impossible sample count are refused without closing, and change nothing.
+    #[test]
+    fn replays_huge_values_outlier_norms_and_false_sample_counts_are_refused() {
+        let mut sh = state(Consistency::Async, 2);
+        sh.cfg.guard = PushGuard {
+            max_samples: 32,
+            batch: 32,
+            ..PushGuard::default()
+        };
+        let mut s = ShardSession::new(*sh.config());
+        s.handle_frame(&mut sh, &hello(1, 7), 0.0);
+        let mut rid = 1;
+        let mut push = |s: &mut ShardSession, sh: &mut ShardState, g: &[f32], samples: u32| {
+            rid += 1;
+            let v = sh.version();
+            s.handle_frame(sh, &wire::encode_push(rid, 1, v, samples, g), 0.0);
+            rid
+        };
+        for _ in 0..NORM_WARMUP {
+            push(&mut s, &mut sh, &[0.01, -0.02], 32);
+        }
+        let before = sh.values().clone();
+        let v = sh.version();
+        let id = push(&mut s, &mut sh, &[1e30, 0.0], 32);
+        push(&mut s, &mut sh, &[10.0, -20.0], 32);
+        push(&mut s, &mut sh, &[0.01, -0.02], u32::MAX);
+        let replay = wire::encode_push(id, 1, v, 32, &[0.01, -0.02]);
+        s.handle_frame(&mut sh, &replay, 0.0);
+        let out = sent(&mut s);
+        assert_eq!(
+            out[out.len() - 4..],
+            [
+                format!("error {id} out_of_bounds"),
+                format!("error {} out_of_bounds", id + 1),
+                format!("error {} out_of_bounds", id + 2),
+                format!("error {id} replayed"),
+            ]
+        );
+        assert_eq!(sh.values(), &before, "nothing applied");
+        assert_eq!(sh.version(), v);
+        assert!(!s.is_closed(), "not fatal");
+        // An honest push still goes through.
+        push(&mut s, &mut sh, &[0.02, -0.01], 32);
+        assert_eq!(sh.version(), v + 1);
     }
 }

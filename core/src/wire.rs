@@ -343,12 +343,20 @@ pub enum ErrorCode {
     Busy = 14,
     /// A Hello's credential is missing or not the worker's own (fatal).
     Unauthorized = 15,
+    /// A push outside the shard's bounds: a value too large, a norm far above the recent
+    /// ones, or more samples than a round can have (not fatal).
+    OutOfBounds = 16,
+    /// A push whose request id is not above the connection's last push: a replay (not fatal).
+    Replayed = 17,
 }
 
 impl ErrorCode {
     /// Whether the server closes the connection after sending this error.
     pub fn is_fatal(self) -> bool {
-        !matches!(self, ErrorCode::TooStale | ErrorCode::Busy)
+        !matches!(
+            self,
+            ErrorCode::TooStale | ErrorCode::Busy | ErrorCode::OutOfBounds | ErrorCode::Replayed
+        )
     }
 
     /// Code for a numeric value, if defined.
@@ -370,6 +378,8 @@ impl ErrorCode {
             ShuttingDown,
             Busy,
             Unauthorized,
+            OutOfBounds,
+            Replayed,
         ]
         .into_iter()
         .find(|c| *c as u32 == v)
@@ -394,6 +404,8 @@ impl ErrorCode {
             ShuttingDown => "shutting_down",
             Busy => "busy",
             Unauthorized => "unauthorized",
+            OutOfBounds => "out_of_bounds",
+            Replayed => "replayed",
         }
     }
 }
@@ -1096,7 +1108,7 @@ mod tests {
 
     #[test]
     fn error_codes_are_stable() {
-        for v in 1..=15 {
+        for v in 1..=17 {
             let c = ErrorCode::from_u32(v).unwrap();
             assert_eq!(c as u32, v);
             assert_eq!(

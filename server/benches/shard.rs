@@ -32,6 +32,7 @@ fn apply(c: &mut Criterion) {
             pull_encoding: crowdgrad_core::codec::Encoding::F32,
             push_encoding: crowdgrad_core::codec::Encoding::F32,
             pseudo_gradients: false,
+            guard: crowdgrad_core::session::PushGuard::default(),
         };
         let shard = Shard::start(0, KeyRange { start: 0, end: N }, vec![0.1; N], opts);
         let grad = vec![1e-3f32; N];
@@ -51,9 +52,12 @@ fn apply(c: &mut Criterion) {
         });
         session.handle_frame(&mut access, &hello, 0.0);
         while session.poll_action().is_some() {}
+        let mut request = 1u32;
         g.bench_function(name, |b| {
             b.iter(|| {
-                let frame = wire::encode_push(1, 0, shard.version(), 32, &grad);
+                // Push request ids rise on a connection (a repeated one is a replay).
+                request += 1;
+                let frame = wire::encode_push(request, 0, shard.version(), 32, &grad);
                 session.handle_frame(&mut access, &frame, 0.0);
                 let mut acked = false;
                 while let Some(a) = session.poll_action() {

@@ -94,6 +94,14 @@ pub struct TrainingArgs {
     /// with one f32 scale each; workers carry the rounding error into their next push).
     #[arg(long, default_value = "int8_block")]
     pub push_encoding: String,
+    /// Shards refuse (`out_of_bounds`, not fatal) a push holding a value larger than this in
+    /// magnitude, so no optimizer state can overflow.
+    #[arg(long, default_value_t = 1e4)]
+    pub max_push_value: f32,
+    /// Shards refuse a push whose norm per step is more than this many times the median of
+    /// the last 64 accepted ones (after 16); 0 = off.
+    #[arg(long, default_value_t = 10.0)]
+    pub norm_bound: f32,
 }
 
 /// How workers exchange with shards: local steps, overlap and the negotiated encodings' upper
@@ -106,6 +114,10 @@ pub struct Exchange {
     pub pull_encoding: Encoding,
     /// The most compact push encoding shards ask for.
     pub push_encoding: Encoding,
+    /// `--max-push-value`.
+    pub max_push_value: f32,
+    /// `--norm-bound`.
+    pub norm_bound: f32,
 }
 
 impl Default for Exchange {
@@ -115,6 +127,21 @@ impl Default for Exchange {
             local: LocalConfig::default(),
             pull_encoding: Encoding::F32,
             push_encoding: Encoding::F32,
+            max_push_value: 1e4,
+            norm_bound: 10.0,
+        }
+    }
+}
+
+impl Exchange {
+    /// The push bounds for a run with `batch` examples per step.
+    pub fn guard(&self, batch: usize) -> crowdgrad_core::session::PushGuard {
+        let batch = u32::try_from(batch).unwrap_or(u32::MAX);
+        crowdgrad_core::session::PushGuard {
+            max_abs: self.max_push_value,
+            norm_factor: self.norm_bound,
+            max_samples: batch.saturating_mul(self.local.steps.max()),
+            batch,
         }
     }
 }
@@ -198,7 +225,21 @@ impl TrainingArgs {
                 &self.push_encoding,
                 &[Encoding::F32, Encoding::Bf16, Encoding::INT8],
             )?,
+            max_push_value: self.max_push_value,
+            norm_bound: self.norm_bound,
         };
+        if !(self.max_push_value.is_finite() && self.max_push_value > 0.0) {
+            return Err(Error::Config(format!(
+                "--max-push-value {} must be finite and positive",
+                self.max_push_value
+            )));
+        }
+        if !(self.norm_bound.is_finite() && (self.norm_bound == 0.0 || self.norm_bound >= 1.0)) {
+            return Err(Error::Config(format!(
+                "--norm-bound {} must be 0 (off) or at least 1",
+                self.norm_bound
+            )));
+        }
         // Parse once against MNIST's shape to catch typos before any data is loaded.
         ModelSpec::parse(&self.model, 784, 10)?;
         let bad = |m: String| Err(Error::Config(m));
@@ -549,6 +590,7 @@ impl ServeConfig {
             pull_encoding: self.exchange.pull_encoding,
             push_encoding: self.exchange.push_encoding,
             pseudo_gradients: self.exchange.local.steps.pseudo_gradients(),
+            guard: self.exchange.guard(self.batch_size),
         }
     }
 

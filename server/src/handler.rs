@@ -298,6 +298,7 @@ mod tests {
             heartbeat: Duration::from_secs(5),
             sync_timeout: Duration::from_secs(1),
             pseudo_gradients: false,
+            guard: crowdgrad_core::session::PushGuard::default(),
             pull_encoding: crowdgrad_core::codec::Encoding::F32,
             push_encoding: crowdgrad_core::codec::Encoding::F32,
         };

@@ -89,6 +89,8 @@ pub struct ShardOptions {
     pub push_encoding: Encoding,
     /// Pushes are pseudo-gradients (the run has local steps).
     pub pseudo_gradients: bool,
+    /// Bounds every push must keep.
+    pub guard: crowdgrad_core::session::PushGuard,
 }
 
 impl ShardOptions {
@@ -105,6 +107,7 @@ impl ShardOptions {
             push_encoding: self.push_encoding,
             reports: true,
             pseudo_gradients: self.pseudo_gradients,
+            guard: self.guard,
         }
     }
 }

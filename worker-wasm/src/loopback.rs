@@ -10,7 +10,7 @@ use crowdgrad_core::data::{encode_idx, Dataset};
 use crowdgrad_core::model::Model;
 use crowdgrad_core::optim::OptimizerConfig;
 use crowdgrad_core::rng::Rng;
-use crowdgrad_core::session::{Action, ShardSession, ShardSetup, ShardState};
+use crowdgrad_core::session::{Action, PushGuard, ShardSession, ShardSetup, ShardState};
 use crowdgrad_core::shard::{Consistency, StalenessPolicy};
 use crowdgrad_core::spec::{DataInfo, JoinResponse, PartitionInfo, RunParams, RunSpec};
 use crowdgrad_core::wire::{self, Message, PROTOCOL_VERSION};
@@ -115,6 +115,10 @@ impl Loopback {
                     push_encoding: Encoding::F32,
                     reports: false,
                     pseudo_gradients: join.run.local.steps.pseudo_gradients(),
+                    guard: PushGuard {
+                        max_samples: u32::MAX,
+                        ..PushGuard::default()
+                    },
                 };
                 let state = setup.state(i as u32, *r, init[r.start..r.end].to_vec())?;
                 Ok((state, ShardSession::new(setup.config(i as u32, *r))))

@@ -272,6 +272,7 @@ pub async fn run(
         pull_encoding: t.exchange.pull_encoding,
         push_encoding: t.exchange.push_encoding,
         pseudo_gradients: t.exchange.local.steps.pseudo_gradients(),
+        guard: t.exchange.guard(t.batch_size),
     };
     let shard = Shard::start(cfg.index as u32, range, values, opts);
     shard.require_credential(cfg.secret.clone());

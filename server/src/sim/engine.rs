@@ -231,6 +231,7 @@ impl<'a> Engine<'a> {
                     push_encoding: cfg.exchange.push_encoding,
                     reports: false,
                     pseudo_gradients: cfg.exchange.local.steps.pseudo_gradients(),
+                    guard: cfg.exchange.guard(cfg.batch_size),
                 };
                 let state = setup.state(i as u32, *r, initial[r.start..r.end].to_vec())?;
                 Ok(SimShard {
