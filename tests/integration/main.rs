@@ -9,6 +9,7 @@ mod data;
 mod durability;
 mod http;
 mod limits;
+mod link;
 mod ops;
 mod protocol;
 mod remote;

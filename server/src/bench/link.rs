@@ -159,36 +159,37 @@ pub struct Netns {
     name: String,
 }
 
-fn ip(args: &[&str]) -> Result<()> {
+/// Runs `ip ARGS`; the error is what it printed.
+fn ip(args: &[&str]) -> std::result::Result<(), String> {
     let out = Command::new("ip")
         .args(args)
         .stdin(Stdio::null())
         .output()
-        .map_err(|e| Error::io("running ip (iproute2)", e))?;
+        .map_err(|e| format!("running ip (iproute2): {e}"))?;
     if out.status.success() {
         Ok(())
     } else {
-        Err(Error::Config(format!(
+        Err(format!(
             "`ip {}` failed: {}",
             args.join(" "),
             String::from_utf8_lossy(&out.stderr).trim()
-        )))
+        ))
     }
 }
 
 impl Netns {
-    /// Creates namespace `{prefix}-{pid}` with its loopback up at MTU 1500 and, with
+    /// Creates namespace `{prefix}-{pid}-{n}` with its loopback up at MTU 1500 and, with
     /// `rate_mbit`, `tc qdisc add dev lo root tbf rate {rate}mbit burst 64kb latency 2000ms`.
-    /// First deletes namespaces `{prefix}-{pid}` of processes that no longer exist.
+    /// First deletes namespaces `{prefix}-{pid}-…` of processes that no longer exist.
     ///
     /// # Errors
     /// [`Error::Config`] saying that shaping needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN) and
     /// what `ip`/`tc` answered, when the namespace cannot be created or shaped.
     pub fn create(prefix: &str, rate_mbit: Option<f64>) -> Result<Netns> {
         reap_stale(prefix);
-        let name = format!("{prefix}-{}", std::process::id());
-        // A namespace of this very process left by an earlier call in it.
-        let _ = ip(&["netns", "del", &name]);
+        static SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name = format!("{prefix}-{}-{seq}", std::process::id());
         ip(&["netns", "add", &name]).map_err(|e| {
             Error::Config(format!(
                 "cannot create a network namespace (shaping the link needs root): {e}"
@@ -197,7 +198,8 @@ impl Netns {
         let ns = Netns { name };
         ip(&[
             "netns", "exec", &ns.name, "ip", "link", "set", "lo", "up", "mtu", "1500",
-        ])?;
+        ])
+        .map_err(Error::Config)?;
         if let Some(r) = rate_mbit {
             let rate = format!("{r}mbit");
             ip(&[
@@ -243,7 +245,7 @@ impl Drop for Netns {
     }
 }
 
-/// Deletes namespaces `{prefix}-{pid}` whose process is gone (a run killed by a signal).
+/// Deletes namespaces `{prefix}-{pid}-{n}` whose process is gone (a run killed by a signal).
 fn reap_stale(prefix: &str) {
     let Ok(out) = Command::new("ip").args(["netns", "list"]).output() else {
         return;
@@ -253,6 +255,7 @@ fn reap_stale(prefix: &str) {
         let Some(pid) = name
             .strip_prefix(prefix)
             .and_then(|r| r.strip_prefix('-'))
+            .and_then(|r| r.split('-').next())
             .and_then(|p| p.parse::<u32>().ok())
         else {
             continue;
@@ -337,6 +340,46 @@ impl Drop for Children {
     }
 }
 
+/// Starts a `crowdgrad serve` command (stdout is read here, stderr discarded) and waits at
+/// most `timeout` for its `crowdgrad listening on URL` line; returns the child and the URL.
+/// The rest of its stdout is drained on a thread of its own.
+///
+/// # Errors
+/// When it cannot be started or does not listen in time (it is killed then).
+pub fn start_server(mut serve: Command, timeout: Duration) -> Result<(Child, String)> {
+    let mut server = serve
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| Error::io("starting the server", e))?;
+    let out = server
+        .stdout
+        .take()
+        .ok_or_else(|| Error::Config("no server stdout".into()))?;
+    // Killed if it does not come up.
+    let mut guard = Children(vec![server]);
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        // Read up to the listening line, then drain (the pipe must never fill up).
+        let mut tx = Some(tx);
+        for line in BufReader::new(out)
+            .lines()
+            .map_while(std::result::Result::ok)
+        {
+            if let Some(u) = line.strip_prefix("crowdgrad listening on ") {
+                if let Some(t) = tx.take() {
+                    let _ = t.send(u.trim().to_string());
+                }
+            }
+        }
+    });
+    let url = rx
+        .recv_timeout(timeout)
+        .map_err(|_| Error::Config(format!("the server did not start within {timeout:?}")))?;
+    Ok((guard.0.remove(0), url))
+}
+
 /// One run's figures.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LinkRun {
@@ -394,36 +437,9 @@ pub fn run(
         .arg("--data-dir")
         .arg(&args.data_dir)
         .args(config_flags(config)?)
-        .args(&args.serve_args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null());
-    let mut server = serve
-        .spawn()
-        .map_err(|e| Error::io("starting the server", e))?;
-    let out = server
-        .stdout
-        .take()
-        .ok_or_else(|| Error::Config("no server stdout".into()))?;
+        .args(&args.serve_args);
+    let (server, url) = start_server(serve, Duration::from_secs(60))?;
     let mut procs = Children(vec![server]);
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        // Read up to the listening line, then drain (the pipe must never fill up).
-        let mut tx = Some(tx);
-        for line in BufReader::new(out)
-            .lines()
-            .map_while(std::result::Result::ok)
-        {
-            if let Some(u) = line.strip_prefix("crowdgrad listening on ") {
-                if let Some(t) = tx.take() {
-                    let _ = t.send(u.trim().to_string());
-                }
-            }
-        }
-    });
-    let url = rx
-        .recv_timeout(Duration::from_secs(60))
-        .map_err(|_| Error::Config("the server did not start within 60 s".into()))?;
     let started = Instant::now();
     let mut workers = Vec::new();
     for i in 0..args.workers {
