@@ -1520,7 +1520,11 @@ mod tests {
             .iter()
             .map(|&(s, _, v)| (s, v))
             .collect();
-        assert_eq!(versions, vec![(0, 1), (1, 1)], "computed from the second pull");
+        assert_eq!(
+            versions,
+            vec![(0, 1), (1, 1)],
+            "computed from the second pull"
+        );
         assert!(!w.ready(), "waiting for the third round's parameters");
     }
 

@@ -522,8 +522,13 @@ impl ServeArgs {
             }
         };
         let admin_token = match self.admin_token {
-            Some(t) if t.len() < 16 || t.len() > 1024 || !t.bytes().all(|b| b.is_ascii_graphic()) => {
-                return bad("--admin-token must be 16 to 1024 printable ASCII characters without spaces".into())
+            Some(t)
+                if t.len() < 16 || t.len() > 1024 || !t.bytes().all(|b| b.is_ascii_graphic()) =>
+            {
+                return bad(
+                    "--admin-token must be 16 to 1024 printable ASCII characters without spaces"
+                        .into(),
+                )
             }
             t => t.map(crate::credential::Secret::new),
         };

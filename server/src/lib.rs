@@ -18,8 +18,8 @@ pub mod app;
 pub mod bench;
 pub mod checkpoint;
 pub mod config;
-pub mod ctl;
 pub mod credential;
+pub mod ctl;
 pub mod data;
 pub mod error;
 pub mod handler;
@@ -82,8 +82,8 @@ pub async fn run(
         consistency: cfg.consistency,
         shards: cfg.shards,
         dataset: DataInfo::of(cfg.dataset.clone(), &data.train, &data.test),
-            local: cfg.exchange.local,
-})?;
+        local: cfg.exchange.local,
+    })?;
     // Continue the newest valid checkpoint, if any (crate::checkpoint); its run id stays, so
     // workers that rejoin see the same run.
     let (checkpoints, mut restored) = match &cfg.checkpoint {
@@ -222,7 +222,9 @@ pub async fn run(
             let _ = t.await;
         }
         match ck.write(&app).await {
-            Ok(w) => tracing::info!(checkpoint = %w.name, bytes = w.bytes, versions = ?w.versions, "final checkpoint written"),
+            Ok(w) => {
+                tracing::info!(checkpoint = %w.name, bytes = w.bytes, versions = ?w.versions, "final checkpoint written")
+            }
             Err(e) => {
                 tracing::error!(%e, "final checkpoint failed");
                 served = Err(e);

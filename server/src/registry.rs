@@ -445,7 +445,10 @@ impl Registry {
         &self,
         worker: u64,
         report: &crowdgrad_core::wire::Report,
-        encodings: (crowdgrad_core::codec::Encoding, crowdgrad_core::codec::Encoding),
+        encodings: (
+            crowdgrad_core::codec::Encoding,
+            crowdgrad_core::codec::Encoding,
+        ),
     ) {
         let mut g = self.lock();
         g.ledger.reported(worker, report.compute_s);

@@ -142,8 +142,8 @@ fn one_worker_without_delay_equals_applying_its_gradients_through_shardcore() {
         consistency: cfg.consistency,
         shards: cfg.shards,
         dataset: DataInfo::of("mnist", &data.train, &data.test),
-            local: crowdgrad_core::local::LocalConfig::default(),
-})
+        local: crowdgrad_core::local::LocalConfig::default(),
+    })
     .expect("run spec");
     let model = Model::new(run.model.clone()).expect("model");
     let ranges = run.ranges();

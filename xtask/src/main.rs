@@ -288,11 +288,14 @@ impl Xtask {
             c.arg("tests/browser/e2e.mjs");
             x.run_counting(c)
         })?;
-        self.stage("browser over https/wss, private run (tests/browser/tls.mjs)", |x| {
-            let mut c = x.cmd("node");
-            c.arg("tests/browser/tls.mjs");
-            x.run_counting(c)
-        })
+        self.stage(
+            "browser over https/wss, private run (tests/browser/tls.mjs)",
+            |x| {
+                let mut c = x.cmd("node");
+                c.arg("tests/browser/tls.mjs");
+                x.run_counting(c)
+            },
+        )
     }
 
     // ------------------------------------------------------------------ setup steps
