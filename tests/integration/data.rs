@@ -78,3 +78,88 @@ fn regression_fetch_into_a_relative_directory() {
     assert!(mnist_present(&rel));
     std::fs::remove_dir_all(rel.parent().expect("parent")).expect("cleanup");
 }
+
+/// Runs a server that must refuse `cfg` before serving anything: `run` returns the error at
+/// once, and the listening port is closed again (nothing half-started answers on it).
+async fn refused(cfg: crowdgrad::config::ServeConfig, data: crowdgrad::data::TrainTest) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let run = crowdgrad::run(listener, cfg, data, std::future::pending::<()>());
+    let err = tokio::time::timeout(std::time::Duration::from_secs(30), run)
+        .await
+        .expect("refused at once, not served")
+        .expect_err("the configuration is refused")
+        .to_string();
+    assert!(
+        tokio::net::TcpStream::connect(addr).await.is_err(),
+        "nothing listens after a refused start"
+    );
+    err
+}
+
+/// Issue 12: a model that does not fit the data is refused when the server starts, with the
+/// layer and the shape in the error; the CNN starts and workers learn its layer list.
+#[tokio::test]
+async fn models_are_resolved_against_the_data_at_start() {
+    let mut bad = crate::util::config();
+    bad.model = "conv:8x5x5,pool:2,conv:16x5x5,pool:2,conv:32x5x5".into();
+    let err = refused(bad, mnist()).await;
+    assert!(
+        err.contains("layer 6 (conv:32x5x5)") && err.contains("4x4x16"),
+        "{err}"
+    );
+    let mut cfg = crate::util::config();
+    cfg.model = "cnn".into();
+    let running = crate::util::server(cfg).await;
+    let join = crate::util::join(&running.url()).await;
+    let model = &join.run.model;
+    assert_eq!(model.input_shape, [28, 28]);
+    assert_eq!(model.param_len(), 80_202);
+    let covered: usize = join.run.shards.iter().map(|s| s.range.len()).sum();
+    assert_eq!(covered, 80_202);
+    let status = crate::util::status(&running.url()).await;
+    assert!(status["model"]
+        .as_str()
+        .unwrap()
+        .starts_with("conv:16x5x5,pool:2"));
+    running.stop().await.unwrap();
+}
+
+/// Issue 12: NumPy files with channels (N x H x W x C) load, a CNN fits them, and a kernel
+/// larger than the images is refused naming the shape.
+#[tokio::test]
+async fn npy_images_with_channels_train_a_cnn_and_bad_specs_are_refused() {
+    use crowdgrad_core::data::encode_npy_u8;
+    let dir = std::env::temp_dir().join(format!("cg-npy-it-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let n = 64;
+    let pixels: Vec<u8> = (0..n * 8 * 8 * 3).map(|i| (i * 37 % 251) as u8).collect();
+    let labels: Vec<u8> = (0..n).map(|i| (i % 3) as u8).collect();
+    let img = encode_npy_u8(&[n, 8, 8, 3], &pixels);
+    let lab = encode_npy_u8(&[n], &labels);
+    for (name, bytes) in crowdgrad::data::NPY_FILES
+        .iter()
+        .zip([&img, &lab, &img, &lab])
+    {
+        std::fs::write(dir.join(name), bytes).unwrap();
+    }
+    let data = load_dir(&dir).expect("npy directory loads");
+    assert_eq!(data.train.image_dims, [8, 8, 3]);
+    let mut cfg = crowdgrad::config::ServeConfig::defaults(&dir);
+    cfg.model = "conv:4x9x9".into();
+    cfg.partitions = 2;
+    let err = refused(cfg.clone(), data.clone()).await;
+    assert!(err.contains("8x8x3") && err.contains("9x9"), "{err}");
+    cfg.model = "conv:4x3x3/p1,pool:2,dense:8".into();
+    let running = crowdgrad::start("127.0.0.1:0".parse().unwrap(), cfg, data)
+        .await
+        .expect("a CNN that fits starts");
+    let join = crate::util::join(&running.url()).await;
+    assert_eq!(join.run.model.input_shape, [8, 8, 3]);
+    assert_eq!(join.run.dataset.image_dims, [8, 8, 3]);
+    // layer0.weight is [3, 3, 3, 4]: the channels come from the files.
+    let layout = join.run.model.layout();
+    assert_eq!(layout.get("layer0.weight").unwrap().shape, [3, 3, 3, 4]);
+    running.stop().await.unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
