@@ -1,4 +1,5 @@
-//! The shard's update logic: one implementation shared by the server's writer thread and the
+//! The shard's update logic: one implementation shared by the server's shards (applied inline,
+//! under the shard's lock, by the connection that received the push) and the
 //! simulator (`crowdgrad sim`), so both apply gradients by the very same path.
 //!
 //! - [`ShardCore`]: version, values, optimizer state, the staleness policy for async pushes and
