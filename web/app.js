@@ -11,6 +11,14 @@ const fmtInt = new Intl.NumberFormat('en');
 const num = (v) => (v == null ? '–' : fmtInt.format(Math.round(v)));
 const fixed = (v, d) => (v == null || !Number.isFinite(v) ? '–' : v.toFixed(d));
 const pct = (v) => (v == null ? '–' : `${(100 * v).toFixed(2)}%`);
+// Bytes in B, kB, MB, GB (decimal, as link speeds are).
+const bytes = (v) => {
+  if (v == null || !Number.isFinite(v)) return '–';
+  const units = ['B', 'kB', 'MB', 'GB', 'TB'];
+  let i = 0;
+  while (Math.abs(v) >= 1000 && i < units.length - 1) { v /= 1000; i += 1; }
+  return `${i === 0 ? Math.round(v) : v.toFixed(1)} ${units[i]}`;
+};
 
 // ---------------------------------------------------------------- volunteer panel
 
@@ -300,11 +308,28 @@ function renderWorkers(workers) {
       cell(`${num(w.pushes_applied)} / ${num(w.pushes_rejected)}`, 'num'),
       cell(`${fixed(w.staleness_mean, 1)} / ${num(w.staleness_max)}`, 'num'),
       sparkCell(w.staleness_hist),
+      ...exchangeCells(w.exchange),
       cell(`${fixed(w.last_seen_s, 1)} s ago`, 'num'),
     );
     return tr;
   }));
   markMyWorker();
+}
+
+// What a worker reported about its exchanges (issue 8): inner steps per push, the negotiated
+// encodings, its traffic, and the share of its time spent computing rather than waiting.
+function exchangeCells(x) {
+  if (!x) return [cell('–', 'num'), cell('–'), cell('–', 'num'), cell('–', 'num')];
+  const enc = (e) => (e === 'int8_block' ? 'int8' : e);
+  const share = Math.max(0, Math.min(1, x.compute_share || 0));
+  const busy = cell(`${(100 * share).toFixed(0)}% / ${(100 * (1 - share)).toFixed(0)}%`, 'num');
+  busy.title = `mean exchange ${fixed(1000 * (x.exchange_s || 0), 1)} ms`;
+  return [
+    cell(num(x.local_steps), 'num'),
+    cell(`${enc(x.pull_encoding)} / ${enc(x.push_encoding)}`),
+    cell(`${bytes(x.up_bps)}/s / ${bytes(x.down_bps)}/s`, 'num'),
+    busy,
+  ];
 }
 
 function sparkCell(h) {
@@ -383,6 +408,7 @@ function renderStatus(st) {
   $('kpi-samples').textContent = num(t.samples);
   $('kpi-pushes').textContent = `${num(t.pushes_applied)} / ${num(t.pushes_rejected)}`;
   $('kpi-frames').textContent = num(t.frames_rejected);
+  $('kpi-bytes').textContent = `${bytes(t.bytes_up)} / ${bytes(t.bytes_down)}`;
   $('kpi-kinds').textContent = kindSummary(t.workers);
   $('kpi-mode').textContent = st.consistency || '–';
   $('kpi-policy').textContent = st.staleness_policy || '–';
