@@ -585,7 +585,7 @@ pub fn table(runs: &[LinkRun]) -> String {
         let h: Vec<String> = r.local_steps.iter().map(u64::to_string).collect();
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {:.0} | {:.0} | {:.0} | {:.1} KB | {} | {} | {:.1} s | {:.2}% | {:.0}% |",
+            "| {} | {} | {} | {} | {:.0} | {:.0} | {:.0} | {:.1} KB | {} | {} | {:.1} s | {:.2}% | {:.1}% |",
             r.link.name(),
             r.config,
             enc,
