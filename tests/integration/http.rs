@@ -247,7 +247,6 @@ async fn totals_count_pulls_after_training() {
 /// counts as a rejected frame, per shard, per worker and in the totals; never as a rejected
 /// push.
 #[tokio::test]
-#[ignore = "until server/src/handler.rs records Record::Rejected with Registry::frame_rejected"]
 async fn a_refused_frame_is_not_a_rejected_push() {
     let running = server(config()).await;
     let url = running.url();
