@@ -53,6 +53,10 @@ pub struct LinkArgs {
     /// Worker processes per run.
     #[arg(long, default_value_t = 2)]
     pub workers: usize,
+    /// Runs of every configuration per link (interleaved: each repetition runs every config
+    /// once); the targets use the medians.
+    #[arg(long, default_value_t = 1)]
+    pub repeat: usize,
     /// Seconds each worker runs (from its start: join, data download, training).
     #[arg(long, default_value_t = 30.0)]
     pub seconds: f64,
@@ -604,6 +608,50 @@ pub fn table(runs: &[LinkRun]) -> String {
     s
 }
 
+/// One row per (link, config) from repeated runs: the median of each time (a run that never
+/// got there counts as the slowest) and of set-up, samples/s and compute share; the other
+/// figures from the median run by time to 97%.
+pub fn medians(runs: &[LinkRun]) -> Vec<LinkRun> {
+    fn median<T: Clone>(mut v: Vec<T>, cmp: impl Fn(&T, &T) -> std::cmp::Ordering) -> T {
+        v.sort_by(cmp);
+        v[(v.len() - 1) / 2].clone()
+    }
+    let mut keys: Vec<(Link, &str)> = Vec::new();
+    for r in runs {
+        if !keys.contains(&(r.link, r.config.as_str())) {
+            keys.push((r.link, r.config.as_str()));
+        }
+    }
+    let slow = |t: &Option<f64>| t.unwrap_or(f64::INFINITY);
+    keys.into_iter()
+        .map(|(link, config)| {
+            let group: Vec<&LinkRun> = runs
+                .iter()
+                .filter(|r| r.link == link && r.config == config)
+                .collect();
+            let f = |g: fn(&LinkRun) -> f64| {
+                median(group.iter().map(|r| g(r)).collect(), f64::total_cmp)
+            };
+            let t = |g: fn(&LinkRun) -> Option<f64>| {
+                median(group.iter().map(|r| g(r)).collect(), |a, b| {
+                    slow(a).total_cmp(&slow(b))
+                })
+            };
+            let mid = median(group.clone(), |a, b| {
+                slow(&a.to_97).total_cmp(&slow(&b.to_97))
+            });
+            LinkRun {
+                samples_per_sec: f(|r| r.samples_per_sec),
+                to_95: t(|r| r.to_95),
+                to_97: t(|r| r.to_97),
+                setup_s: f(|r| r.setup_s),
+                compute_share: f(|r| r.compute_share),
+                ..mid.clone()
+            }
+        })
+        .collect()
+}
+
 /// Issue 8's targets over `runs`, one line each, marked met or missed.
 pub fn targets(runs: &[LinkRun]) -> String {
     let mut s = String::new();
@@ -679,6 +727,9 @@ pub fn cli(args: &LinkArgs) -> Result<()> {
     if !(args.seconds.is_finite() && (1.0..=600.0).contains(&args.seconds)) {
         return Err(Error::Config("--seconds must be between 1 and 600".into()));
     }
+    if !(1..=10).contains(&args.repeat) {
+        return Err(Error::Config("--repeat must be between 1 and 10".into()));
+    }
     if !(1..=16).contains(&args.workers) {
         return Err(Error::Config("--workers must be between 1 and 16".into()));
     }
@@ -702,13 +753,15 @@ pub fn cli(args: &LinkArgs) -> Result<()> {
             Link::Loopback => None,
             Link::Shaped(r) => Some(Netns::create("crowdgrad-bench-link", Some(r))?),
         };
-        for c in &args.configs {
-            let r = run(&exe, args, link, ns.as_ref(), c)?;
-            eprintln!(
-                "{}",
-                table(std::slice::from_ref(&r)).lines().nth(2).unwrap_or("")
-            );
-            runs.push(r);
+        for _ in 0..args.repeat {
+            for c in &args.configs {
+                let r = run(&exe, args, link, ns.as_ref(), c)?;
+                eprintln!(
+                    "{}",
+                    table(std::slice::from_ref(&r)).lines().nth(2).unwrap_or("")
+                );
+                runs.push(r);
+            }
         }
     }
     println!(
@@ -716,6 +769,14 @@ pub fn cli(args: &LinkArgs) -> Result<()> {
         args.workers, args.seconds
     );
     print!("{}", table(&runs));
+    let runs = if args.repeat > 1 {
+        let m = medians(&runs);
+        println!("\nMedians over {} runs each:\n", args.repeat);
+        print!("{}", table(&m));
+        m
+    } else {
+        runs
+    };
     println!("\nTargets (issue 8):\n{}", targets(&runs));
     Ok(())
 }
@@ -787,7 +848,7 @@ mod tests {
             up_per_sample: 200.0,
             ..r.clone()
         };
-        let t = targets(&[base, r]);
+        let t = targets(&[base, r.clone()]);
         assert!(
             t.contains("1.50× counting from the workers' start (met)"),
             "{t}"
@@ -797,5 +858,21 @@ mod tests {
             t.contains("compute utilisation ≥ 70% on 20mbit with auto: 70% (met)"),
             "{t}"
         );
+        let slower = LinkRun {
+            to_97: Some(9.0),
+            samples_per_sec: 100.0,
+            ..r.clone()
+        };
+        let never = LinkRun {
+            to_97: None,
+            samples_per_sec: 50.0,
+            ..r.clone()
+        };
+        let m = medians(&[never.clone(), r.clone(), slower]);
+        assert_eq!(m.len(), 1);
+        assert_eq!(m[0].to_97, Some(9.0), "the middle of 6 s, 9 s and never");
+        assert_eq!(m[0].samples_per_sec, 100.0);
+        let m = medians(&[never.clone(), never, r.clone()]);
+        assert_eq!(m[0].to_97, None, "mostly never");
     }
 }
