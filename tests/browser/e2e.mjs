@@ -482,6 +482,7 @@ async function main() {
 
   await measureFigures();
   await cnnTab();
+  await localStepsTab();
 }
 
 // ------------------------------------------------------------------ phase 4: figures
@@ -643,6 +644,55 @@ async function cnnTab() {
   } finally {
     if (browser) await browser.close();
     await stopChild(server, 'cnn server');
+    fs.rmSync(dir, { recursive: true, force: true });
+  }
+}
+
+/// Issue 8: one plain tab in a compressed, local-step run (`--local-steps 4`, bf16 pulls,
+/// int8 block pushes): the tab's exchange view on the server must show H = 4 and the
+/// negotiated encodings, and test accuracy must rise well above its first evaluation.
+async function localStepsTab() {
+  phase = 'local-steps';
+  const port = await freePort();
+  const base = `http://127.0.0.1:${port}`;
+  const server = await startServer(port, 'local-steps', ['--local-steps', '4',
+    '--pull-encoding', 'bf16', '--push-encoding', 'int8_block', '--eval-every', '1']);
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-local-'));
+  let browser = null;
+  try {
+    browser = await PipeBrowser.launch(dir);
+    await browser.send('Page.navigate', { url: `${base}/` }, browser.session);
+    await waitFor('the local-steps page to load', () => browser.evaluate(
+      "document.readyState === 'complete' && !!window.crowdgrad"), 30_000, 100);
+    await browser.evaluate("document.getElementById('contribute').click()");
+    await waitFor('the local-steps tab\'s first push', () => browser.evaluate(
+      'window.crowdgrad.volunteer.firstPushAt && true'), 60_000, 100);
+    const first = (await getStatus(base)).eval_history[0];
+    const tab = await waitFor('the tab\'s exchange view (H, encodings) and 90% test accuracy', async () => {
+      const s = await getStatus(base);
+      const w = s.workers.find((x) => x.client === 'browser' && x.exchange);
+      return w && w.exchange.local_steps === 4 && s.eval && s.eval.accuracy >= 0.9 ? { w, s } : null;
+    }, 60_000, 500).catch((e) => { log(e.message); return null; });
+    const x = tab && tab.w.exchange;
+    check('a tab in a --local-steps 4 run reports H = 4 with bf16 pulls and int8 block pushes',
+      x && x.local_steps === 4 && x.pull_encoding === 'bf16' && x.push_encoding === 'int8_block',
+      x ? `H ${x.local_steps}, ${x.pull_encoding} / ${x.push_encoding}, computing ${(100 * x.compute_share).toFixed(0)}%` : 'no exchange view');
+    const acc = tab ? tab.s.eval.accuracy : 0;
+    check('test accuracy rises in the compressed, local-step run (> 90%)',
+      tab && acc >= 0.9 && acc > first.accuracy + 0.5,
+      `${(100 * first.accuracy).toFixed(1)}% -> ${(100 * acc).toFixed(1)}%`);
+    if (tab) {
+      const t = tab.s.totals;
+      const perPush = t.bytes_up / Math.max(1, t.pushes_applied);
+      const f32 = 4 * tab.s.params / tab.s.shards.length;
+      check('the tab\'s pushes are int8 blocks on the wire (~25% of f32)', perPush < 0.27 * f32,
+        `${(perPush / 1024).toFixed(1)} KiB per shard push vs ${(f32 / 1024).toFixed(1)} KiB in f32`);
+      figures['local steps (H = 4, bf16 / int8) in one tab'] =
+        `${(100 * x.compute_share).toFixed(0)}% computing, up ${(x.up_bps / 1e3).toFixed(0)} kB/s, down ${(x.down_bps / 1e3).toFixed(0)} kB/s`;
+    }
+  } finally {
+    if (browser) await browser.close();
+    await stopChild(server, 'local-steps server');
     fs.rmSync(dir, { recursive: true, force: true });
   }
 }
