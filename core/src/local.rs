@@ -77,7 +77,7 @@ impl LocalConfig {
 /// The share of wall time communication may take under [`LocalSteps::Auto`].
 pub const COMM_SHARE: f64 = 0.15;
 /// The bound `auto` uses when the server names none.
-pub const DEFAULT_AUTO_MAX: u32 = 256;
+pub const DEFAULT_AUTO_MAX: u32 = 4096;
 /// The largest `H` a run may ask for.
 pub const MAX_LOCAL_STEPS: u32 = 10_000;
 

@@ -71,7 +71,7 @@ pub struct TrainingArgs {
     /// Inner steps per push: `1` (push every gradient), a whole number H (push the
     /// pseudo-gradient θ_pulled − θ_local after H steps of the inner optimizer), `auto` or
     /// `auto:MAX` (each worker picks H so communication stays near 15% of its time; MAX
-    /// defaults to 256).
+    /// defaults to 4096).
     #[arg(long, default_value = "1")]
     pub local_steps: String,
     /// The workers' inner optimizer under local steps (same names as --optimizer; its state
