@@ -355,6 +355,8 @@ impl Xtask {
                 "chromium",
                 "chromium-driver",
                 "dataset-fashion-mnist",
+                // `ip` and `tc` for the 20 Mbit/s network-namespace test (tests/integration/link.rs).
+                "iproute2",
             ])
             .env("DEBIAN_FRONTEND", "noninteractive");
         run(install)
