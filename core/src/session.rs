@@ -68,32 +68,15 @@ const SSP_RECHECK: f64 = 1.0;
 /// Slack after a heartbeat expiry before re-checking, seconds.
 const SSP_SLACK: f64 = 0.001;
 
-/// The fixed description of one shard.
+/// The fixed description of one shard: where it sits and how the run sets its shards up.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ShardConfig {
     /// Shard index (in every frame header).
     pub id: u32,
     /// The shard's key range of the flat parameter vector.
     pub range: KeyRange,
-    /// Consistency mode.
-    pub consistency: Consistency,
-    /// SSP: a worker not heard from for this long (seconds) stops holding others back.
-    pub heartbeat: f64,
-    /// sync: a pull waiting this long (seconds) forces the partial aggregate through.
-    pub sync_timeout: f64,
-    /// The most compact encoding the shard sends `Params` in, to a worker that can decode it
-    /// (it falls back through bf16 to f32).
-    pub pull_encoding: Encoding,
-    /// The most compact encoding the shard asks pushes in (int8 blocks, bf16, f32).
-    pub push_encoding: Encoding,
-    /// Ask workers for `Report` frames (shard 0 only).
-    pub reports: bool,
-    /// Pushes are pseudo-gradients (local steps): in async and SSP each is applied at
-    /// 1/(workers connected), so K workers that each moved the model by Δ move it by their
-    /// mean, as a sync aggregate would (applied whole, K concurrent Δs overshoot K-fold).
-    pub pseudo_gradients: bool,
-    /// Bounds every push must keep.
-    pub guard: PushGuard,
+    /// What every shard of the run shares.
+    pub setup: ShardSetup,
 }
 
 /// What a push must keep to be applied, beyond a finite payload of the right length: the
@@ -141,17 +124,20 @@ pub struct ShardSetup {
     pub staleness: crate::shard::StalenessPolicy,
     /// Consistency mode.
     pub consistency: Consistency,
-    /// SSP heartbeat timeout, seconds.
+    /// SSP: a worker not heard from for this long (seconds) stops holding others back.
     pub heartbeat: f64,
-    /// sync straggler timeout, seconds.
+    /// sync: a pull waiting this long (seconds) forces the partial aggregate through.
     pub sync_timeout: f64,
-    /// Most compact pull encoding.
+    /// The most compact encoding a shard sends `Params` in, to a worker that can decode it
+    /// (it falls back through bf16 to f32).
     pub pull_encoding: Encoding,
-    /// Most compact push encoding.
+    /// The most compact encoding a shard asks pushes in (int8 blocks, bf16, f32).
     pub push_encoding: Encoding,
-    /// Ask for `Report` frames on shard 0.
+    /// Ask workers for `Report` frames (shard 0 only).
     pub reports: bool,
-    /// Pushes are pseudo-gradients.
+    /// Pushes are pseudo-gradients (local steps): in async and SSP each is applied at
+    /// 1/(workers connected), so K workers that each moved the model by Δ move it by their
+    /// mean, as a sync aggregate would (applied whole, K concurrent Δs overshoot K-fold).
     pub pseudo_gradients: bool,
     /// Bounds every push must keep.
     pub guard: PushGuard,
@@ -163,14 +149,7 @@ impl ShardSetup {
         ShardConfig {
             id,
             range,
-            consistency: self.consistency,
-            heartbeat: self.heartbeat,
-            sync_timeout: self.sync_timeout,
-            pull_encoding: self.pull_encoding,
-            push_encoding: self.push_encoding,
-            reports: self.reports,
-            pseudo_gradients: self.pseudo_gradients,
-            guard: self.guard,
+            setup: *self,
         }
     }
 
@@ -237,20 +216,20 @@ impl ShardState {
                 cfg.range.len()
             )));
         }
-        if core.consistency() != cfg.consistency {
+        if core.consistency() != cfg.setup.consistency {
             return Err(Error::Config(format!(
                 "shard {}: core runs {}, config says {}",
                 cfg.id,
                 core.consistency(),
-                cfg.consistency
+                cfg.setup.consistency
             )));
         }
-        let bound = match cfg.consistency {
+        let bound = match cfg.setup.consistency {
             Consistency::Ssp { bound } => bound,
             _ => u64::MAX / 2,
         };
         Ok(Self {
-            clock: SspClock::new(bound, cfg.heartbeat),
+            clock: SspClock::new(bound, cfg.setup.heartbeat),
             scratch: vec![0.0; core.len()],
             cfg,
             core,
@@ -335,7 +314,7 @@ impl ShardState {
         self.connected = self.connected.saturating_sub(1);
         self.clock.leave(worker);
         self.epoch += 1;
-        if matches!(self.cfg.consistency, Consistency::Sync { .. })
+        if matches!(self.cfg.setup.consistency, Consistency::Sync { .. })
             && self.core.pending() > 0
             && self.core.pending() >= self.connected
         {
@@ -344,7 +323,7 @@ impl ShardState {
     }
 
     fn seen(&mut self, worker: u64, now: f64) {
-        if matches!(self.cfg.consistency, Consistency::Ssp { .. }) {
+        if matches!(self.cfg.setup.consistency, Consistency::Ssp { .. }) {
             let before = self.clock.clock(worker);
             self.clock.seen(worker, now);
             if self.clock.clock(worker) != before {
@@ -384,7 +363,7 @@ impl ShardState {
                 }
             }
         };
-        let scale = if self.cfg.pseudo_gradients {
+        let scale = if self.cfg.setup.pseudo_gradients {
             1.0 / self.connected.max(1) as f32
         } else {
             1.0
@@ -409,7 +388,7 @@ impl ShardState {
 
     /// Checks the validated gradient in scratch against the guard; returns its per-step norm.
     fn guard(&self, samples: u32) -> Result<f32, String> {
-        let g = self.cfg.guard;
+        let g = self.cfg.setup.guard;
         if samples == 0 || samples > g.max_samples {
             return Err(format!(
                 "a push claims {samples} samples; a round has 1 to {}",
@@ -447,7 +426,7 @@ impl ShardState {
     /// Whether `worker`'s pull for `min_version` may be answered now; if not, the time by which
     /// to check again (besides any [`ShardState::epoch`] change).
     fn gate(&mut self, worker: u64, min_version: u64, now: f64, since: f64) -> Gate {
-        match self.cfg.consistency {
+        match self.cfg.setup.consistency {
             Consistency::Async => Gate::Open,
             Consistency::Ssp { .. } => {
                 self.seen(worker, now);
@@ -465,7 +444,7 @@ impl ShardState {
                 if self.core.version() >= min_version {
                     Gate::Open
                 } else {
-                    Gate::Wait(since + self.cfg.sync_timeout)
+                    Gate::Wait(since + self.cfg.setup.sync_timeout)
                 }
             }
         }
@@ -473,7 +452,7 @@ impl ShardState {
 
     /// The reader's and the slowest active SSP clock, for the read log.
     fn read_view(&self, worker: u64, now: f64) -> (Option<u64>, Option<u64>) {
-        match self.cfg.consistency {
+        match self.cfg.setup.consistency {
             Consistency::Ssp { .. } => self.clock.read_view(worker, now),
             _ => (None, None),
         }
@@ -792,7 +771,7 @@ impl ShardSession {
         if self.closed {
             return;
         }
-        if due && matches!(self.cfg.consistency, Consistency::Sync { .. }) {
+        if due && matches!(self.cfg.setup.consistency, Consistency::Sync { .. }) {
             // Rule 3: stragglers; apply what was gathered so far.
             shard.with(|s| s.flush());
         }
@@ -820,7 +799,7 @@ impl ShardSession {
         let Some(worker) = self.worker else {
             return true;
         };
-        let (gate, clock, min_clock) = if self.cfg.consistency == Consistency::Async {
+        let (gate, clock, min_clock) = if self.cfg.setup.consistency == Consistency::Async {
             (Gate::Open, None, None)
         } else {
             shard.with(|s| {
@@ -939,10 +918,14 @@ impl ShardSession {
                 }
                 let worker = hello.worker_id;
                 self.worker = Some(worker);
-                self.pull_encoding =
-                    Encoding::negotiate(&hello.pull_encodings, &fallbacks(self.cfg.pull_encoding));
-                self.push_encoding =
-                    Encoding::negotiate(&hello.push_encodings, &fallbacks(self.cfg.push_encoding));
+                self.pull_encoding = Encoding::negotiate(
+                    &hello.pull_encodings,
+                    &fallbacks(self.cfg.setup.pull_encoding),
+                );
+                self.push_encoding = Encoding::negotiate(
+                    &hello.push_encodings,
+                    &fallbacks(self.cfg.setup.push_encoding),
+                );
                 let version = shard.with(|s| {
                     s.join(worker, now);
                     s.version()
@@ -958,7 +941,7 @@ impl ShardSession {
                         version,
                         pull_encoding: self.pull_encoding,
                         push_encoding: self.push_encoding,
-                        reports: self.cfg.reports && self.cfg.id == 0,
+                        reports: self.cfg.setup.reports && self.cfg.id == 0,
                     },
                 }));
             }
@@ -1018,7 +1001,7 @@ impl ShardSession {
             }
             Message::Bye { .. } => self.close(shard, "worker said bye".into()),
             Message::Report { report, .. } => {
-                if !(self.cfg.reports && self.cfg.id == 0) {
+                if !(self.cfg.setup.reports && self.cfg.id == 0) {
                     let m = "this shard takes no Report frames".to_string();
                     return self.fail(shard, request_id, ErrorCode::Protocol, m, None, now);
                 }
@@ -1049,12 +1032,14 @@ mod tests {
     use crate::wire::{ClientKind, Hello};
 
     fn state(consistency: Consistency, n: usize) -> ShardState {
-        let cfg = ShardConfig {
-            id: 1,
-            range: KeyRange {
-                start: 4,
-                end: 4 + n,
+        let setup = ShardSetup {
+            optimizer: OptimizerConfig {
+                rule: Rule::Sgd,
+                lr: 1.0,
+                weight_decay: 0.0,
+                clip_norm: None,
             },
+            staleness: StalenessPolicy::default(),
             consistency,
             heartbeat: 5.0,
             sync_timeout: 2.0,
@@ -1064,14 +1049,11 @@ mod tests {
             pseudo_gradients: false,
             guard: PushGuard::default(),
         };
-        let opt = OptimizerConfig {
-            rule: Rule::Sgd,
-            lr: 1.0,
-            weight_decay: 0.0,
-            clip_norm: None,
+        let range = KeyRange {
+            start: 4,
+            end: 4 + n,
         };
-        let core = ShardCore::new(vec![0.0; n], opt, StalenessPolicy::default(), consistency);
-        ShardState::new(cfg, core).unwrap()
+        setup.state(1, range, vec![0.0; n]).unwrap()
     }
 
     fn hello(rid: u32, worker: u64) -> Vec<u8> {
@@ -1289,7 +1271,7 @@ mod tests {
     #[test]
     fn replays_huge_values_outlier_norms_and_false_sample_counts_are_refused() {
         let mut sh = state(Consistency::Async, 2);
-        sh.cfg.guard = PushGuard {
+        sh.cfg.setup.guard = PushGuard {
             max_samples: 32,
             batch: 32,
             ..PushGuard::default()

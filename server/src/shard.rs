@@ -197,7 +197,7 @@ impl Shard {
 
     /// Consistency mode.
     pub fn consistency(&self) -> Consistency {
-        self.inner.cfg.consistency
+        self.inner.cfg.setup.consistency
     }
 
     /// Current version.
