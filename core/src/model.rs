@@ -1,28 +1,32 @@
 //! Models as a list of layers over a flat parameter vector: dense, conv2d (stride, padding),
 //! max- and average-pooling, ReLU, flatten and dropout, with softmax cross-entropy on top;
 //! forward and backward on f32 with ndarray. Dense layers and convolutions (through im2col)
-//! use the same blocked GEMM (`matrixmultiply`). All scratch lives in a [`Workspace`] sized
-//! once, so a training step does not allocate.
+//! use the same GEMM switch ([`Gemm`]: `matrixmultiply`, or our load-splat SIMD128 kernel on
+//! wasm). All scratch lives in a [`Workspace`] sized once (the GEMM's packing buffers grow on
+//! the first step), so a training step does not allocate.
 //!
 //! - [`ModelSpec`] (in `model/spec.rs`): the layers, their text grammar (`--model`) and checks;
 //!   `softmax` and `mlp:W` are names for layer lists, [`CNN`] the default convolutional one.
 //! - [`Model`]: the compiled stages, [`Model::loss_and_grad`], [`Model::evaluate`].
 //! - `model/kernels.rs`: im2col / col2im and the pooling loops.
+//! - `model/gemm.rs`: [`Gemm`], the matrix products' kernels and their switch.
 //!
 //! Layout of the flat vector, for the i-th layer with parameters in order: `layer{i}.weight`
 //! (dense `[fan_in, units]`, convolution `[KH, KW, C, filters]`, row-major), then
 //! `layer{i}.bias` `[units]` / `[filters]`. [`ParamLayout`] lists every tensor's name, shape and
 //! offset.
 
+mod gemm;
 mod kernels;
 mod spec;
+
+pub use gemm::{default_kernel, set_default_kernel, Gemm};
 
 use kernels::{col2im, im2col, pool_backward, pool_forward, ConvGeom, PoolGeom};
 pub use spec::{Layer, ModelSpec, Resolved, Shape, CNN, MAX_ACTIVATIONS, MAX_PARAMS, MAX_PATCHES};
 
 use crate::error::{Error, Result};
 use crate::rng::Rng;
-use ndarray::linalg::general_mat_mul;
 use ndarray::{ArrayView1, ArrayView2, ArrayViewMut2, Axis};
 use serde::{Deserialize, Serialize};
 
@@ -162,6 +166,27 @@ pub struct Workspace {
     /// Examples per im2col chunk, per stage (1 for non-convolutions).
     chunks: Vec<usize>,
     train: bool,
+    /// The GEMM kernel of every product.
+    gemm: Gemm,
+    /// Its packing buffers.
+    scratch: gemm::Scratch,
+}
+
+impl Workspace {
+    /// The GEMM kernel this workspace computes with.
+    pub fn gemm(&self) -> Gemm {
+        self.gemm
+    }
+
+    /// Computes with `kernel` from now on (benchmarks and parity tests compare them).
+    pub fn set_gemm(&mut self, kernel: Gemm) {
+        self.gemm = kernel;
+    }
+
+    /// Floats held by the GEMM's packing buffers (they grow once, on the first products).
+    pub fn gemm_scratch_len(&self) -> usize {
+        self.scratch.capacity()
+    }
 }
 
 /// Seconds spent per stage in [`Model::loss_and_grad_timed`], accumulated over calls.
@@ -390,6 +415,8 @@ impl Model {
             cols: vec![0.0; cols],
             chunks,
             train,
+            gemm: gemm::default_kernel(),
+            scratch: gemm::Scratch::default(),
         }
     }
 
@@ -523,7 +550,8 @@ impl Model {
                         ArrayView2::from_shape((b, fan_in), &done[i - 1][..b * fan_in])
                             .expect("sized")
                     };
-                    general_mat_mul(1.0, &input, &self.weight(params, t), 1.0, &mut o);
+                    let w = self.weight(params, t);
+                    gemm::gemm(ws.gemm, &input, &w, 1.0, &mut o, &mut ws.scratch);
                 }
                 Op::Conv { t, g } => {
                     let input = stage_input(xs, done, i, b * st.in_len);
@@ -543,7 +571,7 @@ impl Model {
                         )
                         .expect("sized");
                         o.assign(&bias.broadcast((rows, g.filters)).expect("bias"));
-                        general_mat_mul(1.0, &cols, &w, 1.0, &mut o);
+                        gemm::gemm(ws.gemm, &cols, &w, 1.0, &mut o, &mut ws.scratch);
                         e0 += n;
                     }
                 }
@@ -760,7 +788,7 @@ impl Model {
                         ArrayView2::from_shape((b, fan_in), &ws.acts[i - 1][..b * fan_in])
                             .expect("sized")
                     };
-                    general_mat_mul(1.0, &input.t(), &delta, 0.0, &mut gw);
+                    gemm::gemm(ws.gemm, &input.t(), &delta, 0.0, &mut gw, &mut ws.scratch);
                     for (g, col) in gb.iter_mut().zip(delta.axis_iter(Axis(1))) {
                         *g = col.sum();
                     }
@@ -768,7 +796,8 @@ impl Model {
                         let mut dprev =
                             ArrayViewMut2::from_shape((b, fan_in), &mut lower[i - 1][..b * fan_in])
                                 .expect("sized");
-                        general_mat_mul(1.0, &delta, &self.weight(params, t).t(), 0.0, &mut dprev);
+                        let w = self.weight(params, t);
+                        gemm::gemm(ws.gemm, &delta, &w.t(), 0.0, &mut dprev, &mut ws.scratch);
                     }
                 }
                 Op::Conv { t, g } => {
@@ -798,11 +827,11 @@ impl Model {
                         let cols = &mut ws.cols[..rows * patch];
                         im2col(&g, &input[e0 * per_in..(e0 + n) * per_in], n, cols);
                         let cv = ArrayView2::from_shape((rows, patch), &*cols).expect("sized");
-                        general_mat_mul(1.0, &cv.t(), &d, 1.0, &mut gw);
+                        gemm::gemm(ws.gemm, &cv.t(), &d, 1.0, &mut gw, &mut ws.scratch);
                         if i > 0 {
                             let mut dc = ArrayViewMut2::from_shape((rows, patch), &mut *cols)
                                 .expect("sized");
-                            general_mat_mul(1.0, &d, &w.t(), 0.0, &mut dc);
+                            gemm::gemm(ws.gemm, &d, &w.t(), 0.0, &mut dc, &mut ws.scratch);
                             let dprev = &mut lower[i - 1][e0 * per_in..(e0 + n) * per_in];
                             dprev.fill(0.0);
                             col2im(&g, cols, n, dprev);

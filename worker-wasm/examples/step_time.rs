@@ -1,71 +1,75 @@
 //! Native timing of the core worker's `step()` (batch, forward, backward, clip, encode the
 //! pushes), the same call the browser worker times with `performance.now()` and reports as
 //! `step_ms`. The worker runs against the in-memory [`Loopback`] shards, so no network time is
-//! included.
+//! included; `--layers` adds the forward/backward time per stage. The measuring code is
+//! `crowdgrad_worker_wasm::bench`, which the browser benchmark runs as wasm.
 //!
 //! ```text
 //! cargo run --release -p crowdgrad-worker-wasm --example step_time -- \
-//!     [--model mlp:128] [--batch 32] [--shards 2] [--steps 300]
+//!     [--model mlp:128] [--batch 32] [--shards 2] [--steps 300] [--gemm matrixmultiply] [--layers]
 //! ```
 //! Prints a human line and a JSON line (`{"native_step_ms_mean":..}`) for scripts.
+//!
+//! [`Loopback`]: crowdgrad_worker_wasm::loopback::Loopback
 
-use crowdgrad_core::optim::{OptimizerConfig, Rule};
-use crowdgrad_core::wire::ClientKind;
-use crowdgrad_core::worker::Worker;
-use crowdgrad_worker_wasm::loopback::{synthetic_run, Loopback};
+use crowdgrad_core::model::Gemm;
+use crowdgrad_worker_wasm::bench::{layer_bench, step_bench};
 use std::time::Instant;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut model = "mlp:128".to_owned();
     let (mut batch, mut shards, mut steps) = (32usize, 2usize, 300u64);
+    let mut gemm = Gemm::target_default();
+    let mut layers = false;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
+        if flag == "--layers" {
+            layers = true;
+            continue;
+        }
         let mut value = || args.next().ok_or(format!("{flag} needs a value"));
         match flag.as_str() {
             "--model" => model = value()?,
             "--batch" => batch = value()?.parse()?,
             "--shards" => shards = value()?.parse()?,
             "--steps" => steps = value()?.parse()?,
+            "--gemm" => {
+                let name = value()?;
+                gemm = Gemm::from_name(&name).ok_or(format!("unknown --gemm {name}"))?;
+            }
             other => return Err(format!("unknown flag {other}").into()),
         }
     }
-    let optimizer = OptimizerConfig {
-        rule: Rule::from_name("adagrad")?,
-        lr: 0.05,
-        weight_decay: 0.0,
-        clip_norm: None,
-    };
-    let (join, data) = synthetic_run(&model, shards, optimizer, batch, 2_000, 7)?;
-    let mut ps = Loopback::new(&join, 42)?;
-    let mut worker = Worker::new(join, data, ClientKind::Native, Some(steps + 20))?;
-    for s in 0..shards {
-        worker.connected(s);
-    }
-    let mut times = Vec::with_capacity(steps as usize);
-    let mut done = 0u64;
-    while done < steps + 20 {
-        ps.exchange(&mut worker, |_, _, _| {})?;
-        if worker.ready() {
-            let t = Instant::now();
-            worker.step()?;
-            // The first 20 steps warm caches and the allocator; they are not timed.
-            if done >= 20 {
-                times.push(t.elapsed().as_secs_f64() * 1e3);
-            }
-            done += 1;
+    let origin = Instant::now();
+    let mut now = || origin.elapsed().as_secs_f64();
+    let s = step_bench(&model, batch, shards, steps, gemm, &mut now)?;
+    println!(
+        "native step(): {model} batch {batch}, {shards} shards, {gemm}: mean {:.3} ms, median {:.3} ms over {} steps ({:.0} samples/s of compute, {:.0} with the loopback shards)",
+        s.step_ms_mean,
+        s.step_ms_median,
+        s.steps,
+        batch as f64 * 1e3 / s.step_ms_mean,
+        s.loopback_samples_per_sec
+    );
+    let mut json = serde_json::json!({
+        "native_step_ms_mean": s.step_ms_mean,
+        "native_step_ms_median": s.step_ms_median,
+        "loopback_samples_per_sec": s.loopback_samples_per_sec,
+        "model": model,
+        "batch": batch,
+        "steps": s.steps,
+        "gemm": gemm.name(),
+    });
+    if layers {
+        let l = layer_bench(&model, batch, steps, gemm, &mut now)?;
+        for (i, name) in l.names.iter().enumerate() {
+            println!(
+                "  {name:<20} forward {:.3} ms  backward {:.3} ms",
+                l.forward_ms[i], l.backward_ms[i]
+            );
         }
+        json["layers"] = serde_json::to_value(&l)?;
     }
-    times.sort_by(f64::total_cmp);
-    let mean = times.iter().sum::<f64>() / times.len().max(1) as f64;
-    let median = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
-    println!(
-        "native step(): {model} batch {batch}, {shards} shards: mean {mean:.3} ms, median {median:.3} ms over {} steps ({:.0} samples/s of compute)",
-        times.len(),
-        batch as f64 * 1e3 / mean
-    );
-    println!(
-        "{{\"native_step_ms_mean\":{mean:.4},\"native_step_ms_median\":{median:.4},\"model\":\"{model}\",\"batch\":{batch},\"steps\":{}}}",
-        times.len()
-    );
+    println!("{json}");
     Ok(())
 }

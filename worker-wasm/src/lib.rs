@@ -12,6 +12,9 @@
 //! - [`error`]: the crate's [`Error`].
 //! - [`loopback`]: an in-memory parameter server ([`loopback::Loopback`]) for tests and the
 //!   native step-time example.
+//! - [`bench`]: step and per-layer benchmarks for any GEMM kernel, natively
+//!   (`examples/step_time.rs`) and as wasm exports (`bench_step`, `bench_layers`, `bench_info`)
+//!   for `tests/browser/bench-step.mjs`.
 //! - `browser` (wasm32 only): `BrowserWorker`, the object `web/worker.js` builds. It joins with
 //!   `fetch`, downloads its data partition through the Cache API, opens one WebSocket per shard,
 //!   feeds the core worker and pushes its frames, and rejoins with exponential backoff when the
@@ -21,6 +24,7 @@
 //! policies, and `tests/parity.rs` runs the same model and worker computations natively and
 //! (with `wasm-bindgen-test`, in a dedicated worker) as wasm against one fixture.
 
+pub mod bench;
 pub mod endpoint;
 pub mod error;
 pub mod loopback;
