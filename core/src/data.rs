@@ -435,6 +435,69 @@ impl Normalize {
     }
 }
 
+/// `--normalize` as given: a fixed [`Normalize`], or `auto`, the training set's own per-channel
+/// statistics ([`Normalize::of`]), computed once by the server and stated in the run spec, so
+/// every worker still applies the same numbers.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub enum NormalizeChoice {
+    /// These values (the default: none, plain `p / 255`).
+    #[default]
+    None,
+    /// These values.
+    Fixed(Normalize),
+    /// The training set's statistics.
+    Auto,
+}
+
+impl NormalizeChoice {
+    /// Parses `none`, `auto` or `MEAN/STD` ([`Normalize::parse`]).
+    ///
+    /// # Errors
+    /// As [`Normalize::parse`].
+    pub fn parse(text: &str) -> Result<Self> {
+        match text.trim() {
+            "auto" => Ok(Self::Auto),
+            t => {
+                let n = Normalize::parse(t)?;
+                Ok(if n.is_identity() {
+                    Self::None
+                } else {
+                    Self::Fixed(n)
+                })
+            }
+        }
+    }
+
+    /// The values for a run training on `train`, checked against its channels.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when fixed values do not fit `train`'s channels.
+    pub fn resolve(&self, train: &Dataset) -> Result<Normalize> {
+        let n = match self {
+            Self::None => Normalize::default(),
+            Self::Fixed(n) => n.clone(),
+            Self::Auto => Normalize::of(train),
+        };
+        n.validate(train.channels()).map_err(|e| {
+            Error::Config(format!(
+                "--normalize: {e} (the dataset's images are {:?})",
+                train.image_dims
+            ))
+        })?;
+        Ok(n)
+    }
+}
+
+impl std::fmt::Display for NormalizeChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::None => write!(f, "none"),
+            Self::Fixed(n) => write!(f, "{n}"),
+            Self::Auto => write!(f, "auto"),
+        }
+    }
+}
+
 impl std::fmt::Display for Normalize {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         if self.is_identity() {
@@ -866,3 +929,23 @@ mod tests {
         assert_eq!(s.epochs, 1);
     }
 }
+        assert_eq!(
+            NormalizeChoice::parse("none").unwrap(),
+            NormalizeChoice::None
+        );
+        assert_eq!(
+            NormalizeChoice::parse("auto").unwrap(),
+            NormalizeChoice::Auto
+        );
+        assert!(NormalizeChoice::parse("auto:2").is_err());
+        assert_eq!(
+            NormalizeChoice::parse("auto").unwrap().resolve(&d).unwrap(),
+            Normalize::of(&d)
+        );
+        assert!(NormalizeChoice::parse("0.1,0.2,0.3/1")
+            .unwrap()
+            .resolve(&d)
+            .is_err());
+        for t in ["none", "auto", "0.5/0.25"] {
+            assert_eq!(NormalizeChoice::parse(t).unwrap().to_string(), t);
+        }

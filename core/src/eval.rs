@@ -9,7 +9,8 @@ use ndarray::{s, Array2};
 /// Examples per forward pass: bounds the workspace (about `CHUNK x widest layer` floats).
 const CHUNK: usize = 1000;
 
-/// Loss and accuracy of `params` on every example of `data`, in chunks of 1000.
+/// Loss and accuracy of `params` on every example of `data`, in chunks of 1000, as `data`
+/// fills its batches (so normalised as [`Dataset::set_normalize`] said).
 ///
 /// Returns empty stats (`count` 0) when `params` or the dataset do not fit the model (wrong
 /// parameter count, feature count or a label beyond the model's classes): an evaluation is a
@@ -20,7 +21,7 @@ pub fn evaluate(model: &Model, params: &[f32], data: &Dataset) -> BatchStats {
     if n == 0 {
         return BatchStats::default();
     }
-    let mut ws = model.workspace(n);
+    let mut ws = model.inference_workspace(n);
     let mut x = Array2::zeros((n, data.features));
     let mut y = vec![0u8; n];
     let mut idx: Vec<u32> = Vec::with_capacity(n);

@@ -92,6 +92,9 @@ pub struct RunParams {
     pub dataset: DataInfo,
     /// Local steps, the inner optimizer and overlap.
     pub local: LocalConfig,
+    /// Per-channel normalisation of every batch (resolved: `auto` is the caller's job,
+    /// [`crate::data::NormalizeChoice::resolve`]).
+    pub normalize: Normalize,
 }
 
 /// Everything about a run that a worker needs to train.
@@ -145,7 +148,7 @@ impl RunSpec {
             shards: shard_map(&ranges),
             dataset: p.dataset,
             local: p.local,
-            normalize: Normalize::default(),
+            normalize: p.normalize,
         };
         spec.validate()?;
         Ok(spec)
@@ -336,5 +339,6 @@ mod tests {
         let mut bad = json;
         bad["consistency"] = "sync:0".into();
         assert!(serde_json::from_value::<RunSpec>(bad).is_err());
+            normalize: Normalize::default(),
     }
 }

@@ -9,6 +9,7 @@
 use crate::error::{Error, Result};
 use clap::Args;
 use crowdgrad_core::codec::Encoding;
+use crowdgrad_core::data::NormalizeChoice;
 use crowdgrad_core::local::{LocalConfig, LocalSteps};
 use crowdgrad_core::model::ModelSpec;
 use crowdgrad_core::optim::{OptimizerConfig, Rule};
@@ -20,10 +21,18 @@ use std::time::Duration;
 /// Training flags shared by `crowdgrad serve` and `crowdgrad sim` (flattened into both).
 #[derive(Debug, Clone, Args)]
 pub struct TrainingArgs {
-    /// Model: `softmax` or `mlp:W1[,W2...]` (ReLU hidden layers).
+    /// Model: `softmax`, `mlp:W1[,W2...]` (ReLU hidden layers), `cnn`
+    /// (conv:16x5x5,pool:2,conv:32x5x5,pool:2,dense:128) or a layer list such as
+    /// `conv:32x5x5,pool:2,dense:128` (README.md, "Models", has the grammar).
     #[arg(long, default_value = "mlp:128")]
     pub model: String,
     /// The shards' optimizer: sgd, momentum, nesterov, adagrad, rmsprop, adam [default: adagrad;
+    /// Per-channel normalisation every worker applies to its batches and the evaluator to the
+    /// test set: `none` (pixel / 255), `MEAN/STD` on the /255 scale with comma lists per
+    /// channel (e.g. `0.1307/0.3081`), or `auto` (the training set's own statistics, computed
+    /// at start and stated in the run spec).
+    #[arg(long, default_value = "none")]
+    pub normalize: String,
     /// with local steps, the outer optimizer: in sync:K DiLoCo's nesterov at lr 0.7, momentum
     /// 0.9; in async and ssp sgd at lr 1.0 (each pseudo-gradient is applied at 1/workers)].
     #[arg(long)]
@@ -78,7 +87,8 @@ pub struct TrainingArgs {
     /// stays on the worker across rounds, as DiLoCo's inner AdamW does).
     #[arg(long, default_value = "adam")]
     pub inner_optimizer: String,
-    /// The inner optimizer's learning rate [default: that rule's default, adam 0.001].
+    /// The inner optimizer's learning rate [default: adam 0.003, other rules their --lr
+    /// default].
     #[arg(long)]
     pub inner_lr: Option<f32>,
     /// Workers keep their next pull in flight while computing (double-buffered parameters;
@@ -171,6 +181,8 @@ pub struct Training {
     pub seed: u64,
     /// Number of shards.
     pub shards: usize,
+    /// `--normalize` (resolved against the dataset when it is loaded).
+    pub normalize: NormalizeChoice,
     /// Consistency mode.
     pub consistency: Consistency,
     /// Staleness policy for async/SSP pushes.
@@ -208,7 +220,11 @@ impl TrainingArgs {
         };
         let optimizer =
             optimizer_from_flags(name, lr, momentum, self.weight_decay, self.clip_norm)?;
-        let inner = optimizer_from_flags(&self.inner_optimizer, self.inner_lr, None, 0.0, None)
+        let inner_lr = self.inner_lr.or_else(|| {
+            (self.inner_optimizer.trim() == "adam")
+                .then_some(crowdgrad_core::local::DEFAULT_INNER_LR)
+        });
+        let inner = optimizer_from_flags(&self.inner_optimizer, inner_lr, None, 0.0, None)
             .map_err(|e| Error::Config(format!("--inner-optimizer/--inner-lr: {e}")))?;
         let exchange = Exchange {
             local: LocalConfig {
@@ -241,8 +257,11 @@ impl TrainingArgs {
                 self.norm_bound
             )));
         }
-        // Parse once against MNIST's shape to catch typos before any data is loaded.
-        ModelSpec::parse(&self.model, 784, 10)?;
+        // Check the text before any data is loaded; the shapes are checked against the
+        // dataset's when it is (RunSpec::build), still before anything is served.
+        ModelSpec::check_text(&self.model).map_err(|e| Error::Config(format!("--model: {e}")))?;
+        let normalize = NormalizeChoice::parse(&self.normalize)
+            .map_err(|e| Error::Config(format!("--normalize: {e}")))?;
         let bad = |m: String| Err(Error::Config(m));
         let shards = self.shards.unwrap_or(default_shards);
         if !(1..=256).contains(&shards) {
@@ -277,6 +296,7 @@ impl TrainingArgs {
     }
 }
 
+            normalize,
 /// `--shards` of `crowdgrad serve` when not given.
 pub const SERVE_SHARDS: usize = 2;
 
@@ -383,6 +403,8 @@ pub struct ServeConfig {
     /// SSP heartbeat timeout.
     pub heartbeat_timeout: Duration,
     /// sync:K straggler timeout.
+    /// `--normalize` (resolved against the training set when loaded).
+    pub normalize: NormalizeChoice,
     pub sync_timeout: Duration,
     /// Local steps, overlap and encodings.
     pub exchange: Exchange,
@@ -577,6 +599,7 @@ impl ServeArgs {
             join_token,
             checkpoint,
             admin_token,
+            normalize: t.normalize,
             shard_urls: self.shard_urls,
             run_secret,
             resolved: serde_json::Value::Null,

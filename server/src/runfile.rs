@@ -34,6 +34,9 @@ pub enum Kind {
     IntOrStr,
     /// An array of strings (a comma-separated flag).
     List,
+    /// A model: its text, or its layers as an array of layer texts and one-key tables
+    /// (`[{ conv = "32x5x5" }, { pool = 2 }, "dense:128"]` is `conv:32x5x5,pool:2,dense:128`).
+    Model,
 }
 
 /// One key of the run file: `section.key`, the clap argument id it sets, its type.
@@ -56,7 +59,8 @@ pub const KEYS: &[Key] = &[
     key("addr", "addr", Kind::Str),
     key("eval_every", "eval_every", Kind::Float),
     key("web_dir", "web_dir", Kind::Str),
-    key("training.model", "model", Kind::Str),
+    key("training.model", "model", Kind::Model),
+    key("training.normalize", "normalize", Kind::Str),
     key("training.optimizer", "optimizer", Kind::Str),
     key("training.lr", "lr", Kind::Float),
     key("training.momentum", "momentum", Kind::Float),
@@ -169,10 +173,52 @@ fn flag_values(k: &Key, value: &toml::Value, file: &Path) -> Result<Vec<String>>
         }
         (Kind::List, _) => return wrong("an array of strings"),
         (Kind::Str, _) => return wrong("a string"),
+        (Kind::Model, V::String(s)) => vec![s.clone()],
+        (Kind::Model, V::Array(a)) => vec![model_layers(k, a, file)?],
+        (Kind::Model, _) => return wrong("a model text or an array of layers"),
     })
 }
 
 /// Reads `file` and returns the (key, flag values) pairs it sets.
+/// The model text of a layer array: each item a layer text (`"dense:128"`, `"flatten"`) or
+/// a table of one layer (`{ conv = "32x5x5/p2" }`, `{ pool = 2 }`, `{ dropout = 0.5 }`).
+fn model_layers(k: &Key, layers: &[toml::Value], file: &Path) -> Result<String> {
+    use toml::Value as V;
+    let bad = |i: usize, why: &str| {
+        Err(Error::Config(format!(
+            "{}: key {} layer {i}: {why} (use \"conv:32x5x5\" or {{ conv = \"32x5x5\" }})",
+            file.display(),
+            k.path
+        )))
+    };
+    if layers.is_empty() {
+        return bad(
+            0,
+            "an empty layer list (use \"softmax\" for no hidden layer)",
+        );
+    }
+    let mut out = Vec::with_capacity(layers.len());
+    for (i, layer) in layers.iter().enumerate() {
+        match layer {
+            V::String(s) => out.push(s.clone()),
+            V::Table(t) if t.len() == 1 => {
+                let Some((name, value)) = t.iter().next() else {
+                    return bad(i, "an empty table");
+                };
+                match value {
+                    V::String(v) => out.push(format!("{name}:{v}")),
+                    V::Integer(v) => out.push(format!("{name}:{v}")),
+                    V::Float(v) => out.push(format!("{name}:{v}")),
+                    _ => return bad(i, "a layer's value must be a string or a number"),
+                }
+            }
+            V::Table(_) => return bad(i, "a layer table holds exactly one layer"),
+            _ => return bad(i, "a layer is a string or a one-key table"),
+        }
+    }
+    Ok(out.join(","))
+}
+
 ///
 /// # Errors
 /// An unreadable file, bad TOML, an unknown section or key, or a value of the wrong type,
@@ -302,7 +348,7 @@ fn table_of(cmd: &Command, m: &ArgMatches) -> toml::Table {
             continue;
         };
         let value = match k.kind {
-            Kind::Str => V::String(first),
+            Kind::Str | Kind::Model => V::String(first),
             Kind::Int => first.parse().map_or(V::String(first), V::Integer),
             Kind::Float => first.parse().map_or(V::String(first), V::Float),
             Kind::Bool => V::Boolean(first == "true"),
@@ -434,6 +480,54 @@ mod tests {
     }
 
     #[test]
+    /// Issue 12: a model written as a table of layers in the run file.
+    #[test]
+    fn a_model_is_a_list_of_layers_in_the_file() {
+        let f = write(
+            "layers.toml",
+            "[training]\nnormalize = \"auto\"\nmodel = [\n  { conv = \"32x5x5/p2\" },\n  \
+             { pool = 2 },\n  \"conv:64x5x5\",\n  { pool = 2 },\n  { dense = 128 },\n  \
+             { dropout = 0.5 },\n]\n",
+        );
+        let (a, r) = run(&f, &[]).unwrap();
+        assert_eq!(
+            a.training.model,
+            "conv:32x5x5/p2,pool:2,conv:64x5x5,pool:2,dense:128,dropout:0.5"
+        );
+        assert_eq!(a.training.normalize, "auto");
+        let t = a.training.check(2).unwrap();
+        assert_eq!(t.normalize, crowdgrad_core::data::NormalizeChoice::Auto);
+        assert_eq!(
+            r.table["training"]["model"].as_str(),
+            Some(&*a.training.model)
+        );
+        for (text, says) in [
+            ("model = []", "layer 0: an empty layer list"),
+            (
+                "model = [{ conv = \"8x3x3\", pool = 2 }]",
+                "exactly one layer",
+            ),
+            ("model = [3]", "a layer is a string or a one-key table"),
+            ("model = [{ conv = [8] }]", "a string or a number"),
+            ("model = 3", "a model text or an array of layers"),
+        ] {
+            let f = write("badlayers.toml", &format!("[training]\n{text}\n"));
+            let e = run(&f, &[]).unwrap_err().to_string();
+            assert!(
+                e.contains("training.model") && e.contains(says),
+                "{text}: {e}"
+            );
+        }
+        // A layer list outside the grammar is refused at start, naming the layer.
+        let f = write(
+            "badgrammar.toml",
+            "[training]\nmodel = [{ conv = \"x\" }]\n",
+        );
+        let (a, _) = run(&f, &[]).unwrap();
+        let e = a.training.check(2).unwrap_err().to_string();
+        assert!(e.contains("--model") && e.contains("conv:x"), "{e}");
+    }
+
     fn bad_files_are_refused_naming_the_key() {
         for (text, says) in [
             (

@@ -143,6 +143,7 @@ fn one_worker_without_delay_equals_applying_its_gradients_through_shardcore() {
         shards: cfg.shards,
         dataset: DataInfo::of("mnist", &data.train, &data.test),
         local: crowdgrad_core::local::LocalConfig::default(),
+        normalize: Default::default(),
     })
     .expect("run spec");
     let model = Model::new(run.model.clone()).expect("model");

@@ -145,3 +145,26 @@ async fn a_native_worker_rejoins_a_restarted_server() {
     );
     second.stop().await.expect("clean shutdown");
 }
+
+/// Issue 12: `--normalize auto` states the training set's per-channel statistics in the run
+/// spec (MNIST's well-known 0.1307 / 0.3081), a native worker trains with them, and the
+/// evaluator, which normalises the test set the same way, sees the accuracy rise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn normalize_auto_is_stated_in_the_run_spec_and_trains() {
+    let mut cfg = config();
+    cfg.normalize = crowdgrad_core::data::NormalizeChoice::Auto;
+    let running = server(cfg).await;
+    let url = running.url();
+    let joined = crate::util::join(&url).await;
+    let n = &joined.run.normalize;
+    assert_eq!((n.mean.len(), n.std.len()), (1, 1), "{n:?}");
+    assert!((n.mean[0] - 0.1307).abs() < 1e-3, "{n:?}");
+    assert!((n.std[0] - 0.3081).abs() < 1e-3, "{n:?}");
+    let w = worker(&url, "normalised");
+    let done = wait_for(&url, Duration::from_secs(60), "90% test accuracy", |s| {
+        s["eval"]["accuracy"].as_f64().unwrap_or(0.0) >= 0.90
+    })
+    .await;
+    assert_eq!(done["totals"]["pushes_rejected"], 0, "{done}");
+    w.stop().expect("worker");
+}

@@ -68,6 +68,7 @@ pub fn synthetic_run(
                 test_len: 0,
             },
             local: crowdgrad_core::local::LocalConfig::default(),
+            normalize: Default::default(),
         })?,
         partition: PartitionInfo {
             index: 0,

@@ -305,6 +305,15 @@ impl ModelSpec {
         Self::from_layers(shape, layers, classes)
     }
 
+    /// Checks a model text against the grammar only, before the examples' shape is known
+    /// (shapes are checked by [`ModelSpec::parse_shaped`] when it is).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for text outside the grammar, naming the layer.
+    pub fn check_text(text: &str) -> Result<()> {
+        parse_layers(text, 2).map(|_| ())
+    }
+
     /// Parses a model text (module docs: the grammar) for examples of shape `input_shape`
     /// (`[n]`, `[h, w]` or `[h, w, c]`) and `classes` classes.
     ///

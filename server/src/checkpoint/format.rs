@@ -460,6 +460,7 @@ mod tests {
                 test_len: 5,
             },
             local: Default::default(),
+            normalize: Default::default(),
         })
         .unwrap()
     }

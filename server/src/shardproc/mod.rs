@@ -236,6 +236,7 @@ struct ShardProc {
     shard: Shard,
     registry: Registry,
     spec: RunSpec,
+        normalize: Default::default(),
     shutdown: watch::Receiver<bool>,
     tracker: TaskTracker,
     connections: Arc<Semaphore>,

@@ -248,6 +248,8 @@ impl Default for SimConfig {
         use clap::Parser;
         #[derive(Parser)]
         struct P {
+    /// `--normalize`.
+    pub normalize: crowdgrad_core::data::NormalizeChoice,
             #[command(flatten)]
             a: SimArgs,
         }
@@ -328,7 +330,8 @@ impl SimConfig {
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Config(m));
         self.optimizer.validate()?;
-        ModelSpec::parse(&self.model, 784, 10)?;
+        self.aggregation.validate(self.consistency)?;
+        ModelSpec::check_text(&self.model)?;
         let finite = |v: f64| v.is_finite();
         // Each simulated worker holds its parameters and gradient (~1 MB for the default MLP).
         if !(1..=1024).contains(&self.workers) {
@@ -347,6 +350,7 @@ impl SimConfig {
             return bad(format!(
                 "--batch-size {} must be in 1..=4096",
                 self.batch_size
+            normalize: t.normalize,
             ));
         }
         match (self.samples, self.sim_seconds) {

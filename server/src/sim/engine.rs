@@ -183,7 +183,9 @@ pub(super) struct Engine<'a> {
     model: Model,
     spec: RunSpec,
     parts: Vec<Dataset>,
-    test: &'a Dataset,
+    /// What faulty workers remember, and the shuffled data of `shuffled_labels` ones.
+    faults: Faults,
+    test: std::borrow::Cow<'a, Dataset>,
     test_subset: Dataset,
     shards: Vec<SimShard>,
     people: Vec<Participant>,
@@ -213,7 +215,7 @@ impl<'a> Engine<'a> {
     pub(super) fn new(cfg: &'a SimConfig, data: &'a TrainTest) -> Result<Self> {
         let train = &data.train;
         let classes = train.classes().max(data.test.classes());
-        let spec = ModelSpec::parse(&cfg.model, train.features, classes)?;
+        let spec = ModelSpec::parse_shaped(&cfg.model, &train.image_dims, classes)?;
         let model = Model::new(spec.clone())?;
         let ranges = partition(model.param_len(), cfg.shards)?;
         let initial = model.init_params(cfg.seed);
@@ -251,6 +253,7 @@ impl<'a> Engine<'a> {
             dataset: DataInfo::of("mnist", train, &data.test),
             local: cfg.exchange.local,
         })?;
+            normalize: cfg.normalize.resolve(train)?,
         if cfg.partitions > train.len() {
             return Err(Error::Config(format!(
                 "--partitions {} exceeds the {} training examples",
@@ -298,8 +301,18 @@ impl<'a> Engine<'a> {
             .collect();
         let stall = 120.0f64.max(20.0 * (cfg.step_time + cfg.away + 4.0 * cfg.delay));
         Ok(Self {
-            test_subset: strided_subset(&data.test, cfg.eval_subset)?,
-            test: &data.test,
+            test_subset: {
+                let mut t = strided_subset(&data.test, cfg.eval_subset)?;
+                t.set_normalize(&spec.normalize)?;
+                t
+            },
+            test: if spec.normalize.is_identity() {
+                std::borrow::Cow::Borrowed(&data.test)
+            } else {
+                let mut t = data.test.clone();
+                t.set_normalize(&spec.normalize)?;
+                std::borrow::Cow::Owned(t)
+            },
             params: Vec::with_capacity(model.param_len()),
             cfg,
             model,
@@ -508,7 +521,7 @@ impl Engine<'_> {
         for s in &self.shards {
             self.params.extend_from_slice(s.driver.state().values());
         }
-        let set = if full { self.test } else { &self.test_subset };
+        let set = if full { &*self.test } else { &self.test_subset };
         let stats = crowdgrad_core::eval::evaluate(&self.model, &self.params, set);
         let (sum, count, max) = std::mem::take(&mut self.interval);
         Row {
