@@ -8,7 +8,8 @@
 //! - `serve [ARGS...]`: setup, build-web, then `crowdgrad serve ARGS...` (release).
 //! - `test`: everything CI runs, in order, failing fast with the name of the failed stage:
 //!   formatting, clippy, core for wasm32, release build, MNIST, `cargo test --workspace
-//!   --release`, the wasm tests in headless Chromium, build-web, and the browser end-to-end test.
+//!   --release`, the fuzz targets (fuzz/, 20 s each, docs/fuzzing.md), the wasm tests in
+//!   headless Chromium, build-web, and the browser end-to-end test.
 //!
 //! Every stage is a child process run from the repository root; output streams through, and
 //! test counts are read from it for the closing summary.
@@ -264,6 +265,7 @@ impl Xtask {
             c.args(["test", "--workspace", "--release"]);
             x.run_counting(c)
         })?;
+        self.stage("fuzz: frame, payload, session (20 s each)", |x| x.fuzz(20))?;
         self.stage("wasm tests in headless Chromium", |x| {
             let mut c = x.cargo();
             c.args([
@@ -296,6 +298,40 @@ impl Xtask {
                 x.run_counting(c)
             },
         )
+    }
+
+    /// The fuzz crate (fuzz/, its own workspace): installs cargo-fuzz when missing, runs its
+    /// regression tests, then each target for `seconds` from the committed seeds, growing a
+    /// scratch corpus under fuzz/target/corpus. Stable Rust: no sanitizer (`-s none`), the
+    /// coverage instrumentation and libFuzzer need no nightly. Fails on any crash.
+    fn fuzz(&mut self, seconds: u32) -> Result<()> {
+        let dir = self.root.join("fuzz");
+        if output(self.cmd("cargo-fuzz").arg("--version")).is_err() {
+            println!("cargo-fuzz missing; installing it (about 2 minutes)");
+            let mut c = self.cargo();
+            c.args(["install", "cargo-fuzz", "--locked"]);
+            run(c)?;
+        }
+        let mut c = self.cargo();
+        c.current_dir(&dir).args(["test", "--release"]);
+        self.run_counting(c)?;
+        for target in ["frame", "payload", "session"] {
+            let scratch = dir.join("target/corpus").join(target);
+            fs::create_dir_all(&scratch)
+                .with_context(|| format!("creating {}", scratch.display()))?;
+            let mut c = self.cargo();
+            c.current_dir(&dir)
+                .args(["fuzz", "run", "--sanitizer", "none", "--release", target])
+                .arg(&scratch)
+                .arg(dir.join("corpus").join(target))
+                .args([
+                    "--",
+                    &format!("-max_total_time={seconds}"),
+                    "-print_final_stats=1",
+                ]);
+            run(c)?;
+        }
+        Ok(())
     }
 
     // ------------------------------------------------------------------ setup steps
