@@ -713,6 +713,32 @@ impl BatchSampler {
             self.pos += 1;
         }
     }
+
+    /// Indices drawn so far (over all epochs).
+    pub fn position(&self) -> u64 {
+        self.epochs * self.order.len() as u64 + self.pos as u64
+    }
+
+    /// Draws and drops `n` indices: afterwards the sampler is exactly where one that drew them
+    /// with [`BatchSampler::next_batch`] is (how a spot check finds a worker's batch). Costs
+    /// one shuffle per epoch crossed.
+    pub fn skip(&mut self, n: u64) {
+        let len = self.order.len() as u64;
+        if len == 0 {
+            return;
+        }
+        let mut left = n;
+        while left > 0 {
+            if self.pos as u64 == len {
+                self.rng.shuffle(&mut self.order);
+                self.pos = 0;
+                self.epochs += 1;
+            }
+            let take = left.min(len - self.pos as u64);
+            self.pos += take as usize;
+            left -= take;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -726,6 +752,25 @@ mod tests {
             encode_idx(&[5, 2, 2], &pixels),
             encode_idx(&[5], &[0, 1, 2, 1, 0]),
         )
+    }
+
+    #[test]
+    fn a_sampler_skipped_ahead_draws_what_one_that_drew_draws() {
+        for (n, skip) in [(10usize, 0u64), (10, 7), (10, 10), (10, 33), (7, 1000)] {
+            let mut drawn = BatchSampler::new(n, 5);
+            let mut sink = vec![0u32; 1];
+            for _ in 0..skip {
+                drawn.next_batch(&mut sink);
+            }
+            let mut skipped = BatchSampler::new(n, 5);
+            skipped.skip(skip);
+            assert_eq!(skipped.position(), skip);
+            assert_eq!(drawn.position(), skip);
+            let (mut a, mut b) = (vec![0u32; 13], vec![0u32; 13]);
+            drawn.next_batch(&mut a);
+            skipped.next_batch(&mut b);
+            assert_eq!(a, b, "n {n} skip {skip}");
+        }
     }
 
     #[test]

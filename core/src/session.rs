@@ -460,7 +460,7 @@ impl ShardState {
 }
 
 /// The answer to a Hello's identity.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Admission {
     /// Go ahead.
     Admitted,
@@ -468,6 +468,29 @@ pub enum Admission {
     Unknown,
     /// The worker joined, but the credential is missing or not its own.
     BadCredential,
+    /// The worker is quarantined ([`ErrorCode::Quarantined`]); the text says why.
+    Quarantined(String),
+}
+
+/// A copy of an accepted push the driver asked for ([`ShardAccess::sample`]), for a spot
+/// check: the gradient as the shard decoded it, and what the push says it was computed from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SampledPush {
+    /// The pusher.
+    pub worker: u64,
+    /// The shard it was pushed to.
+    pub shard: u32,
+    /// The push's base version.
+    pub base_version: u64,
+    /// Examples it claims.
+    pub samples: u32,
+    /// Where its batches came from.
+    pub tag: wire::PushTag,
+    /// The encoding this connection's `Params` are sent in: the worker computed on the
+    /// parameters as decoded from it.
+    pub pull_encoding: Encoding,
+    /// The decoded gradient slice.
+    pub grad: Vec<f32>,
 }
 
 enum Gate {
@@ -486,6 +509,17 @@ pub trait ShardAccess {
     /// Whether `worker` may speak on this shard: it joined the run (`POST /api/join` on the
     /// server) and, where the driver requires one, `credential` is the one its join handed out.
     fn admit(&self, worker: u64, credential: Option<&str>) -> Admission;
+    /// Whether this shard spot-checks pushes: Welcomes say so, and every push must then carry
+    /// a [`wire::PushTag`] (default: no).
+    fn spot_checks(&self) -> bool {
+        false
+    }
+    /// Whether the driver wants a copy of this accepted, tagged push (default: no).
+    fn sample(&self, _worker: u64, _tag: &wire::PushTag) -> bool {
+        false
+    }
+    /// Takes the copy [`ShardAccess::sample`] asked for.
+    fn take_sample(&mut self, _push: SampledPush) {}
 }
 
 impl ShardAccess for ShardState {
@@ -706,6 +740,19 @@ impl ShardSession {
         self.close(shard, "server shutting down".into());
     }
 
+    /// The driver turns the connection away (its worker was quarantined): an error frame
+    /// with `code` and `message` (request id 0), then Close.
+    pub fn expel(&mut self, shard: &mut impl ShardAccess, code: ErrorCode, message: String) {
+        if self.closed {
+            return;
+        }
+        let worker = self.worker;
+        self.actions
+            .push_back(Action::Record(Record::Rejected { worker, code }));
+        self.send(wire::encode_error(0, self.cfg.id, code, message.clone()));
+        self.close(shard, format!("{}: {message}", code.name()));
+    }
+
     fn close(&mut self, shard: &mut impl ShardAccess, reason: String) {
         if self.closed {
             return;
@@ -915,6 +962,11 @@ impl ShardSession {
                         let code = ErrorCode::Unauthorized;
                         return self.fail(shard, request_id, code, m, None, now);
                     }
+                    Admission::Quarantined(why) => {
+                        let m = format!("worker {} is quarantined: {why}", hello.worker_id);
+                        let code = ErrorCode::Quarantined;
+                        return self.fail(shard, request_id, code, m, None, now);
+                    }
                 }
                 let worker = hello.worker_id;
                 self.worker = Some(worker);
@@ -942,6 +994,7 @@ impl ShardSession {
                         pull_encoding: self.pull_encoding,
                         push_encoding: self.push_encoding,
                         reports: self.cfg.setup.reports && self.cfg.id == 0,
+                        spot_checks: shard.spot_checks(),
                     },
                 }));
             }
@@ -975,7 +1028,31 @@ impl ShardSession {
                     return self.fail(shard, request_id, ErrorCode::Replayed, m, push, now);
                 }
                 self.last_push = Some(request_id);
+                // The frame decoded, so its meta, if any, is a valid tag.
+                let tag = wire::push_tag(bytes).ok().flatten();
+                if tag.is_none() && shard.spot_checks() {
+                    let m = "this shard spot-checks pushes: every push must carry a PushTag meta"
+                        .to_string();
+                    return self.fail(shard, request_id, ErrorCode::Protocol, m, push, now);
+                }
                 let outcome = shard.with(|s| s.push(worker, base_version, grad, samples, now));
+                if let Some(tag) = tag.filter(|t| {
+                    matches!(outcome, Outcome::Applied { .. } | Outcome::Buffered { .. })
+                        && shard.sample(worker, t)
+                }) {
+                    let mut copy = vec![0.0; grad.len()];
+                    if grad.copy_into(&mut copy).is_ok() {
+                        shard.take_sample(SampledPush {
+                            worker,
+                            shard: id,
+                            base_version,
+                            samples,
+                            tag,
+                            pull_encoding: self.pull_encoding,
+                            grad: copy,
+                        });
+                    }
+                }
                 let (version, staleness) = match &outcome {
                     Outcome::Applied {
                         version, staleness, ..

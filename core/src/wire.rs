@@ -283,7 +283,28 @@ pub struct Welcome {
     /// The shard takes `Report` frames (absent: false; never send one then).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub reports: bool,
+    /// The shard spot-checks pushes: every `Push` on this connection must carry a
+    /// [`PushTag`] meta saying where its batches came from (absent: false; send none then).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub spot_checks: bool,
 }
+
+/// Meta of a `Push` to a shard whose Welcome had `spot_checks`: what the server needs to
+/// recompute the push ([docs/protocol.md](../../docs/protocol.md), "Spot checks").
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PushTag {
+    /// Index of the round's first batch in the worker's batch sequence
+    /// ([`crate::data::BatchSampler`] seeded from the run seed and the worker id): batches
+    /// the worker drew before this round. The round's `H = samples / batch_size` batches
+    /// follow it.
+    pub batch: u64,
+    /// The shard versions the round's parameters were read at, one per shard in shard order
+    /// (the push's own shard's is its header's base version).
+    pub versions: Vec<u64>,
+}
+
+/// Most shard versions a [`PushTag`] may list (the most shards a run may have).
+pub const MAX_TAG_VERSIONS: usize = 256;
 
 fn is_f32(e: &Encoding) -> bool {
     *e == Encoding::F32
@@ -348,6 +369,9 @@ pub enum ErrorCode {
     OutOfBounds = 16,
     /// A push whose request id is not above the connection's last push: a replay (not fatal).
     Replayed = 17,
+    /// The worker is quarantined (a push failed a spot check, or it kept sending refused
+    /// frames): its connections are closed and its Hellos refused (fatal).
+    Quarantined = 19,
 }
 
 impl ErrorCode {
@@ -380,6 +404,7 @@ impl ErrorCode {
             Unauthorized,
             OutOfBounds,
             Replayed,
+            Quarantined,
         ]
         .into_iter()
         .find(|c| *c as u32 == v)
@@ -406,6 +431,7 @@ impl ErrorCode {
             Unauthorized => "unauthorized",
             OutOfBounds => "out_of_bounds",
             Replayed => "replayed",
+            Quarantined => "quarantined",
         }
     }
 }
@@ -627,9 +653,10 @@ pub fn decode(bytes: &[u8], limit: usize) -> Result<Message<'_>> {
         len: h.count as usize,
         bytes: &bytes[meta_end..],
     };
+    // A Push may carry a PushTag (spot checks); it is checked here and read by push_tag.
     let has_meta = matches!(
         h.kind,
-        Kind::Hello | Kind::Welcome | Kind::Error | Kind::Bye | Kind::Report
+        Kind::Hello | Kind::Welcome | Kind::Error | Kind::Bye | Kind::Report | Kind::Push
     );
     let has_payload = matches!(h.kind, Kind::Params | Kind::Push);
     if !has_meta && h.meta_len != 0 {
@@ -661,13 +688,18 @@ pub fn decode(bytes: &[u8], limit: usize) -> Result<Message<'_>> {
             version: h.version,
             values: payload,
         },
-        Kind::Push => Message::Push {
-            request_id,
-            shard,
-            base_version: h.version,
-            samples: h.aux,
-            grad: payload,
-        },
+        Kind::Push => {
+            if h.meta_len != 0 {
+                check_tag(&meta::<PushTag>(meta_bytes, h.kind)?)?;
+            }
+            Message::Push {
+                request_id,
+                shard,
+                base_version: h.version,
+                samples: h.aux,
+                grad: payload,
+            }
+        }
         Kind::Ack => Message::Ack {
             request_id,
             shard,
@@ -688,6 +720,33 @@ pub fn decode(bytes: &[u8], limit: usize) -> Result<Message<'_>> {
             report: meta(meta_bytes, h.kind)?,
         },
     })
+}
+
+fn check_tag(tag: &PushTag) -> Result<()> {
+    if tag.versions.is_empty() || tag.versions.len() > MAX_TAG_VERSIONS {
+        return Err(Error::Malformed(format!(
+            "push tag lists {} shard versions; 1 to {MAX_TAG_VERSIONS}",
+            tag.versions.len()
+        )));
+    }
+    Ok(())
+}
+
+/// The [`PushTag`] of a Push frame that [`decode`] accepted, `None` when it carries none.
+///
+/// # Errors
+/// [`Error::Malformed`] for a frame that is not a Push or whose meta is not a tag.
+pub fn push_tag(bytes: &[u8]) -> Result<Option<PushTag>> {
+    let h = Header::parse(bytes, usize::MAX)?;
+    if h.kind != Kind::Push {
+        return Err(Error::Malformed("not a Push frame".into()));
+    }
+    if h.meta_len == 0 {
+        return Ok(None);
+    }
+    let tag: PushTag = meta(&bytes[HEADER_LEN..HEADER_LEN + h.meta_len as usize], h.kind)?;
+    check_tag(&tag)?;
+    Ok(Some(tag))
 }
 
 fn frame(mut h: Header, meta: &[u8], payload: &[u8]) -> Vec<u8> {
@@ -767,15 +826,18 @@ fn encode_data(
     version: u64,
     values: &[f32],
     feedback: Option<&mut ErrorFeedback>,
+    meta: &[u8],
 ) -> Result<Vec<u8>> {
     let h = Header {
         encoding,
         count: u32::try_from(values.len())
             .map_err(|_| Error::Malformed("payload of more than 2^32 values".into()))?,
+        meta_len: meta.len() as u32,
         ..header(kind, request_id, shard, aux, version)
     };
-    let mut out = Vec::with_capacity(HEADER_LEN + encoding.encoded_len(values.len()));
+    let mut out = Vec::with_capacity(HEADER_LEN + meta.len() + encoding.encoded_len(values.len()));
     h.write(&mut out);
+    out.extend_from_slice(meta);
     match feedback {
         Some(ef) => ef.encode_with_feedback(values, encoding, &mut out)?,
         None => encoding.encode(values, &mut out)?,
@@ -803,6 +865,7 @@ pub fn encode_params_as(
         version,
         values,
         None,
+        &[],
     )
 }
 
@@ -828,6 +891,35 @@ pub fn encode_push_as(
         base_version,
         grad,
         feedback,
+        &[],
+    )
+}
+
+/// [`encode_push_as`] with a [`PushTag`] meta (to a shard whose Welcome had `spot_checks`).
+///
+/// # Errors
+/// As [`encode_push_as`].
+#[allow(clippy::too_many_arguments)]
+pub fn encode_push_tagged(
+    encoding: Encoding,
+    request_id: u32,
+    shard: u32,
+    base_version: u64,
+    samples: u32,
+    grad: &[f32],
+    feedback: Option<&mut ErrorFeedback>,
+    tag: &PushTag,
+) -> Result<Vec<u8>> {
+    encode_data(
+        Kind::Push,
+        encoding,
+        request_id,
+        shard,
+        samples,
+        base_version,
+        grad,
+        feedback,
+        &json(tag),
     )
 }
 
@@ -962,6 +1054,7 @@ mod tests {
                     pull_encoding: Default::default(),
                     push_encoding: Default::default(),
                     reports: false,
+                    spot_checks: false,
                 },
             },
             Message::Pull {
@@ -1214,5 +1307,50 @@ mod tests {
             f.truncate(cut.max(1).min(f.len()));
             let _ = decode(&f, LIMIT);
         }
+    }
+
+    #[test]
+    fn a_push_tag_rides_in_the_meta_and_bad_tags_are_malformed() {
+        let v = [0.5f32, -1.0, 2.0];
+        let tag = PushTag {
+            batch: 1234,
+            versions: vec![7, 9],
+        };
+        for enc in [Encoding::F32, Encoding::Bf16, Encoding::INT8] {
+            let f = encode_push_tagged(enc, 3, 1, 9, 64, &v, None, &tag).unwrap();
+            let Message::Push {
+                base_version: 9,
+                samples: 64,
+                grad,
+                ..
+            } = decode(&f, LIMIT).unwrap()
+            else {
+                panic!("{enc}")
+            };
+            assert_eq!(grad.len(), 3);
+            assert_eq!(push_tag(&f).unwrap(), Some(tag.clone()));
+        }
+        let plain = encode_push(3, 1, 9, 64, &v);
+        assert_eq!(push_tag(&plain).unwrap(), None);
+        // No versions, too many versions, and meta that is no tag are refused by decode.
+        for bad in [
+            PushTag {
+                batch: 1,
+                versions: vec![],
+            },
+            PushTag {
+                batch: 1,
+                versions: vec![0; MAX_TAG_VERSIONS + 1],
+            },
+        ] {
+            let f = encode_push_tagged(Encoding::F32, 3, 1, 9, 64, &v, None, &bad).unwrap();
+            assert!(matches!(decode(&f, LIMIT), Err(Error::Malformed(_))));
+            assert!(push_tag(&f).is_err());
+        }
+        let mut f = encode_push_tagged(Encoding::F32, 3, 1, 9, 64, &v, None, &tag).unwrap();
+        f[HEADER_LEN] = b'[';
+        assert!(matches!(decode(&f, LIMIT), Err(Error::Malformed(_))));
+        assert_eq!(ErrorCode::from_u32(19), Some(ErrorCode::Quarantined));
+        assert!(ErrorCode::Quarantined.is_fatal());
     }
 }

@@ -203,6 +203,10 @@ pub struct Worker {
     pulls_sent: Option<f64>,
     last_report: Option<f64>,
     reports: bool,
+    /// Per shard: its Welcome asked for spot checks, so pushes carry a [`wire::PushTag`].
+    spot_checks: Vec<bool>,
+    /// Index of the current round's first batch in the sampler's sequence (for the tag).
+    round_batch: u64,
     stats: WorkerStats,
 }
 
@@ -292,6 +296,8 @@ impl Worker {
             pulls_sent: None,
             last_report: None,
             reports: false,
+            spot_checks: vec![false; slicer.ranges().len()],
+            round_batch: 0,
             stats: WorkerStats::default(),
             data,
             model,
@@ -441,6 +447,7 @@ impl Worker {
                 slot.version = welcome.version;
                 slot.pull_encoding = welcome.pull_encoding;
                 slot.push_encoding = welcome.push_encoding;
+                self.spot_checks[shard] = welcome.spot_checks;
                 if shard == 0 {
                     self.reports = welcome.reports;
                     self.stats.encodings = Some((
@@ -633,6 +640,15 @@ impl Worker {
                 "step() called before all parameters arrived".into(),
             ));
         };
+        if round.done == 0 {
+            // Where the round's batches start, for the push tag; and, when the shards
+            // spot-check, a round's inner optimizer starts fresh, so the round can be
+            // recomputed from what the push says (docs/protocol.md, "Spot checks").
+            self.round_batch = self.sampler.position() / self.idx.len().max(1) as u64;
+            if self.join.run.local.steps.pseudo_gradients() && self.spot_checks.contains(&true) {
+                self.inner = OptState::new(&self.join.run.local.inner.rule, self.params.len());
+            }
+        }
         self.sampler.next_batch(&mut self.idx);
         self.data
             .fill_batch(&self.idx, &mut self.x.view_mut(), &mut self.y);
@@ -702,15 +718,26 @@ impl Worker {
             let feedback = (enc != Encoding::F32).then(|| &mut self.feedback[shard]);
             // A non-finite gradient (a diverged model) is not sent: the shard would refuse it,
             // and the driver's rejoin starts again from the shard's parameters.
-            let frame = wire::encode_push_as(
-                enc,
-                request_id,
-                shard as u32,
-                version,
-                samples,
-                slice,
-                feedback,
-            )?;
+            let frame = if self.spot_checks[shard] {
+                let tag = wire::PushTag {
+                    batch: self.round_batch,
+                    versions: round.versions.clone(),
+                };
+                let id = shard as u32;
+                wire::encode_push_tagged(
+                    enc, request_id, id, version, samples, slice, feedback, &tag,
+                )?
+            } else {
+                wire::encode_push_as(
+                    enc,
+                    request_id,
+                    shard as u32,
+                    version,
+                    samples,
+                    slice,
+                    feedback,
+                )?
+            };
             let slot = &mut self.shards[shard];
             slot.in_flight += 1;
             if self.sync {
@@ -904,6 +931,7 @@ mod tests {
                 pull_encoding: Default::default(),
                 push_encoding: Default::default(),
                 reports: false,
+                spot_checks: false,
             },
         })
     }
@@ -1240,6 +1268,7 @@ mod tests {
                 pull_encoding: Default::default(),
                 push_encoding: Default::default(),
                 reports: false,
+                spot_checks: false,
             },
         });
         assert!(matches!(w.receive(0, &bad_range), Err(Error::Protocol(_))));
@@ -1254,6 +1283,7 @@ mod tests {
                 pull_encoding: Default::default(),
                 push_encoding: Default::default(),
                 reports: false,
+                spot_checks: false,
             },
         });
         assert!(matches!(
@@ -1586,6 +1616,7 @@ mod tests {
                 pull_encoding: Encoding::Bf16,
                 push_encoding: Encoding::INT8,
                 reports: true,
+                spot_checks: false,
             },
         });
         w.set_time(0.0);

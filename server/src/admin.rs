@@ -153,6 +153,7 @@ pub fn routes() -> Router<Arc<App>> {
         .route("/api/admin/checkpoint", post(checkpoint_now))
         .route("/api/admin/set-lr", post(set_lr))
         .route("/api/admin/set-consistency", post(set_consistency))
+        .route("/api/admin/unquarantine", post(unquarantine))
 }
 
 fn reply(status: StatusCode, body: serde_json::Value) -> Response {
@@ -316,6 +317,37 @@ async fn set_lr(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) ->
     app.admin.lr_bits.store(lr.to_bits(), Ordering::Relaxed);
     tracing::info!(lr, "admin: learning rate set");
     reply(StatusCode::OK, state_json(&app))
+}
+
+/// Lifts a quarantine ([`crate::reputation`]): body `{"worker": ID}` or `{"identity": "..."}`.
+/// 404 when that worker or identity is not quarantined.
+async fn unquarantine(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(r) = check(&app, &headers) {
+        return r;
+    }
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let r = &app.defence.reputation;
+    let lifted = match (
+        body_field(&v, "worker").and_then(serde_json::Value::as_u64),
+        body_field(&v, "identity").and_then(serde_json::Value::as_str),
+    ) {
+        (Some(w), None) => r.lift(w),
+        (None, Some(id)) => r.lift_identity(id),
+        _ => {
+            return refuse(
+                StatusCode::BAD_REQUEST,
+                "body must be JSON like {\"worker\": 7} or {\"identity\": \"...\"}",
+            )
+        }
+    };
+    if !lifted {
+        return refuse(StatusCode::NOT_FOUND, "not quarantined");
+    }
+    tracing::info!(body = %v, "admin: quarantine lifted");
+    reply(
+        StatusCode::OK,
+        json!({ "lifted": v, "quarantined": r.quarantined_count() }),
+    )
 }
 
 /// Changing the consistency mode of a running server is refused (409) unless the mode asked

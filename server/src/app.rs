@@ -76,6 +76,8 @@ pub struct App {
     pub admin: crate::admin::Admin,
     /// With `--shard-urls`: the shard processes (then `shards` is empty).
     pub remote: Option<Arc<crate::shardproc::remote::RemoteShards>>,
+    /// Per-worker reputation and quarantine, and the spot checker ([`crate::spotcheck`]).
+    pub defence: crate::spotcheck::Defence,
 }
 
 /// A shard as `/api/status` shows it.
@@ -149,6 +151,11 @@ pub struct Status {
     /// `last_ok_s`, `version`, `uptime_s`, `status`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub remote_shards: Option<Vec<crate::shardproc::remote::Health>>,
+    /// Per-worker spot checks, refusals and quarantines ([`crate::reputation`]).
+    pub reputation: crate::reputation::ReputationStatus,
+    /// The spot checker's counters and recent figures (absent: spot checks off).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub spot_checks: Option<crate::spotcheck::SpotStatus>,
 }
 
 /// A remote shard's counters from the `status` record it reported (the per-reason maps stay
@@ -239,6 +246,11 @@ impl App {
             limits: self.limits.counts(),
             config: self.cfg.resolved.clone(),
             remote_shards,
+            reputation: self
+                .defence
+                .reputation
+                .status(crate::registry::RECENT_WORKERS),
+            spot_checks: self.defence.spot.as_ref().map(|s| s.status()),
         }
     }
 

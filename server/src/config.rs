@@ -375,6 +375,9 @@ pub struct ServeArgs {
     /// CROWDGRAD_RUN_SECRET. Needed with --shard-urls.
     #[arg(long, env = "CROWDGRAD_RUN_SECRET", hide_env_values = true)]
     pub run_secret: Option<String>,
+    /// Spot checks and quarantine (crate::spotcheck).
+    #[command(flatten)]
+    pub spot: crate::spotcheck::SpotArgs,
 }
 
 /// Checked server configuration.
@@ -434,6 +437,8 @@ pub struct ServeConfig {
     pub shard_urls: Vec<String>,
     /// The run secret shared with shard processes (`Debug` prints it redacted).
     pub run_secret: Option<crate::credential::Secret>,
+    /// Spot checks and quarantine.
+    pub spot: crate::spotcheck::SpotConfig,
     /// The resolved configuration (flags over run file) as `/api/status` shows it; set by
     /// `main` ([`crate::runfile`]), `Null` otherwise.
     pub resolved: serde_json::Value,
@@ -599,7 +604,15 @@ impl ServeArgs {
             join_token,
             checkpoint,
             admin_token,
-            normalize: t.normalize,
+            spot: {
+                let spot = self.spot.check()?;
+                if spot.fraction > 0.0 && !self.shard_urls.is_empty() {
+                    return bad(
+                        "--spot-check needs the shards in this process (not --shard-urls)".into(),
+                    );
+                }
+                spot
+            },
             shard_urls: self.shard_urls,
             run_secret,
             resolved: serde_json::Value::Null,

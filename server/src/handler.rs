@@ -80,6 +80,8 @@ pub async fn serve<Si, St>(
         .map_or_else(LimitConfig::default, |c| c.limits.cfg);
     let opened = Instant::now();
     let mut heard = opened;
+    // The reputation's quarantine epoch last seen: the worker is re-checked when it moves.
+    let mut quarantine_epoch = u64::MAX;
     loop {
         if !perform(&mut session, &mut tx, &shard, &registry).await {
             session.handle_close(&mut access);
@@ -133,6 +135,17 @@ pub async fn serve<Si, St>(
         match inbound {
             Inbound::Frame(bytes) => {
                 shard.count_bytes(bytes.len(), 0);
+                if let (Some(d), Some(worker)) = (shard.defence(), session.worker()) {
+                    let e = d.reputation.epoch();
+                    if e != quarantine_epoch {
+                        quarantine_epoch = e;
+                        if let Some(why) = d.reputation.quarantined(worker) {
+                            let m = format!("worker {worker} is quarantined: {why}");
+                            session.expel(&mut access, ErrorCode::Quarantined, m);
+                            continue;
+                        }
+                    }
+                }
                 if let (Some(c), Some(worker), true) = (&conn, session.worker(), is_push(&bytes)) {
                     if let Err(hit) = c.limits.push(shard.id(), worker, c.ip, heard) {
                         let m = match hit {
@@ -224,10 +237,31 @@ async fn perform<Si: Sink<Outbound> + Unpin>(
             Action::Close(reason) => {
                 let _ = tx.send(Outbound::Close(reason)).await;
             }
-            Action::Record(r) => record(registry, id, r),
+            Action::Record(r) => {
+                if let Some(d) = shard.defence() {
+                    note(&d.reputation, &r);
+                }
+                record(registry, id, r)
+            }
         }
     }
     true
+}
+
+/// Refusals count in the worker's reputation ([`crate::reputation`]).
+fn note(reputation: &crate::reputation::Reputation, r: &Record) {
+    match r {
+        Record::Pushed {
+            worker: Some(w),
+            outcome: Outcome::Rejected { code, .. },
+            ..
+        }
+        | Record::Rejected {
+            worker: Some(w),
+            code,
+        } => reputation.rejected(*w, *code),
+        _ => {}
+    }
 }
 
 fn record(registry: &Registry, shard: u32, r: Record) {

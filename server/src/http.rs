@@ -107,6 +107,17 @@ async fn join(
         if let Err(m) = crate::ledger::check_identity(id) {
             return error(StatusCode::BAD_REQUEST, format!("bad identity: {m}"));
         }
+        if let Some(why) = app.defence.reputation.identity_quarantined(id) {
+            return error(
+                StatusCode::FORBIDDEN,
+                format!("this identity is quarantined: {why}"),
+            );
+        }
+    }
+    if let Some(t) = &req.threads {
+        if let Err(e) = t.check() {
+            return error(StatusCode::BAD_REQUEST, format!("bad join request: {e}"));
+        }
     }
     let name: Option<String> = req
         .name
@@ -123,6 +134,7 @@ async fn join(
     if let Some(id) = &req.identity {
         app.registry
             .identify(worker_id, id, name.as_deref(), req.client);
+        app.defence.reputation.bind(worker_id, id);
     }
     let Ok(range) = app.train.partition(index, app.cfg.partitions) else {
         return error(StatusCode::INTERNAL_SERVER_ERROR, "no such data partition");
@@ -145,7 +157,7 @@ async fn join(
 }
 
 async fn metrics(State(app): State<Arc<App>>) -> Response {
-    let body = crate::metrics::render(app.scrape());
+    let body = crate::metrics::render_with(app.scrape(), Some(app.defence.scrape()));
     ([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], body).into_response()
 }
 

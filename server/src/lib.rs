@@ -29,10 +29,12 @@ pub mod limits;
 pub mod listener;
 pub mod metrics;
 pub mod registry;
+pub mod reputation;
 pub mod runfile;
 pub mod shard;
 pub mod shardproc;
 pub mod sim;
+pub mod spotcheck;
 pub mod tls;
 pub mod worker;
 
@@ -157,16 +159,48 @@ pub async fn run(
         println!("admin token (for crowdgrad ctl and /api/admin; shown only now): {token}");
     }
     let (stop_tx, stop_rx) = watch::channel(false);
+    let registry = registry::Registry::new(cfg.shards, cfg.max_workers);
+    let train = Arc::new(data.train);
+    let defence = spotcheck::Defence {
+        reputation: Arc::new(reputation::Reputation::new(cfg.spot.quarantine)),
+        spot: None,
+    };
+    let defence = if cfg.spot.fraction > 0.0 && !shards.is_empty() {
+        spotcheck::Defence {
+            spot: Some(spotcheck::SpotChecker::start(
+                cfg.spot,
+                &spec,
+                train.clone(),
+                cfg.partitions,
+                registry.clone(),
+                defence.reputation.clone(),
+                shards
+                    .iter()
+                    .map(|s| {
+                        let snap = s.snapshot();
+                        (snap.version, snap.values)
+                    })
+                    .collect(),
+            )?),
+            ..defence
+        }
+    } else {
+        defence
+    };
+    for s in &shards {
+        s.set_defence(defence.clone());
+    }
     let app = Arc::new(App {
         limits: limits::Limits::new(cfg.limits),
         secret,
-        registry: registry::Registry::new(cfg.shards, cfg.max_workers),
+        registry,
+        defence,
         connections: Arc::new(Semaphore::new(cfg.max_connections)),
         cfg,
         spec,
         shards,
         model,
-        train: Arc::new(data.train),
+        train,
         test: Arc::new(data.test),
         data_tag,
         evals: Mutex::new(Vec::new()),

@@ -23,6 +23,9 @@
 //! | `crowdgrad_remote_shard_up` | gauge | `shard` (coordinator with `--shard-urls`) |
 //! | `crowdgrad_checkpoint_size_bytes` / `crowdgrad_checkpoint_timestamp_seconds` / `crowdgrad_checkpoint_age_seconds` | gauge | (after the first checkpoint) |
 //! | `crowdgrad_uptime_seconds` | gauge | |
+//! | `crowdgrad_spot_checks_total` | counter | `result`: passed, failed, skipped_version, skipped_unknown, dropped_queue, dropped_quarantined (with `--spot-check`) |
+//! | `crowdgrad_spot_checks_sampled_total` | counter | (with `--spot-check`) |
+//! | `crowdgrad_workers_quarantined` / `crowdgrad_identities_quarantined` | gauge | |
 
 use crate::registry::{Counters, STALENESS_BUCKETS};
 use prometheus_client::collector::Collector;
@@ -339,8 +342,17 @@ pub fn unix_now() -> f64 {
 
 /// Encodes `scrape` in the text format (ends with `# EOF`).
 pub fn render(scrape: Scrape) -> String {
+    render_with(scrape, None)
+}
+
+/// [`render`], with the spot-check and quarantine counters of a server
+/// ([`crate::spotcheck::DefenceScrape`]).
+pub fn render_with(scrape: Scrape, defence: Option<crate::spotcheck::DefenceScrape>) -> String {
     let mut registry = prometheus_client::registry::Registry::default();
     registry.register_collector(Box::new(scrape));
+    if let Some(d) = defence {
+        registry.register_collector(Box::new(d));
+    }
     let mut out = String::new();
     // Writing to a String cannot fail; an encoder error would leave a partial body, which a
     // scraper rejects as a whole (no `# EOF`).

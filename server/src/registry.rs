@@ -326,6 +326,11 @@ impl Registry {
         self.lock().workers.contains_key(&id)
     }
 
+    /// The data partition `id` trains on, while registered (for spot checks).
+    pub fn partition(&self, id: u64) -> Option<usize> {
+        self.lock().workers.get(&id).map(|w| w.partition)
+    }
+
     /// A worker opened (`+1`) or closed (`-1`) a shard connection.
     pub fn connection(&self, worker: u64, opened: bool) {
         if let Some(w) = self.lock().workers.get_mut(&worker) {

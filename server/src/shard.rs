@@ -52,6 +52,8 @@ struct Inner {
     /// run secret) instead of by the registry: how a shard process admits workers that joined
     /// at the coordinator.
     secret: std::sync::OnceLock<Vec<u8>>,
+    /// Reputation and spot checks ([`crate::spotcheck`]), set once at start.
+    defence: std::sync::OnceLock<crate::spotcheck::Defence>,
 }
 
 /// Cheap-to-clone handle to one shard (like mini-redis' `Db`).
@@ -176,6 +178,7 @@ impl Shard {
                 bytes_received: AtomicU64::new(0),
                 bytes_sent: AtomicU64::new(0),
                 secret: std::sync::OnceLock::new(),
+                defence: std::sync::OnceLock::new(),
             }),
         })
     }
@@ -241,6 +244,17 @@ impl Shard {
     /// ignored).
     pub fn require_credential(&self, secret: Vec<u8>) {
         let _ = self.inner.secret.set(secret);
+    }
+
+    /// Report to `defence` from now on: refuse quarantined workers, spot-check sampled
+    /// pushes (set once; later calls are ignored).
+    pub fn set_defence(&self, defence: crate::spotcheck::Defence) {
+        let _ = self.inner.defence.set(defence);
+    }
+
+    /// Reputation and spot checks, once set.
+    pub fn defence(&self) -> Option<&crate::spotcheck::Defence> {
+        self.inner.defence.get()
     }
 
     /// The histogram of time spent applying updates (a handle on the live one).
@@ -310,6 +324,9 @@ impl ShardAccess for Access<'_> {
                     version: st.version(),
                     values: st.values().clone(),
                 }));
+                if let Some(spot) = inner.defence.get().and_then(|d| d.spot.as_ref()) {
+                    spot.record(inner.cfg.id, st.version(), st.values().clone());
+                }
             }
             (r, (st.epoch() != e0).then(|| st.epoch()))
         };
@@ -320,6 +337,13 @@ impl ShardAccess for Access<'_> {
     }
 
     fn admit(&self, worker: u64, credential: Option<&str>) -> Admission {
+        if let Some(why) = self
+            .shard
+            .defence()
+            .and_then(|d| d.reputation.quarantined(worker))
+        {
+            return Admission::Quarantined(why);
+        }
         match (self.shard.inner.secret.get(), credential) {
             (None, _) if self.registry.knows(worker) => Admission::Admitted,
             (None, _) => Admission::Unknown,
@@ -330,6 +354,23 @@ impl ShardAccess for Access<'_> {
             // shard process whose registry knows nobody calls a bad one unknown.)
             (Some(_), _) if self.registry.knows(worker) => Admission::BadCredential,
             (Some(_), _) => Admission::Unknown,
+        }
+    }
+
+    fn spot_checks(&self) -> bool {
+        self.shard.defence().is_some_and(|d| d.spot.is_some())
+    }
+
+    fn sample(&self, worker: u64, tag: &crowdgrad_core::wire::PushTag) -> bool {
+        self.shard
+            .defence()
+            .and_then(|d| d.spot.as_ref())
+            .is_some_and(|s| s.sample(worker, tag))
+    }
+
+    fn take_sample(&mut self, push: crowdgrad_core::session::SampledPush) {
+        if let Some(s) = self.shard.defence().and_then(|d| d.spot.as_ref()) {
+            s.submit(push);
         }
     }
 }

@@ -14,6 +14,7 @@ mod ops;
 mod protocol;
 mod remote;
 mod sim;
+mod spotcheck;
 mod stall;
 mod tls;
 mod training;

@@ -186,6 +186,7 @@ fn one_worker_without_delay_equals_applying_its_gradients_through_shardcore() {
                 pull_encoding: Default::default(),
                 push_encoding: Default::default(),
                 reports: false,
+                spot_checks: false,
             },
         });
         w.receive(i, &welcome).expect("welcome");

@@ -4,6 +4,7 @@
 //! crowdgrad ctl --server http://127.0.0.1:8080 --token T state|pause|resume|drain|stop|checkpoint
 //! crowdgrad ctl --token T set-lr 0.01
 //! crowdgrad ctl --token T set-consistency ssp:2
+//! crowdgrad ctl --token T unquarantine 7          (or: unquarantine --identity ID)
 //! ```
 //!
 //! The token may also come from `CROWDGRAD_ADMIN_TOKEN`. The server's JSON answer is printed;
@@ -52,6 +53,14 @@ pub enum CtlCmd {
         /// `async`, `ssp:S` or `sync:K`.
         mode: String,
     },
+    /// Lift the quarantine of a worker id, or of an identity (`--identity`).
+    Unquarantine {
+        /// The worker id, or with --identity the identity.
+        who: String,
+        /// `who` is an identity, not a worker id.
+        #[arg(long)]
+        identity: bool,
+    },
 }
 
 /// Runs `args` against the server; returns the server's JSON answer.
@@ -79,6 +88,17 @@ pub fn run(args: &CtlArgs) -> Result<serde_json::Value> {
             "set-consistency",
             Some(serde_json::json!({ "consistency": mode })),
         ),
+        CtlCmd::Unquarantine { who, identity } => {
+            let body = if *identity {
+                serde_json::json!({ "identity": who })
+            } else {
+                let id: u64 = who
+                    .parse()
+                    .map_err(|_| Error::Config(format!("worker id {who:?} is not a number")))?;
+                serde_json::json!({ "worker": id })
+            };
+            ("POST", "unquarantine", Some(body))
+        }
     };
     let url = format!("{base}/api/admin/{path}");
     let agent: ureq::Agent = ureq::Agent::config_builder()

@@ -1,0 +1,438 @@
+//! Per-worker reputation and quarantine (issue 10): what each worker's spot checks
+//! ([`crate::spotcheck`]) and refused frames say about it, and the quarantine of workers that
+//! fail a spot check or keep sending frames the shards refuse.
+//!
+//! A quarantined worker
+//! - has every shard connection closed at its next frame, after an `Error` frame with code
+//!   `quarantined` (19, fatal; [`crate::handler`] asks the session to [`expel`] it);
+//! - is refused at Hello with the same code ([`crowdgrad_core::session::Admission::Quarantined`]);
+//! - when it joined with an `identity`, that identity's joins are refused with HTTP 403
+//!   ([`crate::http`]), so a rejoin does not wash the record clean (an identity is chosen by
+//!   the worker, so this stops honest-but-broken workers and lazy attackers, not one that
+//!   makes up a new identity per join: that is what spot checks keep catching);
+//! - has its spot checks still waiting in the checker's queue dropped;
+//! - is shown in `/api/status` (`reputation`), on the dashboard, and counted in `/metrics`.
+//!
+//! An admin lifts a quarantine with `POST /api/admin/unquarantine` (`crowdgrad ctl
+//! unquarantine`).
+//!
+//! Refused frames count towards quarantine only with `--quarantine-rejections N` (0, the
+//! default, turns it off): N refusals within `--quarantine-window` seconds quarantine the
+//! worker. `too_stale` and `busy` are the server's own policies, which honest workers meet
+//! under load, and never count; `quarantined` itself does not either.
+//!
+//! Bounded: at most [`MAX_TRACKED`] workers and [`MAX_TRACKED`] identities are kept; when full,
+//! the least recently touched worker that is not quarantined is forgotten (quarantined
+//! identities are forgotten oldest first).
+//!
+//! [`expel`]: crowdgrad_core::session::ShardSession::expel
+
+use crowdgrad_core::wire::ErrorCode;
+use serde::Serialize;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// Most workers (and quarantined identities) tracked.
+pub const MAX_TRACKED: usize = 100_000;
+
+/// When refused frames quarantine a worker.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct QuarantinePolicy {
+    /// Refusals within `window` that quarantine a worker; 0 turns it off.
+    pub rejections: u32,
+    /// The window.
+    pub window: Duration,
+}
+
+impl Default for QuarantinePolicy {
+    fn default() -> Self {
+        Self {
+            rejections: 0,
+            window: Duration::from_secs(60),
+        }
+    }
+}
+
+/// The last spot check of a worker.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct CheckFigures {
+    /// Cosine similarity of the pushed slice with the recomputed one.
+    pub cosine: f64,
+    /// Norm of the pushed slice over the recomputed one's.
+    pub norm_ratio: f64,
+}
+
+/// Why and when a worker was quarantined.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Quarantine {
+    /// What it did.
+    pub reason: String,
+    /// Seconds since the server started, when it happened.
+    pub at_s: f64,
+}
+
+/// What the server knows of one worker's behaviour.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct WorkerReputation {
+    /// Spot checks it passed.
+    pub spot_passed: u64,
+    /// Spot checks it failed.
+    pub spot_failed: u64,
+    /// Its pushes sampled but not checked (parameters no longer kept, queue full...).
+    pub spot_skipped: u64,
+    /// The figures of its last spot check.
+    pub last_check: Option<CheckFigures>,
+    /// Frames and pushes refused, by error code.
+    pub rejections: BTreeMap<&'static str, u64>,
+    /// Set while quarantined.
+    pub quarantined: Option<Quarantine>,
+    /// The identity it joined with, if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub identity: Option<String>,
+    #[serde(skip)]
+    recent: VecDeque<Instant>,
+    #[serde(skip)]
+    touched: u64,
+}
+
+/// The result of one spot check, as the checker reports it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CheckResult {
+    /// Within the tolerances.
+    Passed(CheckFigures),
+    /// Outside them, or the push did not fit what its tag says; the text says how.
+    Failed(String, Option<CheckFigures>),
+    /// Not checked.
+    Skipped,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    workers: HashMap<u64, WorkerReputation>,
+    /// Quarantined identities: reason, and order of insertion for the bound.
+    identities: HashMap<String, Quarantine>,
+    identity_order: VecDeque<String>,
+    tick: u64,
+}
+
+/// Cheap to share (`Arc`): every handler and the checker thread report here.
+#[derive(Debug)]
+pub struct Reputation {
+    inner: Mutex<Inner>,
+    /// Bumped on every quarantine and lift: handlers re-check their worker only then.
+    epoch: AtomicU64,
+    policy: QuarantinePolicy,
+    started: Instant,
+}
+
+/// `/api/status`'s `reputation`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ReputationStatus {
+    /// Refusals within the window that quarantine (0: off), and the window in seconds.
+    pub quarantine_rejections: u32,
+    /// The window, seconds.
+    pub quarantine_window_s: f64,
+    /// Workers quarantined now.
+    pub quarantined: usize,
+    /// Identities whose joins are refused.
+    pub quarantined_identities: usize,
+    /// Per worker id (as a string key), the workers with anything on record.
+    pub workers: BTreeMap<String, WorkerReputation>,
+}
+
+impl Reputation {
+    /// Empty, quarantining by `policy` (and by failed spot checks).
+    pub fn new(policy: QuarantinePolicy) -> Self {
+        Self {
+            inner: Mutex::new(Inner::default()),
+            epoch: AtomicU64::new(0),
+            policy,
+            started: Instant::now(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // Only counters; a poisoned lock still holds usable ones.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The quarantine epoch: changes whenever a worker is quarantined or lifted.
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    fn entry(g: &mut Inner, worker: u64) -> &mut WorkerReputation {
+        g.tick += 1;
+        let tick = g.tick;
+        if !g.workers.contains_key(&worker) && g.workers.len() >= MAX_TRACKED {
+            let victim = g
+                .workers
+                .iter()
+                .filter(|(_, r)| r.quarantined.is_none())
+                .min_by_key(|(_, r)| r.touched)
+                .map(|(id, _)| *id);
+            if let Some(v) = victim {
+                g.workers.remove(&v);
+            }
+        }
+        let r = g.workers.entry(worker).or_default();
+        r.touched = tick;
+        r
+    }
+
+    /// `worker` joined with `identity` (to refuse that identity's joins if it is quarantined).
+    pub fn bind(&self, worker: u64, identity: &str) {
+        let mut g = self.lock();
+        Self::entry(&mut g, worker).identity = Some(identity.to_string());
+    }
+
+    /// Why `worker` is quarantined, if it is.
+    pub fn quarantined(&self, worker: u64) -> Option<String> {
+        let g = self.lock();
+        g.workers
+            .get(&worker)
+            .and_then(|r| r.quarantined.as_ref())
+            .map(|q| q.reason.clone())
+    }
+
+    /// Why `identity` is refused, if it is.
+    pub fn identity_quarantined(&self, identity: &str) -> Option<String> {
+        self.lock()
+            .identities
+            .get(identity)
+            .map(|q| q.reason.clone())
+    }
+
+    /// Quarantines `worker` (and its identity) for `reason`. Returns false when it already was.
+    pub fn quarantine(&self, worker: u64, reason: String) -> bool {
+        let at_s = self.started.elapsed().as_secs_f64();
+        let q = Quarantine { reason, at_s };
+        let mut g = self.lock();
+        let r = Self::entry(&mut g, worker);
+        if r.quarantined.is_some() {
+            return false;
+        }
+        r.quarantined = Some(q.clone());
+        let identity = r.identity.clone();
+        if let Some(id) = identity {
+            if g.identities.insert(id.clone(), q).is_none() {
+                g.identity_order.push_back(id);
+                while g.identity_order.len() > MAX_TRACKED {
+                    if let Some(old) = g.identity_order.pop_front() {
+                        g.identities.remove(&old);
+                    }
+                }
+            }
+        }
+        drop(g);
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+        tracing::warn!(worker, "worker quarantined");
+        true
+    }
+
+    /// Lifts the quarantine of `worker` (and of its identity). Returns whether it was
+    /// quarantined.
+    pub fn lift(&self, worker: u64) -> bool {
+        let mut g = self.lock();
+        let Some(r) = g.workers.get_mut(&worker) else {
+            return false;
+        };
+        let was = r.quarantined.take().is_some();
+        r.recent.clear();
+        let identity = r.identity.clone();
+        if let Some(id) = identity {
+            g.identities.remove(&id);
+            g.identity_order.retain(|i| *i != id);
+        }
+        drop(g);
+        if was {
+            self.epoch.fetch_add(1, Ordering::AcqRel);
+        }
+        was
+    }
+
+    /// Lifts the refusal of `identity`'s joins (and the quarantine of its workers). Returns
+    /// whether it was refused.
+    pub fn lift_identity(&self, identity: &str) -> bool {
+        let workers: Vec<u64> = {
+            let mut g = self.lock();
+            let was = g.identities.remove(identity).is_some();
+            g.identity_order.retain(|i| i != identity);
+            let ws: Vec<u64> = g
+                .workers
+                .iter()
+                .filter(|(_, r)| r.identity.as_deref() == Some(identity))
+                .map(|(id, _)| *id)
+                .collect();
+            if !was && ws.is_empty() {
+                return false;
+            }
+            ws
+        };
+        for w in workers {
+            self.lift(w);
+        }
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+        true
+    }
+
+    /// A shard refused a frame or push of `worker` with `code`; quarantines it when the policy
+    /// says it keeps doing so.
+    pub fn rejected(&self, worker: u64, code: ErrorCode) {
+        let counts = !matches!(
+            code,
+            ErrorCode::TooStale | ErrorCode::Busy | ErrorCode::Quarantined
+        );
+        let now = Instant::now();
+        let window = self.policy.window;
+        let limit = self.policy.rejections as usize;
+        let trip = {
+            let mut g = self.lock();
+            let r = Self::entry(&mut g, worker);
+            *r.rejections.entry(code.name()).or_default() += 1;
+            if !counts || limit == 0 || r.quarantined.is_some() {
+                return;
+            }
+            r.recent.push_back(now);
+            while r
+                .recent
+                .front()
+                .is_some_and(|t| now.duration_since(*t) > window)
+            {
+                r.recent.pop_front();
+            }
+            while r.recent.len() > limit {
+                r.recent.pop_front();
+            }
+            r.recent.len() >= limit
+        };
+        if trip {
+            self.quarantine(
+                worker,
+                format!(
+                    "{limit} frames refused within {} s (last: {})",
+                    window.as_secs_f64(),
+                    code.name()
+                ),
+            );
+        }
+    }
+
+    /// The checker's verdict on one of `worker`'s pushes; a failure quarantines it.
+    pub fn checked(&self, worker: u64, result: CheckResult) {
+        let reason = {
+            let mut g = self.lock();
+            let r = Self::entry(&mut g, worker);
+            match result {
+                CheckResult::Passed(f) => {
+                    r.spot_passed += 1;
+                    r.last_check = Some(f);
+                    None
+                }
+                CheckResult::Failed(why, f) => {
+                    r.spot_failed += 1;
+                    if f.is_some() {
+                        r.last_check = f;
+                    }
+                    Some(why)
+                }
+                CheckResult::Skipped => {
+                    r.spot_skipped += 1;
+                    None
+                }
+            }
+        };
+        if let Some(why) = reason {
+            self.quarantine(worker, format!("failed a spot check: {why}"));
+        }
+    }
+
+    /// Workers quarantined now.
+    pub fn quarantined_count(&self) -> usize {
+        self.lock()
+            .workers
+            .values()
+            .filter(|r| r.quarantined.is_some())
+            .count()
+    }
+
+    /// The status section: the policy, and every worker with a spot check, a refusal or a
+    /// quarantine on record (at most `limit`, quarantined ones first, then the newest ids).
+    pub fn status(&self, limit: usize) -> ReputationStatus {
+        let g = self.lock();
+        let mut ids: Vec<(&u64, &WorkerReputation)> = g.workers.iter().collect();
+        ids.sort_by_key(|(id, r)| (r.quarantined.is_none(), std::cmp::Reverse(**id)));
+        ReputationStatus {
+            quarantine_rejections: self.policy.rejections,
+            quarantine_window_s: self.policy.window.as_secs_f64(),
+            quarantined: g
+                .workers
+                .values()
+                .filter(|r| r.quarantined.is_some())
+                .count(),
+            quarantined_identities: g.identities.len(),
+            workers: ids
+                .into_iter()
+                .take(limit)
+                .map(|(id, r)| (id.to_string(), r.clone()))
+                .collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_check_quarantines_the_worker_and_its_identity_until_lifted() {
+        let r = Reputation::new(QuarantinePolicy::default());
+        r.bind(7, "volunteer-7");
+        let e0 = r.epoch();
+        let figures = CheckFigures {
+            cosine: 1.0,
+            norm_ratio: 1.0,
+        };
+        r.checked(7, CheckResult::Passed(figures));
+        assert_eq!(r.quarantined(7), None);
+        assert_eq!(r.epoch(), e0);
+        r.checked(7, CheckResult::Failed("cosine 0.1".into(), None));
+        assert!(r.quarantined(7).unwrap().contains("cosine 0.1"));
+        assert!(r.identity_quarantined("volunteer-7").is_some());
+        assert_ne!(r.epoch(), e0);
+        let s = r.status(10);
+        assert_eq!((s.quarantined, s.quarantined_identities), (1, 1));
+        assert_eq!(s.workers["7"].spot_passed, 1);
+        assert_eq!(s.workers["7"].spot_failed, 1);
+        assert!(r.lift(7));
+        assert_eq!(r.quarantined(7), None);
+        assert_eq!(r.identity_quarantined("volunteer-7"), None);
+        assert!(!r.lift(7));
+    }
+
+    #[test]
+    fn refusals_quarantine_only_when_configured_and_policy_refusals_never_count() {
+        let off = Reputation::new(QuarantinePolicy::default());
+        for _ in 0..100 {
+            off.rejected(1, ErrorCode::OutOfBounds);
+        }
+        assert_eq!(off.quarantined(1), None);
+        assert_eq!(off.status(10).workers["1"].rejections["out_of_bounds"], 100);
+        let on = Reputation::new(QuarantinePolicy {
+            rejections: 3,
+            window: Duration::from_secs(60),
+        });
+        for _ in 0..50 {
+            on.rejected(2, ErrorCode::TooStale);
+            on.rejected(2, ErrorCode::Busy);
+        }
+        assert_eq!(on.quarantined(2), None);
+        on.rejected(2, ErrorCode::OutOfBounds);
+        on.rejected(2, ErrorCode::Replayed);
+        assert_eq!(on.quarantined(2), None);
+        on.rejected(2, ErrorCode::NotFinite);
+        assert!(on.quarantined(2).unwrap().contains("not_finite"));
+    }
+}

@@ -1,0 +1,863 @@
+//! Spot-checked gradients (issue 10): the server holds the data, every worker's partition and
+//! batch seed, and the parameters of recent versions, so it can recompute a sampled fraction of
+//! the pushes itself and compare them with what the worker sent.
+//!
+//! # How
+//! - With `--spot-check F > 0` every shard's Welcome says `spot_checks`, and every push must
+//!   carry a [`PushTag`]: the index of the round's first batch in the worker's batch sequence
+//!   and the shard versions its parameters were read at (docs/protocol.md, "Spot checks"). A
+//!   push without one is refused (`protocol`, fatal).
+//! - Sampling is by a hash of (run seed, worker, first batch) below `F`: deterministic, and the
+//!   same decision on every shard for one round, so the round is recomputed once
+//!   ([`Checker`] keeps the last few recomputed rounds) and each shard's slice is compared.
+//! - The handler that applied a sampled push takes the parameters its tag names from the
+//!   shards' histories ([`SpotChecker::record`] keeps the last `--spot-check-history` versions
+//!   of every shard) and hands the push to one checker thread through a bounded queue
+//!   ([`QUEUE`]). A full queue drops the check (counted); a version no longer kept skips it
+//!   (counted). The reactor threads never compute.
+//! - The checker draws the worker's batches again ([`BatchSampler::skip`] to the tag's batch),
+//!   recomputes the gradient, or with local steps the whole round of `H = samples / batch`
+//!   inner steps from the pulled parameters with a fresh inner optimizer state (a worker
+//!   whose shards spot-check starts every round's inner optimizer afresh), and compares the
+//!   shard's slice with the pushed one: cosine similarity at least `--spot-check-cosine` and
+//!   the norm ratio within `1 ± --spot-check-norm-tol`. Compressed pushes (bf16, int8 blocks
+//!   with error feedback) are compared as the shard decoded them; the tolerances cover their
+//!   rounding (docs/benchmarks.md, "Spot checks", has the measured figures).
+//! - A failure quarantines the worker ([`crate::reputation`]).
+//!
+//! # Bounds
+//! Memory: the histories hold at most `history` versions of every shard, that is
+//! `history × parameters × 4` bytes (64 versions of the 101,770-parameter `mlp:128` are
+//! 26 MB), plus the queue's [`QUEUE`] pushes (each a shard slice and `Arc`s of versions that
+//! the histories share) and [`CACHE`] recomputed rounds. CPU: one thread; a check of a round
+//! of H steps costs H gradient computations.
+//!
+//! Remote shards (`--shard-urls`) are not spot-checked: the coordinator does not see their
+//! pushes (the flag is refused with them).
+
+use crate::error::{Error, Result};
+use crate::registry::Registry;
+use crate::reputation::{CheckFigures, CheckResult, QuarantinePolicy, Reputation};
+use clap::Args;
+use crowdgrad_core::codec::Encoding;
+use crowdgrad_core::data::{BatchSampler, Dataset};
+use crowdgrad_core::model::Model;
+use crowdgrad_core::optim::{self, clip_by_global_norm, OptState};
+use crowdgrad_core::session::SampledPush;
+use crowdgrad_core::spec::RunSpec;
+use crowdgrad_core::wire::PushTag;
+use ndarray::Array2;
+use serde::Serialize;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Sampled pushes waiting for the checker; past this a sampled push is dropped (counted).
+pub const QUEUE: usize = 256;
+/// Recomputed rounds the checker keeps (a round is compared once per shard).
+pub const CACHE: usize = 8;
+/// Figures of the most recent checks kept for the status.
+pub const RECENT: usize = 512;
+/// Default `--spot-check-cosine` (docs/benchmarks.md, "Spot checks").
+pub const DEFAULT_COSINE: f64 = 0.99;
+/// Default `--spot-check-norm-tol`.
+pub const DEFAULT_NORM_TOL: f64 = 0.05;
+
+/// Flags of `crowdgrad serve` for spot checks and quarantine.
+#[derive(Debug, Clone, Args)]
+pub struct SpotArgs {
+    /// Fraction of pushes the server recomputes and compares with what the worker sent
+    /// (e.g. 0.01); 0 turns spot checks off. With it on, every push must carry a push tag.
+    #[arg(long, default_value_t = 0.0)]
+    pub spot_check: f64,
+    /// A spot check passes when the cosine similarity of the pushed and the recomputed slice
+    /// is at least this.
+    #[arg(long, default_value_t = DEFAULT_COSINE)]
+    pub spot_check_cosine: f64,
+    /// ... and the pushed slice's norm is within this relative distance of the recomputed one's.
+    #[arg(long, default_value_t = DEFAULT_NORM_TOL)]
+    pub spot_check_norm_tol: f64,
+    /// Versions of every shard's parameters kept for spot checks (memory: this × parameters
+    /// × 4 bytes); a sampled push read from an older version is skipped.
+    #[arg(long, default_value_t = 64)]
+    pub spot_check_history: usize,
+    /// Quarantine a worker after this many refused frames within --quarantine-window
+    /// (too_stale and busy never count); 0 turns it off. A failed spot check always
+    /// quarantines.
+    #[arg(long, default_value_t = 0)]
+    pub quarantine_rejections: u32,
+    /// The window of --quarantine-rejections, seconds.
+    #[arg(long, default_value_t = 60.0)]
+    pub quarantine_window: f64,
+}
+
+/// Checked spot-check and quarantine settings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SpotConfig {
+    /// Fraction of pushes checked (0: off).
+    pub fraction: f64,
+    /// Least cosine similarity that passes.
+    pub cosine: f64,
+    /// Largest relative norm difference that passes.
+    pub norm_tol: f64,
+    /// Versions kept per shard.
+    pub history: usize,
+    /// When refusals quarantine.
+    pub quarantine: QuarantinePolicy,
+}
+
+impl Default for SpotConfig {
+    fn default() -> Self {
+        Self {
+            fraction: 0.0,
+            cosine: DEFAULT_COSINE,
+            norm_tol: DEFAULT_NORM_TOL,
+            history: 64,
+            quarantine: QuarantinePolicy::default(),
+        }
+    }
+}
+
+impl SpotArgs {
+    /// Checks the flags.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the bad flag.
+    pub fn check(&self) -> Result<SpotConfig> {
+        let bad = |m: String| Err(Error::Config(m));
+        if !(0.0..=1.0).contains(&self.spot_check) {
+            return bad(format!(
+                "--spot-check {} must be a fraction in [0, 1]",
+                self.spot_check
+            ));
+        }
+        if !(-1.0..=1.0).contains(&self.spot_check_cosine) {
+            return bad(format!(
+                "--spot-check-cosine {} must be in [-1, 1]",
+                self.spot_check_cosine
+            ));
+        }
+        if !(self.spot_check_norm_tol.is_finite() && self.spot_check_norm_tol >= 0.0) {
+            return bad(format!(
+                "--spot-check-norm-tol {} must be a non-negative number",
+                self.spot_check_norm_tol
+            ));
+        }
+        if !(1..=4096).contains(&self.spot_check_history) {
+            return bad(format!(
+                "--spot-check-history {} must be in 1..=4096",
+                self.spot_check_history
+            ));
+        }
+        if !(self.quarantine_window.is_finite()
+            && self.quarantine_window > 0.0
+            && self.quarantine_window <= 86_400.0)
+        {
+            return bad(format!(
+                "--quarantine-window {} must be between 0 and 86400 seconds",
+                self.quarantine_window
+            ));
+        }
+        Ok(SpotConfig {
+            fraction: self.spot_check,
+            cosine: self.spot_check_cosine,
+            norm_tol: self.spot_check_norm_tol,
+            history: self.spot_check_history,
+            quarantine: QuarantinePolicy {
+                rejections: self.quarantine_rejections,
+                window: Duration::from_secs_f64(self.quarantine_window),
+            },
+        })
+    }
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    sampled: AtomicU64,
+    passed: AtomicU64,
+    failed: AtomicU64,
+    skipped_version: AtomicU64,
+    skipped_unknown: AtomicU64,
+    dropped_queue: AtomicU64,
+    dropped_quarantined: AtomicU64,
+}
+
+/// One check's figures, for the status.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Figure {
+    /// The worker.
+    pub worker: u64,
+    /// The shard.
+    pub shard: u32,
+    /// Inner steps of the round.
+    pub steps: u32,
+    /// Cosine similarity.
+    pub cosine: f64,
+    /// Pushed norm / recomputed norm.
+    pub norm_ratio: f64,
+    /// Within the tolerances.
+    pub passed: bool,
+}
+
+#[derive(Debug)]
+struct Shared {
+    counters: Counters,
+    recent: Mutex<VecDeque<Figure>>,
+    reputation: Arc<Reputation>,
+}
+
+/// `/api/status`'s `spot_checks`.
+#[derive(Debug, Clone, Serialize)]
+pub struct SpotStatus {
+    /// Fraction of pushes sampled.
+    pub fraction: f64,
+    /// Least cosine that passes.
+    pub cosine: f64,
+    /// Largest relative norm difference that passes.
+    pub norm_tol: f64,
+    /// Versions kept per shard.
+    pub history: usize,
+    /// Pushes sampled.
+    pub sampled: u64,
+    /// Checks passed.
+    pub passed: u64,
+    /// Checks failed.
+    pub failed: u64,
+    /// Sampled pushes whose parameters were no longer kept.
+    pub skipped_version: u64,
+    /// Sampled pushes of workers the registry forgot.
+    pub skipped_unknown: u64,
+    /// Sampled pushes dropped because the queue was full.
+    pub dropped_queue: u64,
+    /// Queued checks dropped because their worker was quarantined meanwhile.
+    pub dropped_quarantined: u64,
+    /// The most recent checks' figures, oldest first.
+    pub recent: Vec<Figure>,
+}
+
+struct Job {
+    push: SampledPush,
+    params: Vec<Arc<Vec<f32>>>,
+}
+
+/// One shard's recent versions, oldest first.
+type History = VecDeque<(u64, Arc<Vec<f32>>)>;
+
+/// The spot checker: the shards' recent versions, the sampling rule and the queue to the
+/// checker thread. Shared by every shard of the server (`Arc`).
+pub struct SpotChecker {
+    cfg: SpotConfig,
+    key: u64,
+    histories: Vec<Mutex<History>>,
+    tx: SyncSender<Job>,
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for SpotChecker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SpotChecker")
+            .field("cfg", &self.cfg)
+            .finish()
+    }
+}
+
+fn mix(mut z: u64) -> u64 {
+    // splitmix64's finaliser.
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The worker's batch seed (as `crowdgrad_core::worker::Worker` draws it).
+pub fn batch_seed(run_seed: u64, worker: u64) -> u64 {
+    run_seed ^ worker.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+impl SpotChecker {
+    /// Starts the checker thread for a run of `spec` on `train` (in `partitions`), with the
+    /// workers' partitions from `registry` and verdicts going to `reputation`. `initial` is
+    /// every shard's current version and values.
+    ///
+    /// # Errors
+    /// When the model cannot be built or the thread cannot be started.
+    pub fn start(
+        cfg: SpotConfig,
+        spec: &RunSpec,
+        train: Arc<Dataset>,
+        partitions: usize,
+        registry: Registry,
+        reputation: Arc<Reputation>,
+        initial: Vec<(u64, Arc<Vec<f32>>)>,
+    ) -> Result<Arc<Self>> {
+        let model = Model::new(spec.model.clone())?;
+        let (tx, rx) = sync_channel(QUEUE);
+        let shared = Arc::new(Shared {
+            counters: Counters::default(),
+            recent: Mutex::new(VecDeque::new()),
+            reputation,
+        });
+        let checker = Checker {
+            cfg,
+            spec: spec.clone(),
+            model,
+            train,
+            partitions,
+            registry,
+            shared: shared.clone(),
+            datasets: HashMap::new(),
+            samplers: HashMap::new(),
+            cache: VecDeque::new(),
+        };
+        std::thread::Builder::new()
+            .name("spot-check".into())
+            .spawn(move || checker.run(rx))
+            .map_err(|e| Error::io("starting the spot-check thread", e))?;
+        let histories = initial
+            .into_iter()
+            .map(|v| Mutex::new(VecDeque::from([v])))
+            .collect();
+        Ok(Arc::new(Self {
+            cfg,
+            key: mix(spec.seed ^ 0x5EED_C4EC_0000_0001),
+            histories,
+            tx,
+            shared,
+        }))
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &SpotConfig {
+        &self.cfg
+    }
+
+    /// Shard `shard` published `values` as `version` (kept for the checks of pushes read
+    /// from it).
+    pub fn record(&self, shard: u32, version: u64, values: Arc<Vec<f32>>) {
+        let Some(h) = self.histories.get(shard as usize) else {
+            return;
+        };
+        let mut h = h.lock().unwrap_or_else(|p| p.into_inner());
+        h.push_back((version, values));
+        while h.len() > self.cfg.history {
+            h.pop_front();
+        }
+    }
+
+    /// Whether the round of `worker` starting at `tag.batch` is checked (on every shard).
+    pub fn sample(&self, worker: u64, tag: &PushTag) -> bool {
+        if self.cfg.fraction <= 0.0 {
+            return false;
+        }
+        if self.cfg.fraction >= 1.0 {
+            return true;
+        }
+        let h = mix(self.key ^ mix(worker) ^ tag.batch.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        ((h >> 11) as f64 / (1u64 << 53) as f64) < self.cfg.fraction
+    }
+
+    /// A sampled push: takes the parameters its tag names and queues the check.
+    pub fn submit(&self, push: SampledPush) {
+        let c = &self.shared.counters;
+        c.sampled.fetch_add(1, Ordering::Relaxed);
+        if push.tag.versions.len() != self.histories.len() {
+            // Not what a worker of this run sends: the checker says so.
+            return self.enqueue(Job {
+                push,
+                params: Vec::new(),
+            });
+        }
+        let mut params = Vec::with_capacity(self.histories.len());
+        for (h, &v) in self.histories.iter().zip(&push.tag.versions) {
+            let h = h.lock().unwrap_or_else(|p| p.into_inner());
+            let newest = h.back().map_or(0, |(v, _)| *v);
+            if v > newest {
+                // A version no shard has published: the tag is false.
+                drop(h);
+                return self.enqueue(Job {
+                    push,
+                    params: Vec::new(),
+                });
+            }
+            match h.iter().find(|(hv, _)| *hv == v) {
+                Some((_, p)) => params.push(p.clone()),
+                None => {
+                    c.skipped_version.fetch_add(1, Ordering::Relaxed);
+                    drop(h);
+                    self.shared
+                        .reputation
+                        .checked(push.worker, CheckResult::Skipped);
+                    return;
+                }
+            }
+        }
+        self.enqueue(Job { push, params });
+    }
+
+    fn enqueue(&self, job: Job) {
+        let worker = job.push.worker;
+        match self.tx.try_send(job) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
+                self.shared
+                    .counters
+                    .dropped_queue
+                    .fetch_add(1, Ordering::Relaxed);
+                self.shared.reputation.checked(worker, CheckResult::Skipped);
+            }
+        }
+    }
+
+    /// The counters and recent figures.
+    pub fn status(&self) -> SpotStatus {
+        let c = &self.shared.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        SpotStatus {
+            fraction: self.cfg.fraction,
+            cosine: self.cfg.cosine,
+            norm_tol: self.cfg.norm_tol,
+            history: self.cfg.history,
+            sampled: get(&c.sampled),
+            passed: get(&c.passed),
+            failed: get(&c.failed),
+            skipped_version: get(&c.skipped_version),
+            skipped_unknown: get(&c.skipped_unknown),
+            dropped_queue: get(&c.dropped_queue),
+            dropped_quarantined: get(&c.dropped_quarantined),
+            recent: self
+                .shared
+                .recent
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .copied()
+                .collect(),
+        }
+    }
+}
+
+/// What the shards of one server share for defence: the reputation of every worker and, with
+/// `--spot-check`, the spot checker.
+#[derive(Debug, Clone)]
+pub struct Defence {
+    /// Per-worker reputation and quarantine.
+    pub reputation: Arc<Reputation>,
+    /// The spot checker (None: spot checks off).
+    pub spot: Option<Arc<SpotChecker>>,
+}
+
+impl Defence {
+    /// The counters `/metrics` shows.
+    pub fn scrape(&self) -> DefenceScrape {
+        let status = self.reputation.status(0);
+        DefenceScrape {
+            spot: self.spot.as_ref().map(|s| s.status()),
+            quarantined: status.quarantined as u64,
+            identities: status.quarantined_identities as u64,
+        }
+    }
+}
+
+/// The spot-check and quarantine counters at scrape time ([`crate::metrics::render_with`]).
+#[derive(Debug)]
+pub struct DefenceScrape {
+    spot: Option<SpotStatus>,
+    quarantined: u64,
+    identities: u64,
+}
+
+impl prometheus_client::collector::Collector for DefenceScrape {
+    fn encode(
+        &self,
+        mut enc: prometheus_client::encoding::DescriptorEncoder,
+    ) -> std::result::Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::counter::ConstCounter;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        use prometheus_client::metrics::MetricType;
+        if let Some(s) = &self.spot {
+            let mut m = enc.encode_descriptor(
+                "crowdgrad_spot_checks",
+                "Spot checks of sampled pushes, by result.",
+                None,
+                MetricType::Counter,
+            )?;
+            for (result, n) in [
+                ("passed", s.passed),
+                ("failed", s.failed),
+                ("skipped_version", s.skipped_version),
+                ("skipped_unknown", s.skipped_unknown),
+                ("dropped_queue", s.dropped_queue),
+                ("dropped_quarantined", s.dropped_quarantined),
+            ] {
+                ConstCounter::new(n).encode(m.encode_family(&vec![("result", result)])?)?;
+            }
+            let m = enc.encode_descriptor(
+                "crowdgrad_spot_checks_sampled",
+                "Pushes sampled for a spot check.",
+                None,
+                MetricType::Counter,
+            )?;
+            ConstCounter::new(s.sampled).encode(m)?;
+        }
+        for (name, help, v) in [
+            (
+                "crowdgrad_workers_quarantined",
+                "Workers quarantined now.",
+                self.quarantined,
+            ),
+            (
+                "crowdgrad_identities_quarantined",
+                "Identities whose joins are refused.",
+                self.identities,
+            ),
+        ] {
+            let m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            ConstGauge::new(v as i64).encode(m)?;
+        }
+        Ok(())
+    }
+}
+
+/// A recomputed round: who, from which batch and versions, and the full vector pushed.
+struct Recomputed {
+    worker: u64,
+    batch: u64,
+    versions: Vec<u64>,
+    samples: u32,
+    expected: Vec<f32>,
+}
+
+/// The checker thread's state.
+struct Checker {
+    cfg: SpotConfig,
+    spec: RunSpec,
+    model: Model,
+    train: Arc<Dataset>,
+    partitions: usize,
+    registry: Registry,
+    shared: Arc<Shared>,
+    /// Partition index -> its examples, normalised as the workers see them.
+    datasets: HashMap<usize, Arc<Dataset>>,
+    /// Worker -> its sampler where the last check left it (batches only move forward).
+    samplers: HashMap<u64, BatchSampler>,
+    cache: VecDeque<Recomputed>,
+}
+
+/// Most workers whose samplers the checker keeps.
+const SAMPLERS: usize = 4096;
+
+enum Verdict {
+    Pass(CheckFigures, u32),
+    Fail(String, Option<(CheckFigures, u32)>),
+    Skip,
+}
+
+impl Checker {
+    fn run(mut self, rx: Receiver<Job>) {
+        // Ends when the SpotChecker (the only sender) is dropped with the server.
+        while let Ok(job) = rx.recv() {
+            let worker = job.push.worker;
+            if self.shared.reputation.quarantined(worker).is_some() {
+                self.shared
+                    .counters
+                    .dropped_quarantined
+                    .fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            let shard = job.push.shard;
+            let verdict = self.check(&job);
+            let c = &self.shared.counters;
+            let result = match verdict {
+                Verdict::Pass(f, steps) => {
+                    c.passed.fetch_add(1, Ordering::Relaxed);
+                    self.remember(worker, shard, steps, f, true);
+                    CheckResult::Passed(f)
+                }
+                Verdict::Fail(why, f) => {
+                    c.failed.fetch_add(1, Ordering::Relaxed);
+                    if let Some((f, steps)) = f {
+                        self.remember(worker, shard, steps, f, false);
+                    }
+                    tracing::warn!(worker, shard, %why, "spot check failed");
+                    CheckResult::Failed(why, f.map(|(f, _)| f))
+                }
+                Verdict::Skip => {
+                    c.skipped_unknown.fetch_add(1, Ordering::Relaxed);
+                    CheckResult::Skipped
+                }
+            };
+            self.shared.reputation.checked(worker, result);
+        }
+    }
+
+    fn remember(&self, worker: u64, shard: u32, steps: u32, f: CheckFigures, passed: bool) {
+        let mut r = self.shared.recent.lock().unwrap_or_else(|p| p.into_inner());
+        if r.len() >= RECENT {
+            r.pop_front();
+        }
+        r.push_back(Figure {
+            worker,
+            shard,
+            steps,
+            cosine: f.cosine,
+            norm_ratio: f.norm_ratio,
+            passed,
+        });
+    }
+
+    fn dataset(&mut self, worker: u64) -> Option<Arc<Dataset>> {
+        let index = self.registry.partition(worker)?;
+        if let Some(d) = self.datasets.get(&index) {
+            return Some(d.clone());
+        }
+        let range = self.train.partition(index, self.partitions).ok()?;
+        let mut d = self.train.subset(range).ok()?;
+        d.set_normalize(&self.spec.normalize).ok()?;
+        let d = Arc::new(d);
+        self.datasets.insert(index, d.clone());
+        Some(d)
+    }
+
+    fn check(&mut self, job: &Job) -> Verdict {
+        let p = &job.push;
+        let shards = self.spec.shards.len();
+        let tag = &p.tag;
+        if tag.versions.len() != shards {
+            return Verdict::Fail(
+                format!(
+                    "its tag lists {} shard versions for {shards} shards",
+                    tag.versions.len()
+                ),
+                None,
+            );
+        }
+        if job.params.len() != shards {
+            return Verdict::Fail(
+                "its tag names a version the shards never published".into(),
+                None,
+            );
+        }
+        if tag.versions.get(p.shard as usize) != Some(&p.base_version) {
+            return Verdict::Fail(
+                format!(
+                    "its tag says shard {} was read at {:?}, its header at {}",
+                    p.shard,
+                    tag.versions.get(p.shard as usize),
+                    p.base_version
+                ),
+                None,
+            );
+        }
+        let batch = self.spec.batch_size.max(1);
+        let pseudo = self.spec.local.steps.pseudo_gradients();
+        let samples = p.samples as usize;
+        let steps = samples / batch;
+        let max_steps = if pseudo {
+            self.spec.local.steps.max() as usize
+        } else {
+            1
+        };
+        if !samples.is_multiple_of(batch) || steps == 0 || steps > max_steps {
+            return Verdict::Fail(
+                format!("{samples} samples are not 1 to {max_steps} batches of {batch}"),
+                None,
+            );
+        }
+        let Some(range) = self.spec.shards.get(p.shard as usize).map(|s| s.range) else {
+            return Verdict::Fail(format!("no shard {}", p.shard), None);
+        };
+        if p.grad.len() != range.len() {
+            return Verdict::Fail("its slice has the wrong length".into(), None);
+        }
+        let cached = self.cache.iter().position(|r| {
+            r.worker == p.worker
+                && r.batch == tag.batch
+                && r.versions == tag.versions
+                && r.samples == p.samples
+        });
+        let index = match cached {
+            Some(i) => i,
+            None => {
+                let Some(expected) = self.recompute(job, steps, pseudo) else {
+                    return Verdict::Skip;
+                };
+                if self.cache.len() >= CACHE {
+                    self.cache.pop_front();
+                }
+                self.cache.push_back(Recomputed {
+                    worker: p.worker,
+                    batch: tag.batch,
+                    versions: tag.versions.clone(),
+                    samples: p.samples,
+                    expected,
+                });
+                self.cache.len() - 1
+            }
+        };
+        let expected = &self.cache[index].expected[range.start..range.end];
+        let f = compare(expected, &p.grad);
+        let steps = steps as u32;
+        let cos_ok = f.cosine >= self.cfg.cosine;
+        let norm_ok = (f.norm_ratio - 1.0).abs() <= self.cfg.norm_tol;
+        if cos_ok && norm_ok {
+            Verdict::Pass(f, steps)
+        } else {
+            Verdict::Fail(
+                format!(
+                    "shard {} slice has cosine {:.4} (needs >= {}) and norm ratio {:.4} (needs 1 ± {}) to the recomputed one",
+                    p.shard, f.cosine, self.cfg.cosine, f.norm_ratio, self.cfg.norm_tol
+                ),
+                Some((f, steps)),
+            )
+        }
+    }
+
+    /// The worker's whole push vector recomputed: its gradient, or the pseudo-gradient of a
+    /// round of `steps` inner steps. `None` when its partition is unknown.
+    fn recompute(&mut self, job: &Job, steps: usize, pseudo: bool) -> Option<Vec<f32>> {
+        let p = &job.push;
+        let data = self.dataset(p.worker)?;
+        let batch = self.spec.batch_size;
+        let start = p.tag.batch.checked_mul(batch as u64)?;
+        let mut sampler = match self.samplers.remove(&p.worker) {
+            Some(s) if s.position() <= start => s,
+            _ => BatchSampler::new(data.len(), batch_seed(self.spec.seed, p.worker)),
+        };
+        sampler.skip(start - sampler.position());
+        // The parameters as the worker decoded them from its pulls (bf16 by default).
+        let mut theta = Vec::with_capacity(self.model.param_len());
+        let mut bytes = Vec::new();
+        for v in &job.params {
+            let at = theta.len();
+            theta.resize(at + v.len(), 0.0);
+            if p.pull_encoding == Encoding::F32 {
+                theta[at..].copy_from_slice(v);
+            } else {
+                bytes.clear();
+                p.pull_encoding.encode(v, &mut bytes).ok()?;
+                p.pull_encoding.decode(&bytes, &mut theta[at..]).ok()?;
+            }
+        }
+        if theta.len() != self.model.param_len() {
+            return None;
+        }
+        let anchor = if pseudo { theta.clone() } else { Vec::new() };
+        let mut ws = self.model.workspace(batch);
+        let mut idx = vec![0u32; batch];
+        let mut x = Array2::zeros((batch, data.features));
+        let mut y = vec![0u8; batch];
+        let mut grad = vec![0.0f32; theta.len()];
+        let inner = self.spec.local.inner;
+        let mut state = OptState::new(&inner.rule, if pseudo { theta.len() } else { 0 });
+        for _ in 0..steps {
+            sampler.next_batch(&mut idx);
+            data.fill_batch(&idx, &mut x.view_mut(), &mut y);
+            self.model
+                .loss_and_grad(&theta, x.view(), &y, &mut grad, &mut ws)
+                .ok()?;
+            if let Some(c) = self.spec.optimizer.clip_norm {
+                clip_by_global_norm(&mut grad, c);
+            }
+            if pseudo {
+                optim::step(&inner, &mut state, &mut theta, &grad, 1.0);
+            }
+        }
+        if self.samplers.len() >= SAMPLERS {
+            self.samplers.clear();
+        }
+        self.samplers.insert(p.worker, sampler);
+        if pseudo {
+            for ((g, a), t) in grad.iter_mut().zip(&anchor).zip(&theta) {
+                *g = a - t;
+            }
+        }
+        Some(grad)
+    }
+}
+
+/// Cosine similarity and norm ratio of `pushed` to `expected` (in f64). Two zero vectors
+/// agree; a zero vector against a nonzero one has cosine 0.
+pub fn compare(expected: &[f32], pushed: &[f32]) -> CheckFigures {
+    let (mut dot, mut ee, mut pp) = (0.0f64, 0.0f64, 0.0f64);
+    for (&e, &p) in expected.iter().zip(pushed) {
+        let (e, p) = (f64::from(e), f64::from(p));
+        dot += e * p;
+        ee += e * e;
+        pp += p * p;
+    }
+    let (ne, np) = (ee.sqrt(), pp.sqrt());
+    if ne == 0.0 && np == 0.0 {
+        return CheckFigures {
+            cosine: 1.0,
+            norm_ratio: 1.0,
+        };
+    }
+    if ne == 0.0 || np == 0.0 {
+        return CheckFigures {
+            cosine: 0.0,
+            norm_ratio: if ne == 0.0 { f64::INFINITY } else { 0.0 },
+        };
+    }
+    CheckFigures {
+        cosine: dot / (ne * np),
+        norm_ratio: np / ne,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compare_measures_direction_and_length() {
+        let e = [1.0f32, 2.0, -2.0];
+        let same = compare(&e, &e);
+        assert!((same.cosine - 1.0).abs() < 1e-12 && (same.norm_ratio - 1.0).abs() < 1e-12);
+        let double: Vec<f32> = e.iter().map(|v| 2.0 * v).collect();
+        let d = compare(&e, &double);
+        assert!((d.cosine - 1.0).abs() < 1e-12 && (d.norm_ratio - 2.0).abs() < 1e-12);
+        let neg: Vec<f32> = e.iter().map(|v| -v).collect();
+        assert!((compare(&e, &neg).cosine + 1.0).abs() < 1e-12);
+        assert_eq!(compare(&[0.0; 3], &[0.0; 3]).cosine, 1.0);
+        assert_eq!(compare(&[0.0; 3], &e).cosine, 0.0);
+    }
+
+    #[test]
+    fn flags_are_checked() {
+        let ok = SpotArgs {
+            spot_check: 0.01,
+            spot_check_cosine: DEFAULT_COSINE,
+            spot_check_norm_tol: DEFAULT_NORM_TOL,
+            spot_check_history: 64,
+            quarantine_rejections: 0,
+            quarantine_window: 60.0,
+        };
+        assert_eq!(ok.check().unwrap().fraction, 0.01);
+        for bad in [
+            SpotArgs {
+                spot_check: 1.5,
+                ..ok.clone()
+            },
+            SpotArgs {
+                spot_check: f64::NAN,
+                ..ok.clone()
+            },
+            SpotArgs {
+                spot_check_norm_tol: -1.0,
+                ..ok.clone()
+            },
+            SpotArgs {
+                spot_check_history: 0,
+                ..ok.clone()
+            },
+            SpotArgs {
+                quarantine_window: 0.0,
+                ..ok.clone()
+            },
+        ] {
+            assert!(bad.check().is_err(), "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,463 @@
+//! Issue 10: spot-checked gradients, reputation and quarantine, on real servers with real
+//! sockets and real MNIST. Honest native workers (the real `crowdgrad work` code) pass every
+//! check, with gradient pushes and with local rounds, in every push encoding; a worker that
+//! computes real gradients on shuffled labels, and one that sends noise, are caught,
+//! quarantined within a bounded number of pushes, refused afterwards, and shown in
+//! `/api/status` and `/metrics`. The attackers are test clients driving the real
+//! `crowdgrad_core::worker::Worker` over WebSockets, changing only their labels or their
+//! pushes. Each test prints the cosine / norm-ratio figures it measured (docs/benchmarks.md,
+//! "Spot checks", records them).
+
+use crate::util::{config, get, post, server, status, wait_for};
+use crowdgrad::config::ServeConfig;
+use crowdgrad::worker::{WorkOptions, WorkerThread};
+use crowdgrad::Running;
+use crowdgrad_core::codec::Encoding;
+use crowdgrad_core::data::{encode_idx, parse_idx, Dataset};
+use crowdgrad_core::local::LocalSteps;
+use crowdgrad_core::rng::Rng;
+use crowdgrad_core::spec::{JoinRequest, JoinResponse};
+use crowdgrad_core::wire::{self, ClientKind, ErrorCode, Message as Frame};
+use crowdgrad_core::worker::Worker;
+use futures_util::{SinkExt, StreamExt};
+use std::time::Duration;
+use tokio_tungstenite::tungstenite::Message;
+
+fn spot_config(fraction: f64) -> ServeConfig {
+    let mut c = config();
+    c.spot.fraction = fraction;
+    c
+}
+
+fn honest(url: &str, name: &str, steps: u64) -> WorkerThread {
+    let mut o = WorkOptions::new(url);
+    o.steps = Some(steps);
+    o.duration = Some(Duration::from_secs(120));
+    o.name = Some(name.into());
+    o.threads = 1;
+    WorkerThread::spawn(o)
+}
+
+/// (min, median, max) of `v`.
+fn spread(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        return (f64::NAN, f64::NAN, f64::NAN);
+    }
+    (v[0], v[v.len() / 2], v[v.len() - 1])
+}
+
+/// Prints the figures of the recent checks in `s` and returns them.
+fn figures(label: &str, s: &serde_json::Value) -> (Vec<f64>, Vec<f64>) {
+    let recent = s["spot_checks"]["recent"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let cos: Vec<f64> = recent.iter().filter_map(|f| f["cosine"].as_f64()).collect();
+    let ratio: Vec<f64> = recent
+        .iter()
+        .filter_map(|f| f["norm_ratio"].as_f64())
+        .collect();
+    let (c0, c1, c2) = spread(cos.clone());
+    let (r0, r1, r2) = spread(ratio.clone());
+    eprintln!(
+        "spot checks, {label}: {} checks; 1 - cosine min/median/max {:.2e} / {:.2e} / {:.2e}; norm ratio min/median/max {:.5} / {:.5} / {:.5}",
+        cos.len(),
+        1.0 - c2,
+        1.0 - c1,
+        1.0 - c0,
+        r0,
+        r1,
+        r2
+    );
+    (cos, ratio)
+}
+
+async fn honest_run(mut cfg: ServeConfig, label: &str, pushes: u64) {
+    cfg.spot.fraction = 1.0;
+    let running = server(cfg).await;
+    let url = running.url();
+    let a = honest(&url, "a", 2_000);
+    let b = honest(&url, "b", 2_000);
+    let s = wait_for(&url, Duration::from_secs(90), "spot checks to pass", |s| {
+        s["spot_checks"]["passed"].as_u64().unwrap_or(0) >= pushes
+            || s["spot_checks"]["failed"].as_u64().unwrap_or(0) > 0
+    })
+    .await;
+    a.kill();
+    b.kill();
+    let (cos, ratio) = figures(label, &s);
+    assert_eq!(
+        s["spot_checks"]["failed"], 0,
+        "{label}: an honest worker failed a spot check: {}",
+        s["reputation"]
+    );
+    assert_eq!(s["reputation"]["quarantined"], 0, "{label}");
+    assert!(
+        s["spot_checks"]["passed"].as_u64() >= Some(pushes),
+        "{label}"
+    );
+    // The checks were real comparisons, not vacuous passes.
+    assert!(!cos.is_empty() && cos.iter().all(|c| *c > 0.0), "{label}");
+    assert!(ratio.iter().all(|r| r.is_finite() && *r > 0.0), "{label}");
+    running.stop().await.expect("stops");
+}
+
+/// Honest native workers, every push checked: plain async gradient pushes in every push
+/// encoding (f32, bf16, int8 blocks with error feedback), and local rounds of H = 4 with the
+/// default Adam inner optimizer. No check fails, nobody is quarantined.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn honest_native_workers_pass_every_spot_check_in_every_encoding_and_with_local_steps() {
+    for (enc, name) in [
+        (Encoding::F32, "f32"),
+        (Encoding::Bf16, "bf16"),
+        (Encoding::INT8, "int8_block"),
+    ] {
+        let mut c = config();
+        c.exchange.push_encoding = enc;
+        honest_run(c, &format!("honest native, H = 1, push {name}"), 150).await;
+    }
+    let mut c = config();
+    c.exchange.local.steps = LocalSteps::Fixed(4);
+    c.exchange.push_encoding = Encoding::INT8;
+    honest_run(c, "honest native, H = 4 (adam inner), push int8_block", 100).await;
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Fault {
+    /// Real gradients on a fixed permutation of its partition's labels.
+    ShuffledLabels,
+    /// Gaussian noise of the honest push's norm in place of every push.
+    Noise,
+}
+
+/// What became of an attacker.
+#[derive(Debug)]
+struct Attack {
+    worker_id: u64,
+    /// Rounds it pushed before its connection was closed.
+    rounds: u64,
+    /// The error frame that closed it, if any.
+    closed_by: Option<(ErrorCode, String)>,
+}
+
+fn shuffle_labels(labels: &[u8]) -> Vec<u8> {
+    let mut arr = parse_idx(labels).expect("labels parse");
+    Rng::new(99).shuffle(&mut arr.data);
+    encode_idx(&arr.dims, &arr.data)
+}
+
+/// `push` with its values replaced by noise of the same norm (tag and encoding kept).
+fn noise(push: Vec<u8>, rng: &mut Rng) -> Vec<u8> {
+    let Ok(Frame::Push {
+        request_id,
+        shard,
+        base_version,
+        samples,
+        grad,
+    }) = wire::decode(&push, usize::MAX)
+    else {
+        return push;
+    };
+    let honest: Vec<f32> = grad.iter().collect();
+    let norm = honest.iter().map(|v| v * v).sum::<f32>().sqrt();
+    let mut fake: Vec<f32> = (0..honest.len()).map(|_| rng.normal() as f32).collect();
+    let n = fake.iter().map(|v| v * v).sum::<f32>().sqrt().max(1e-12);
+    fake.iter_mut().for_each(|v| *v *= norm / n);
+    let tag = wire::push_tag(&push).expect("tag").expect("tagged");
+    let e = grad.encoding();
+    wire::encode_push_tagged(
+        e,
+        request_id,
+        shard,
+        base_version,
+        samples,
+        &fake,
+        None,
+        &tag,
+    )
+    .expect("encodes")
+}
+
+async fn join_as(base: &str, identity: &str) -> (u16, Vec<u8>) {
+    let mut req = JoinRequest::new(ClientKind::Native);
+    req.identity = Some(identity.into());
+    post(
+        format!("{base}/api/join"),
+        serde_json::to_vec(&req).expect("json"),
+    )
+    .await
+}
+
+/// Joins as `identity` and trains with `fault` until a shard closes the connection or
+/// `max_rounds` rounds were pushed.
+async fn attack(running: &Running, identity: &str, fault: Fault, max_rounds: u64) -> Attack {
+    let base = running.url();
+    let (code, reply) = join_as(&base, identity).await;
+    assert_eq!(code, 200, "{}", String::from_utf8_lossy(&reply));
+    let join: JoinResponse = serde_json::from_slice(&reply).expect("join reply");
+    let (_, images) = get(format!("{base}{}", join.partition.images)).await;
+    let (_, labels) = get(format!("{base}{}", join.partition.labels)).await;
+    let labels = match fault {
+        Fault::ShuffledLabels => shuffle_labels(&labels),
+        Fault::Noise => labels,
+    };
+    let data = Dataset::from_idx(&images, &labels).expect("partition");
+    let worker_id = join.worker_id;
+    let mut w = Worker::new(join, data, ClientKind::Native, None).expect("worker");
+    let mut socks = Vec::new();
+    for i in 0..w.shard_count() {
+        socks.push(crate::util::connect(running, i as u32).await);
+        w.connected(i);
+    }
+    let mut rng = Rng::new(5);
+    let start = std::time::Instant::now();
+    loop {
+        while let Some(out) = w.poll_transmit() {
+            let is_push = out.frame.len() > 3 && out.frame[3] & 0x0f == wire::Kind::Push as u8;
+            let frame = match fault {
+                Fault::Noise if is_push => noise(out.frame, &mut rng),
+                _ => out.frame,
+            };
+            let _ = socks[out.shard].send(Message::Binary(frame.into())).await;
+        }
+        if w.ready() {
+            w.step().expect("step");
+            continue;
+        }
+        let rounds = w.stats().rounds;
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the attacker ran 60 s without being stopped ({rounds} rounds)"
+        );
+        if rounds >= max_rounds {
+            return Attack {
+                worker_id,
+                rounds,
+                closed_by: None,
+            };
+        }
+        let next = futures_util::future::select_all(socks.iter_mut().map(|s| s.next()));
+        let (msg, shard, _) = tokio::time::timeout(Duration::from_secs(10), next)
+            .await
+            .expect("a frame within 10 s");
+        let bytes: Vec<u8> = match msg {
+            Some(Ok(Message::Binary(b))) => b.into(),
+            Some(Ok(_)) => continue,
+            Some(Err(_)) | None => {
+                return Attack {
+                    worker_id,
+                    rounds,
+                    closed_by: None,
+                }
+            }
+        };
+        if let Ok(Frame::Error { error, .. }) = wire::decode(&bytes, usize::MAX) {
+            if error.code.is_fatal() {
+                return Attack {
+                    worker_id,
+                    rounds,
+                    closed_by: Some((error.code, error.message)),
+                };
+            }
+        }
+        if w.receive(shard, &bytes).is_err() {
+            return Attack {
+                worker_id,
+                rounds,
+                closed_by: None,
+            };
+        }
+    }
+}
+
+/// The attacker's every defence-visible trace: quarantined in the status with a failed check,
+/// counted in /metrics, its Hello and its identity's join refused, until an admin lifts it.
+async fn assert_caught(running: &Running, a: &Attack, identity: &str, bound: u64, label: &str) {
+    let url = running.url();
+    let (code, why) = a
+        .closed_by
+        .clone()
+        .unwrap_or_else(|| panic!("{label}: not stopped after {} rounds: {a:?}", a.rounds));
+    assert_eq!(code, ErrorCode::Quarantined, "{label}: {why}");
+    assert!(
+        a.rounds <= bound,
+        "{label}: caught only after {} rounds",
+        a.rounds
+    );
+    let s = status(&url).await;
+    let rep = &s["reputation"]["workers"][a.worker_id.to_string()];
+    assert!(
+        rep["quarantined"]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("failed a spot check")),
+        "{label}: {rep}"
+    );
+    assert!(rep["spot_failed"].as_u64() >= Some(1), "{label}: {rep}");
+    assert_eq!(s["reputation"]["quarantined"], 1, "{label}");
+    let failed: Vec<&serde_json::Value> = s["spot_checks"]["recent"]
+        .as_array()
+        .map(|r| r.iter().filter(|f| f["passed"] == false).collect())
+        .unwrap_or_default();
+    let f = failed.last().expect("a failed check's figures");
+    eprintln!(
+        "spot checks, {label}: caught after {} rounds: cosine {:.4}, norm ratio {:.4}",
+        a.rounds, f["cosine"], f["norm_ratio"]
+    );
+    let (_, metrics) = get(format!("{url}/metrics")).await;
+    let metrics = String::from_utf8(metrics).expect("utf-8");
+    assert!(
+        metrics.contains("crowdgrad_workers_quarantined 1"),
+        "{label}: {metrics}"
+    );
+    assert!(metrics.contains("crowdgrad_spot_checks_total{result=\"failed\"}"));
+    // Its identity may not join again (403), and its worker id may not say Hello.
+    let (code, body) = join_as(&url, identity).await;
+    assert_eq!(code, 403, "{label}: {}", String::from_utf8_lossy(&body));
+    let mut ws = crate::util::connect(running, 0).await;
+    let hello = wire::encode(&Frame::Hello {
+        request_id: 3,
+        shard: 0,
+        hello: wire::Hello {
+            worker_id: a.worker_id,
+            credential: crate::util::credential(&url, a.worker_id),
+            ..Default::default()
+        },
+    });
+    crate::util::send(&mut ws, hello).await;
+    let reply = crate::util::recv(&mut ws).await.expect("an answer");
+    match wire::decode(&reply, usize::MAX).expect("decodes") {
+        Frame::Error { error, .. } => assert_eq!(error.code, ErrorCode::Quarantined),
+        other => panic!("{label}: a quarantined worker's Hello got {other:?}"),
+    }
+}
+
+/// Issue 10: a worker computing real gradients on shuffled labels, next to an honest native
+/// worker, with 10% of the rounds checked: caught within 60 rounds (a check every 10 on
+/// average; the sampling is a deterministic hash), quarantined with its identity, shown in
+/// the status and the metrics; the honest worker is not touched; an admin lifts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shuffled_label_attacker_is_caught_quarantined_and_reported() {
+    let mut cfg = spot_config(0.1);
+    cfg.admin_token = Some(crowdgrad::credential::Secret::new("spot-admin-token-0123"));
+    let running = server(cfg).await;
+    let url = running.url();
+    let h = honest(&url, "honest", 100_000);
+    wait_for(&url, Duration::from_secs(30), "the honest worker", |s| {
+        s["spot_checks"]["passed"].as_u64() >= Some(3)
+    })
+    .await;
+    let a = attack(
+        &running,
+        "shuffled-label-attacker",
+        Fault::ShuffledLabels,
+        400,
+    )
+    .await;
+    assert_caught(
+        &running,
+        &a,
+        "shuffled-label-attacker",
+        60,
+        "shuffled labels",
+    )
+    .await;
+    let s = status(&url).await;
+    figures("honest native next to the attacker", &s);
+    let honest_id = s["workers"]
+        .as_array()
+        .and_then(|w| w.iter().find(|w| w["name"] == "honest"))
+        .and_then(|w| w["id"].as_u64())
+        .expect("the honest worker");
+    let rep = &s["reputation"]["workers"][honest_id.to_string()];
+    assert!(rep["quarantined"].is_null(), "{rep}");
+    assert!(rep["spot_passed"].as_u64() >= Some(3), "{rep}");
+    assert_eq!(rep["spot_failed"], 0, "{rep}");
+    assert_eq!(s["workers_connected"], 1, "the honest worker trains on");
+    // The admin lifts the quarantine: the identity may join again.
+    let (code, body) = post_admin(
+        &url,
+        "unquarantine",
+        r#"{"identity": "shuffled-label-attacker"}"#,
+    )
+    .await;
+    assert_eq!(code, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(join_as(&url, "shuffled-label-attacker").await.0, 200);
+    assert_eq!(status(&url).await["reputation"]["quarantined"], 0);
+    h.kill();
+    running.stop().await.expect("stops");
+}
+
+async fn post_admin(url: &str, path: &str, body: &'static str) -> (u16, Vec<u8>) {
+    let url = format!("{url}/api/admin/{path}");
+    tokio::task::spawn_blocking(move || {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .build()
+            .into();
+        let mut r = agent
+            .post(&url)
+            .header("authorization", "Bearer spot-admin-token-0123")
+            .header("content-type", "application/json")
+            .send(body)
+            .expect("request");
+        let code = r.status().as_u16();
+        (code, r.body_mut().read_to_vec().unwrap_or_default())
+    })
+    .await
+    .expect("admin call")
+}
+
+/// A worker pushing noise of an honest push's norm (so the norm bound does not stop it) is
+/// caught by the first spot check of its rounds (here every round is checked).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_noise_worker_is_caught_by_its_first_spot_check() {
+    let running = server(spot_config(1.0)).await;
+    let a = attack(&running, "noise-attacker-01", Fault::Noise, 400).await;
+    assert_caught(&running, &a, "noise-attacker-01", 3, "noise").await;
+    running.stop().await.expect("stops");
+}
+
+/// With spot checks on, a push without a tag is refused (`protocol`, fatal): a worker cannot
+/// opt out of being checked. And with spot checks off, Welcomes do not ask for tags.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn untagged_pushes_are_refused_when_the_shards_spot_check() {
+    let running = server(spot_config(0.01)).await;
+    let joined = crate::util::join(&running.url()).await;
+    let (mut ws, version) = crate::util::hello(&running, joined.worker_id, 0).await;
+    let len = joined.run.shards[0].range.len();
+    crate::util::send(
+        &mut ws,
+        wire::encode_push(2, 0, version, 32, &vec![0.0; len]),
+    )
+    .await;
+    let reply = crate::util::recv(&mut ws).await.expect("an answer");
+    match wire::decode(&reply, usize::MAX).expect("decodes") {
+        Frame::Error { error, .. } => {
+            assert_eq!(error.code, ErrorCode::Protocol, "{}", error.message);
+            assert!(error.message.contains("PushTag"), "{}", error.message);
+        }
+        other => panic!("an untagged push got {other:?}"),
+    }
+    assert!(crate::util::recv(&mut ws).await.is_none(), "closed");
+    running.stop().await.expect("stops");
+    let plain = server(config()).await;
+    let joined = crate::util::join(&plain.url()).await;
+    let mut ws = crate::util::connect(&plain, 0).await;
+    let hello = wire::encode(&Frame::Hello {
+        request_id: 1,
+        shard: 0,
+        hello: wire::Hello {
+            worker_id: joined.worker_id,
+            credential: joined.credential.clone(),
+            ..Default::default()
+        },
+    });
+    crate::util::send(&mut ws, hello).await;
+    let reply = crate::util::recv(&mut ws).await.expect("welcome");
+    match wire::decode(&reply, usize::MAX).expect("decodes") {
+        Frame::Welcome { welcome, .. } => assert!(!welcome.spot_checks),
+        other => panic!("{other:?}"),
+    }
+    plain.stop().await.expect("stops");
+}
