@@ -20,6 +20,11 @@
 //! order, so it observes this worker's own push), or, with overlap, as soon as a round starts,
 //! into a second buffer: the link works while the worker computes, and every read misses the
 //! worker's own last push.
+//!
+//! A shard whose connection is lost does not stall the others ([`Worker::disconnected`]):
+//! once every shard has sent parameters once, rounds go on with the shards that are connected,
+//! the lost shard's slice keeps its last values, and nothing is pushed to it until its
+//! connection is back and welcomed (the driver reconnects it with backoff).
 
 use crate::codec::{Encoding, ErrorFeedback};
 use crate::data::{BatchSampler, Dataset};
@@ -121,6 +126,12 @@ struct ShardSlot {
     /// Negotiated in the Welcome.
     pull_encoding: Encoding,
     push_encoding: Encoding,
+    /// Parameters of this shard arrived at least once (kept across reconnects): while it is
+    /// down, rounds go on with its last values.
+    have: bool,
+    /// Connections lost so far (kept across reconnects): a round pushes only to shards still
+    /// on the connection it read from.
+    generation: u64,
 }
 
 impl ShardSlot {
@@ -134,6 +145,18 @@ impl ShardSlot {
             min_version: 0,
             pull_encoding: Encoding::F32,
             push_encoding: Encoding::F32,
+            have: false,
+            generation: 0,
+        }
+    }
+
+    /// Ready for the next round: fresh parameters in, or down after having sent some (the
+    /// round uses its last values and pushes nothing to it).
+    fn settled(&self) -> bool {
+        if self.phase == Phase::Ready {
+            self.fresh
+        } else {
+            self.have
         }
     }
 }
@@ -147,6 +170,9 @@ struct Round {
     done: u32,
     /// Shard versions the round's parameters were read at.
     versions: Vec<u64>,
+    /// Per shard, the connection generation its fresh parameters came from; `None` for a
+    /// shard that was down (nothing is pushed to it).
+    read: Vec<Option<u64>>,
     /// Summed loss and examples of the round's batches.
     samples: usize,
 }
@@ -396,12 +422,16 @@ impl Worker {
         }
     }
 
-    /// The connection to `shard` closed: forget what was outstanding on it.
+    /// The connection to `shard` closed: forget what was outstanding on it. The other shards
+    /// carry on: rounds run with this shard's last parameters and push nothing to it until it
+    /// is connected and welcomed again (the driver reconnects it with backoff).
     pub fn disconnected(&mut self, shard: usize) {
         if let Some(s) = self.shards.get_mut(shard) {
             self.stats.pushes_lost += u64::from(s.in_flight);
             *s = ShardSlot {
                 version: s.version,
+                have: s.have,
+                generation: s.generation + 1,
                 ..ShardSlot::new()
             };
         }
@@ -412,6 +442,8 @@ impl Worker {
             self.reports = false;
         }
         self.outbox.retain(|o| o.shard != shard);
+        // A round may have waited only for this shard's parameters.
+        self.try_start_round();
     }
 
     /// Handles one frame received from `shard`.
@@ -474,6 +506,7 @@ impl Worker {
                 values.copy_into(self.slicer.slice_mut(&mut self.next, shard))?;
                 slot.pull = None;
                 slot.fresh = true;
+                slot.have = true;
                 slot.version = version;
                 if self.shards.iter().all(|s| s.fresh) {
                     if let (Some(now), Some(sent)) = (self.now, self.pulls_sent.take()) {
@@ -536,8 +569,13 @@ impl Worker {
             .map_or(u64::MAX, |m| m.saturating_sub(self.stats.steps))
     }
 
+    /// Every shard is connected, or down after having sent parameters (the first round
+    /// needs every shard once), and at least one is connected.
     fn all_ready(&self) -> bool {
-        self.shards.iter().all(|s| s.phase == Phase::Ready)
+        self.shards
+            .iter()
+            .all(|s| s.phase == Phase::Ready || s.have)
+            && self.shards.iter().any(|s| s.phase == Phase::Ready)
     }
 
     /// `H` for the next round: the policy's choice, never more than the steps left.
@@ -568,7 +606,8 @@ impl Worker {
             return;
         }
         for shard in 0..self.shards.len() {
-            if !self.shards[shard].fresh && self.shards[shard].pull.is_none() {
+            let s = &self.shards[shard];
+            if s.phase == Phase::Ready && !s.fresh && s.pull.is_none() {
                 let request_id = self.request_id();
                 self.shards[shard].pull = Some(request_id);
                 let frame = wire::encode(&Message::Pull {
@@ -591,12 +630,31 @@ impl Worker {
         if self.round.is_some()
             || self.steps_left() == 0
             || !self.all_ready()
-            || !self.shards.iter().all(|s| s.fresh)
+            || !self.shards.iter().all(ShardSlot::settled)
+            || !self.shards.iter().any(|s| s.fresh)
         {
             return;
         }
+        // A shard that is down keeps its last parameters: those of the round just finished
+        // (θ_pulled with local steps, not the locally moved θ).
+        for shard in 0..self.shards.len() {
+            if !self.shards[shard].fresh {
+                let last = if self.join.run.local.steps.pseudo_gradients() {
+                    &self.anchor
+                } else {
+                    &self.params
+                };
+                let r = self.slicer.ranges()[shard];
+                self.next[r.start..r.end].copy_from_slice(&last[r.start..r.end]);
+            }
+        }
         std::mem::swap(&mut self.params, &mut self.next);
         let versions: Vec<u64> = self.shards.iter().map(|s| s.version).collect();
+        let read = self
+            .shards
+            .iter()
+            .map(|s| s.fresh.then_some(s.generation))
+            .collect();
         for s in &mut self.shards {
             s.fresh = false;
         }
@@ -612,6 +670,7 @@ impl Worker {
             h,
             done: 0,
             versions,
+            read,
             samples: 0,
         });
         if self.overlap {
@@ -710,7 +769,14 @@ impl Worker {
             }
         }
         let samples = u32::try_from(round.samples).unwrap_or(u32::MAX);
+        let mut sent = 0;
         for shard in 0..self.shards.len() {
+            // Only to a shard still on the connection the round read from: one that was down,
+            // or dropped since, would get a gradient of parameters it may no longer hold.
+            let s = &self.shards[shard];
+            if s.phase != Phase::Ready || round.read[shard] != Some(s.generation) {
+                continue;
+            }
             let request_id = self.request_id();
             let version = round.versions[shard];
             let enc = self.shards[shard].push_encoding;
@@ -744,8 +810,9 @@ impl Worker {
                 slot.min_version = version + 1;
             }
             self.emit(shard, frame);
+            sent += 1;
         }
-        self.stats.pushes_sent += self.shards.len() as u64;
+        self.stats.pushes_sent += sent;
         self.stats.rounds += 1;
         if !self.overlap {
             self.queue_pulls();
@@ -1347,14 +1414,20 @@ mod tests {
         w.step().unwrap();
         let sent = drain(&mut w);
         let again = pulls(&sent);
-        // Shard 1 answers its pull; shard 0 drops.
+        // Shard 1 answers its pull; shard 0 drops: the round goes on with shard 0's last
+        // values and pushes to shard 1 only.
         let f = params_frame(&w, 1, again[1].1, 1, 0.5);
         w.receive(1, &f).unwrap();
         w.disconnected(0);
         assert_eq!(w.stats().pushes_lost, 1);
-        assert!(!w.ready());
-        // Reconnect shard 0: Hello, then after the Welcome a pull to shard 0 only (shard 1's
-        // parameters are still fresh).
+        assert!(w.ready());
+        w.step().unwrap();
+        let sent = drain(&mut w);
+        assert_eq!(pushes(&sent), vec![(1, pushes(&sent)[0].1, 1)]);
+        let p1 = pulls(&sent);
+        assert_eq!(p1.len(), 1);
+        // Reconnect shard 0: Hello, then after the Welcome a pull to shard 0 (a round is not
+        // in progress: shard 1's pull is still out).
         w.connected(0);
         assert!(matches!(&drain(&mut w)[..], [Sent::Hello(0, ..)]));
         let f = welcome_frame(&w, 0, 2);
@@ -1364,11 +1437,63 @@ mod tests {
         assert_eq!(p0[0].0, 0);
         let f = params_frame(&w, 0, p0[0].1, 2, 0.5);
         w.receive(0, &f).unwrap();
+        // Both shards again: the round waits for shard 1's answer too.
+        assert!(!w.ready());
+        let f = params_frame(&w, 1, p1[0].1, 3, 0.5);
+        w.receive(1, &f).unwrap();
         assert!(w.ready());
         w.step().unwrap();
         let bases: Vec<u64> = pushes(&drain(&mut w)).iter().map(|p| p.2).collect();
-        assert_eq!(bases, vec![2, 1]);
-        assert_eq!(w.stats().steps, 2);
+        assert_eq!(bases, vec![2, 3]);
+        assert_eq!(w.stats().steps, 3);
+    }
+
+    #[test]
+    fn a_dead_shard_does_not_stall_the_others() {
+        let mut w = worker("async", 2, None);
+        let p = handshake(&mut w, &[0, 0]);
+        answer(&mut w, &p, &[5, 7]);
+        let before = w.params().to_vec();
+        // Shard 1 dies before the round's push: rounds keep going on shard 0 alone, shard
+        // 1's slice stays at its last values and nothing is pushed or pulled there.
+        w.disconnected(1);
+        for round in 0..3u64 {
+            assert!(w.ready(), "round {round}");
+            w.step().unwrap();
+            let sent = drain(&mut w);
+            let ps = pushes(&sent);
+            assert_eq!(ps.len(), 1, "{sent:?}");
+            assert_eq!((ps[0].0, ps[0].2), (0, 5 + round));
+            let pl = pulls(&sent);
+            assert_eq!(pl.iter().map(|p| p.0).collect::<Vec<_>>(), vec![0]);
+            w.receive(0, &ack_frame(0, ps[0].1, 6 + round, 0)).unwrap();
+            let f = params_frame(&w, 0, pl[0].1, 6 + round, 0.25);
+            w.receive(0, &f).unwrap();
+        }
+        let r1 = range(&w, 1);
+        assert_eq!(w.params()[r1.start..r1.end], before[r1.start..r1.end]);
+        let s = w.stats();
+        assert_eq!((s.rounds, s.pushes_sent, s.pushes_accepted), (3, 3, 3));
+        // A shard in the middle of its handshake is not pushed to either.
+        w.connected(1);
+        let sent = drain(&mut w);
+        assert!(matches!(&sent[..], [Sent::Hello(1, ..)]), "{sent:?}");
+        w.step().unwrap();
+        assert!(pushes(&drain(&mut w)).iter().all(|p| p.0 == 0));
+        // All shards down: no round.
+        w.disconnected(0);
+        w.disconnected(1);
+        assert!(!w.ready());
+    }
+
+    #[test]
+    fn the_first_round_waits_for_every_shard() {
+        let mut w = worker("async", 2, None);
+        let p = handshake(&mut w, &[0, 0]);
+        // Shard 1 never answered: its slice has no values yet, so no round without it.
+        w.receive(0, &params_frame(&w, 0, p[0].1, 0, 0.5)).unwrap();
+        w.disconnected(1);
+        assert!(!w.ready());
     }
 
     #[test]

@@ -505,6 +505,7 @@ async fn session(
         ws,
         deadline,
         opts.step_delay,
+        opts.max_backoff,
         progress,
         started,
         shutdown,
@@ -514,9 +515,10 @@ async fn session(
     Ok(end)
 }
 
+/// What a reader task saw on shard `.0`'s connection of generation `.1`.
 enum Event {
-    Frame(usize, Vec<u8>),
-    Closed(usize, String),
+    Frame(usize, u64, Vec<u8>),
+    Closed(usize, u64, String),
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -526,6 +528,7 @@ async fn drive(
     ws: &str,
     deadline: Option<Instant>,
     step_delay: Duration,
+    max_backoff: Duration,
     progress: &mut Progress,
     started: Instant,
     mut shutdown: std::pin::Pin<&mut impl Future<Output = ()>>,
@@ -546,67 +549,83 @@ async fn drive(
         .collect();
     let id = worker.join_info().worker_id;
     // Connect to every shard concurrently, within the connect deadline, unless told to stop.
-    let connect = net.timeouts.connect;
-    let conns = futures_util::future::join_all(shards.iter().map(|u| async move {
-        let c = tokio_tungstenite::connect_async_tls_with_config(
-            u.as_str(),
-            None,
-            true,
-            net.tls.clone(),
-        );
-        match tokio::time::timeout(connect, c).await {
-            Ok(r) => r.map_err(|e| e.to_string()),
-            Err(_) => Err(format!("no connection within {connect:?}")),
-        }
-    }));
+    let conns = futures_util::future::join_all(shards.iter().map(|u| connect_shard(net, u)));
     let conns = tokio::select! {
         c = conns => c,
         _ = &mut shutdown => return End::Done,
     };
+    // One reader task per connection; its events carry the connection's generation so that
+    // a late event of a replaced connection is ignored.
     let (ev_tx, mut ev_rx) = mpsc::channel::<Event>(256);
-    let mut sinks = Vec::new();
+    let mut links: Vec<Link> = Vec::new();
     let mut readers = tokio::task::JoinSet::new();
     for (i, c) in conns.into_iter().enumerate() {
-        let (socket, _) = match c {
+        let socket = match c {
             Ok(s) => s,
             Err(e) => return End::Lost(format!("connecting to shard {i}: {e}")),
         };
-        let (sink, mut stream) = socket.split();
-        sinks.push(sink);
-        let tx = ev_tx.clone();
-        readers.spawn(async move {
-            loop {
-                let ev = match stream.next().await {
-                    Some(Ok(Message::Binary(b))) => Event::Frame(i, b.into()),
-                    Some(Ok(Message::Close(c))) => Event::Closed(
-                        i,
-                        c.map_or_else(|| "closed".into(), |c| c.reason.to_string()),
-                    ),
-                    Some(Ok(_)) => continue,
-                    Some(Err(e)) => Event::Closed(i, e.to_string()),
-                    None => Event::Closed(i, "closed".into()),
-                };
-                let closed = matches!(ev, Event::Closed(..));
-                if tx.send(ev).await.is_err() || closed {
-                    break;
-                }
-            }
-        });
+        links.push(Link::up(i, 0, socket, &ev_tx, &mut readers, max_backoff));
         worker.connected(i);
     }
-    drop(ev_tx);
+    // Shards being reconnected: a shard that is lost is retried with backoff while the worker
+    // trains on the others (core's `Worker::disconnected`); the session ends only when every
+    // shard is lost at once (the server went away: join again).
+    let mut reconnects: futures_util::stream::FuturesUnordered<Reconnect<'_>> = Default::default();
+    macro_rules! lose {
+        ($i:expr, $why:expr) => {{
+            let i: usize = $i;
+            let why: String = $why;
+            worker.disconnected(i);
+            let l = &mut links[i];
+            l.down();
+            if links.iter().all(|l| l.sink.is_none()) {
+                break End::Lost(format!("every shard lost (last: shard {i}: {why})"));
+            }
+            let delay = Duration::from_secs_f64(links[i].backoff.next_delay());
+            let generation = links[i].generation;
+            tracing::warn!(shard = i, %why, "shard connection lost; the others carry on; reconnecting in {delay:?}");
+            let url = shards[i].clone();
+            reconnects.push(Box::pin(async move {
+                tokio::time::sleep(delay).await;
+                (i, generation, connect_shard(net, &url).await)
+            }));
+        }};
+    }
+    macro_rules! reconnected {
+        ($i:expr, $generation:expr, $r:expr) => {{
+            let (i, generation) = ($i, $generation);
+            if links[i].generation == generation && links[i].sink.is_none() {
+                match $r {
+                    Ok(socket) => {
+                        tracing::info!(shard = i, "shard connection back");
+                        links[i] = Link::up(i, generation + 1, socket, &ev_tx, &mut readers, max_backoff);
+                        worker.connected(i);
+                    }
+                    Err(e) => {
+                        let delay = Duration::from_secs_f64(links[i].backoff.next_delay());
+                        tracing::debug!(shard = i, %e, "shard still down; retrying in {delay:?}");
+                        let url = shards[i].clone();
+                        reconnects.push(Box::pin(async move {
+                            tokio::time::sleep(delay).await;
+                            (i, generation, connect_shard(net, &url).await)
+                        }));
+                    }
+                }
+            }
+        }};
+    }
     // The worker's clock (sans-IO: it measures compute and exchanges on what it is told).
     let clock = Instant::now();
     let end = loop {
         let mut send_failed = None;
         worker.set_time(clock.elapsed().as_secs_f64());
         while let Some(out) = worker.poll_transmit() {
+            let Some(sink) = links[out.shard].sink.as_mut() else {
+                continue;
+            };
             // A link that stopped taking bytes must not hold the worker (nor its stop).
             let reply = net.timeouts.reply;
-            let send = tokio::time::timeout(
-                reply,
-                sinks[out.shard].send(Message::Binary(out.frame.into())),
-            );
+            let send = tokio::time::timeout(reply, sink.send(Message::Binary(out.frame.into())));
             let sent = tokio::select! {
                 r = send => r,
                 _ = &mut shutdown => return End::Done,
@@ -614,17 +633,21 @@ async fn drive(
             match sent {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => {
-                    send_failed = Some(format!("sending to shard {}: {e}", out.shard));
+                    send_failed = Some((out.shard, format!("sending to shard {}: {e}", out.shard)));
                     break;
                 }
                 Err(_) => {
-                    send_failed = Some(format!("shard {} took no bytes for {reply:?}", out.shard));
+                    send_failed = Some((
+                        out.shard,
+                        format!("shard {} took no bytes for {reply:?}", out.shard),
+                    ));
                     break;
                 }
             }
         }
-        if let Some(why) = send_failed {
-            break End::Lost(why);
+        if let Some((i, why)) = send_failed {
+            lose!(i, why);
+            continue;
         }
         if worker.is_done() || deadline.is_some_and(|d| Instant::now() >= d) {
             break End::Done;
@@ -638,25 +661,33 @@ async fn drive(
             worker.observe_compute(t.elapsed().as_secs_f64());
             // Frames that arrived meanwhile (the next round's parameters, acks) are taken now,
             // between steps, so a round of local steps does not delay them.
-            let mut lost = None;
+            let (mut lost, mut closed) = (None, None);
             while let Ok(ev) = ev_rx.try_recv() {
                 worker.set_time(clock.elapsed().as_secs_f64());
                 match ev {
-                    Event::Frame(i, bytes) => {
+                    Event::Frame(i, g, bytes) if links[i].current(g) => {
                         if let Err(e) = worker.receive(i, &bytes) {
                             lost = Some(format!("shard {i}: {e}"));
                             break;
                         }
                     }
-                    Event::Closed(i, why) => {
-                        worker.disconnected(i);
-                        lost = Some(format!("shard {i} closed: {why}"));
+                    Event::Closed(i, g, why) if links[i].current(g) => {
+                        closed = Some((i, why));
                         break;
                     }
+                    _ => {}
                 }
             }
             if let Some(why) = lost {
                 break End::Lost(why);
+            }
+            if let Some((i, why)) = closed {
+                lose!(i, format!("closed: {why}"));
+            }
+            while let Some(Some((i, g, r))) =
+                futures_util::FutureExt::now_or_never(reconnects.next())
+            {
+                reconnected!(i, g, r);
             }
             progress.update(id, worker.stats(), started, false);
             if !step_delay.is_zero() {
@@ -675,6 +706,10 @@ async fn drive(
         let reply = net.timeouts.reply;
         let ev = tokio::select! {
             ev = ev_rx.recv() => ev,
+            Some((i, g, r)) = reconnects.next(), if !reconnects.is_empty() => {
+                reconnected!(i, g, r);
+                continue;
+            }
             _ = tokio::time::sleep_until(until) => break End::Done,
             _ = tokio::time::sleep(reply) => {
                 break End::Lost(format!("no reply from the shards within {reply:?}"))
@@ -683,23 +718,25 @@ async fn drive(
         };
         worker.set_time(clock.elapsed().as_secs_f64());
         match ev {
-            Some(Event::Frame(i, bytes)) => {
+            Some(Event::Frame(i, g, bytes)) if links[i].current(g) => {
                 if let Err(e) = worker.receive(i, &bytes) {
                     break End::Lost(format!("shard {i}: {e}"));
                 }
             }
-            Some(Event::Closed(i, why)) => {
-                worker.disconnected(i);
-                break End::Lost(format!("shard {i} closed: {why}"));
+            Some(Event::Closed(i, g, why)) if links[i].current(g) => {
+                lose!(i, format!("closed: {why}"));
             }
+            Some(_) => {}
             None => break End::Lost("all connections closed".into()),
         }
     };
+    drop(reconnects);
     // Say goodbye on every connection that is still open, all at once and briefly (a stalled
     // link must not hold up a worker asked to stop).
-    let byes = sinks
+    let byes = links
         .into_iter()
         .enumerate()
+        .filter_map(|(i, l)| l.sink.map(|s| (i, s)))
         .map(|(i, mut sink)| async move {
             let bye = wire::encode(&Frame::Bye {
                 shard: i as u32,
@@ -716,6 +753,86 @@ async fn drive(
     futures_util::future::join_all(byes).await;
     readers.abort_all();
     end
+}
+
+type WsStream =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+type WsSink = futures_util::stream::SplitSink<WsStream, Message>;
+/// A pending reconnect of one shard: its index, the generation it replaces, the outcome.
+type Reconnect<'a> = std::pin::Pin<
+    Box<dyn Future<Output = (usize, u64, std::result::Result<WsStream, String>)> + Send + 'a>,
+>;
+
+/// Opens the WebSocket to one shard within the connect deadline.
+async fn connect_shard(net: &Net, url: &str) -> std::result::Result<WsStream, String> {
+    let connect = net.timeouts.connect;
+    let c = tokio_tungstenite::connect_async_tls_with_config(url, None, true, net.tls.clone());
+    match tokio::time::timeout(connect, c).await {
+        Ok(r) => r.map(|(s, _)| s).map_err(|e| e.to_string()),
+        Err(_) => Err(format!("no connection within {connect:?}")),
+    }
+}
+
+/// The worker's connection to one shard: its sink while up, its reader, and the backoff of
+/// its reconnects.
+struct Link {
+    sink: Option<WsSink>,
+    reader: Option<tokio::task::AbortHandle>,
+    /// Bumped by every new connection: events of an older one are ignored.
+    generation: u64,
+    backoff: Backoff,
+}
+
+impl Link {
+    fn up(
+        i: usize,
+        generation: u64,
+        socket: WsStream,
+        events: &mpsc::Sender<Event>,
+        readers: &mut tokio::task::JoinSet<()>,
+        max_backoff: Duration,
+    ) -> Self {
+        let (sink, mut stream) = socket.split();
+        let tx = events.clone();
+        let reader = readers.spawn(async move {
+            loop {
+                let ev = match stream.next().await {
+                    Some(Ok(Message::Binary(b))) => Event::Frame(i, generation, b.into()),
+                    Some(Ok(Message::Close(c))) => Event::Closed(
+                        i,
+                        generation,
+                        c.map_or_else(|| "closed".into(), |c| c.reason.to_string()),
+                    ),
+                    Some(Ok(_)) => continue,
+                    Some(Err(e)) => Event::Closed(i, generation, e.to_string()),
+                    None => Event::Closed(i, generation, "closed".into()),
+                };
+                let closed = matches!(ev, Event::Closed(..));
+                if tx.send(ev).await.is_err() || closed {
+                    break;
+                }
+            }
+        });
+        Self {
+            sink: Some(sink),
+            reader: Some(reader),
+            generation,
+            backoff: Backoff::new(jitter_seed()).with_cap(max_backoff.as_secs_f64()),
+        }
+    }
+
+    /// The connection is gone: stop its reader, drop its sink.
+    fn down(&mut self) {
+        if let Some(r) = self.reader.take() {
+            r.abort();
+        }
+        self.sink = None;
+    }
+
+    /// Whether an event of `generation` is about the current connection.
+    fn current(&self, generation: u64) -> bool {
+        self.sink.is_some() && self.generation == generation
+    }
 }
 
 /// A worker running on a thread of its own with a single-threaded runtime (how tests and

@@ -1,10 +1,13 @@
 //! Shards in their own processes: a coordinator (`serve --shard-urls`) and two real
 //! `crowdgrad shard` processes on 127.0.0.1, trained by two native workers to the accuracy of
 //! the in-process setup; one shard process killed with SIGKILL and restarted on the same
-//! address: the coordinator reports it down, then the run recovers without a restart.
+//! address and checkpoint directory: the coordinator reports it down, the workers keep pushing
+//! to the other shard meanwhile, the restarted shard continues from its newest checkpoint and
+//! the run recovers without a coordinator restart.
 
 use crate::ops::binary;
 use crate::util;
+use crowdgrad::shardproc::checkpoint::ShardCheckpoint;
 use crowdgrad::worker::{WorkOptions, WorkerThread};
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -24,8 +27,9 @@ impl Drop for ShardProc {
     }
 }
 
-/// Starts shard `index` of 2 on `listen` and waits for its address line.
-fn shard(index: usize, listen: &str) -> ShardProc {
+/// Starts shard `index` of 2 on `listen`, checkpointing every second into `ckpt`, and waits
+/// for its address line.
+fn shard(index: usize, listen: &str, ckpt: &std::path::Path) -> ShardProc {
     let mut child = Command::new(binary())
         .args([
             "shard",
@@ -35,7 +39,11 @@ fn shard(index: usize, listen: &str) -> ShardProc {
             &index.to_string(),
             "--of",
             "2",
+            "--checkpoint-every",
+            "1",
+            "--checkpoint-dir",
         ])
+        .arg(ckpt)
         .env("CROWDGRAD_RUN_SECRET", SECRET)
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
@@ -57,14 +65,53 @@ fn shard(index: usize, listen: &str) -> ShardProc {
     ShardProc { child, addr }
 }
 
+/// A scratch directory under target/tmp, removed when dropped.
+struct Scratch(std::path::PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Self {
+        let d = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../target/tmp/remote")
+            .join(format!("{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).expect("scratch dir");
+        Self(d)
+    }
+
+    fn path(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The version in the newest valid checkpoint of shard `index` under `dir`.
+fn newest_checkpoint(dir: &std::path::Path, index: usize) -> Option<u64> {
+    let mut files: Vec<_> = std::fs::read_dir(dir.join(format!("shard-{index}")))
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    files.iter().rev().find_map(|p| {
+        let bytes = std::fs::read(p).ok()?;
+        ShardCheckpoint::decode(&bytes).ok().map(|c| c.meta.version)
+    })
+}
+
 fn accuracy(s: &serde_json::Value) -> f64 {
     s["eval"]["accuracy"].as_f64().unwrap_or(0.0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_shards_reach_in_process_accuracy_and_survive_a_kill() {
-    let s0 = shard(0, "127.0.0.1:0");
-    let mut s1 = shard(1, "127.0.0.1:0");
+    let dir = Scratch::new("kill");
+    let s0 = shard(0, "127.0.0.1:0", dir.path());
+    let mut s1 = shard(1, "127.0.0.1:0", dir.path());
     let mut cfg = util::config();
     cfg.shard_urls = vec![format!("ws://{}", s0.addr), format!("ws://{}", s1.addr)];
     cfg.run_secret = Some(crowdgrad::credential::Secret::new(SECRET));
@@ -142,10 +189,20 @@ async fn remote_shards_reach_in_process_accuracy_and_survive_a_kill() {
     assert!(before > 100, "shard 1 applied updates: {before}");
     assert!(s["totals"]["pushes_applied"].as_u64().unwrap() > 200);
 
-    // kill -9 shard 1, then start it again on the same address.
+    // kill -9 shard 1 once it has a checkpoint, then start it again on the same address.
+    let t = std::time::Instant::now();
+    let saved = loop {
+        match newest_checkpoint(dir.path(), 1) {
+            Some(v) if v > 0 => break v,
+            _ if t.elapsed() > Duration::from_secs(30) => panic!("shard 1 wrote no checkpoint"),
+            _ => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    };
     let addr = s1.addr.clone();
     let _ = s1.child.kill();
     let _ = s1.child.wait();
+    // What it had written when it died (it may have written one more after `saved`).
+    let saved = newest_checkpoint(dir.path(), 1).unwrap_or(saved);
     util::wait_for(
         &base,
         Duration::from_secs(20),
@@ -158,15 +215,33 @@ async fn remote_shards_reach_in_process_accuracy_and_survive_a_kill() {
     let r: serde_json::Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(r["shards"][1]["ready"], false);
     assert!(r["shards"][1]["error"].is_string());
-    s1 = shard(1, &addr);
-    util::wait_for(&base, Duration::from_secs(30), "shard 1 back", |s| {
+    // While shard 1 is down the workers keep pushing to shard 0 (they retry shard 1 with
+    // backoff and do not stall the round).
+    let v0 = |s: &serde_json::Value| s["remote_shards"][0]["version"].as_u64().unwrap_or(0);
+    let (_, body) = util::get(format!("{base}/api/status")).await;
+    let down_at = v0(&serde_json::from_slice(&body).unwrap());
+    let s = util::wait_for(&base, Duration::from_secs(30), "shard 0 moving on", |s| {
+        v0(s) > down_at + 100
+    })
+    .await;
+    assert_eq!(s["remote_shards"][1]["up"], false, "shard 1 is still down");
+    s1 = shard(1, &addr, dir.path());
+    let s = util::wait_for(&base, Duration::from_secs(30), "shard 1 back", |s| {
         s["remote_shards"][1]["ready"] == true
     })
     .await;
-    // Without a checkpoint the restarted shard starts from the initial weights; the workers
-    // reconnect by themselves and the run climbs back.
+    // It continues from its newest checkpoint: at most one checkpoint interval is lost.
+    let resumed = s["remote_shards"][1]["version"].as_u64().unwrap();
+    assert!(
+        resumed >= saved,
+        "shard 1 restarted at version {resumed}, its checkpoint holds {saved}"
+    );
+    let (_, body) = util::get(format!("http://{addr}/api/shard")).await;
+    let report: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert!(report["version"].as_u64().unwrap() >= saved, "{report}");
+    // The workers reconnect by themselves and the run climbs back.
     util::wait_for(&base, Duration::from_secs(120), "recovery to 93%", |s| {
-        accuracy(s) > 0.93 && s["remote_shards"][1]["version"].as_u64().unwrap_or(0) > 50
+        accuracy(s) > 0.93 && s["remote_shards"][1]["version"].as_u64().unwrap_or(0) > resumed + 50
     })
     .await;
     for w in workers {

@@ -11,7 +11,11 @@
 //! shares the secret and admits a Hello only with its worker's credential.
 //!
 //! [`remote`] is the coordinator's side: health checks, layout checks and parameter fetches.
+//! [`checkpoint`] is the process's own checkpoints (`--checkpoint-dir`): a shard that died
+//! and is started again on the same directory continues from its newest one (values,
+//! optimizer state, version), without a coordinator restart.
 
+pub mod checkpoint;
 pub mod remote;
 
 use crate::app::ShardStatus;
@@ -33,7 +37,6 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
@@ -76,10 +79,17 @@ pub struct ShardArgs {
     /// Most simultaneous WebSocket connections.
     #[arg(long, default_value_t = 4_096)]
     pub max_connections: usize,
-    /// Where this shard's checkpoints live: on start it resumes from the newest one (see
-    /// [`resume_hook`]).
+    /// The run's shard checkpoints: a directory or `s3://BUCKET/PREFIX`; this shard writes
+    /// its own under `shard-{index}/` in it and, on start, resumes from the newest valid one
+    /// there (values, optimizer state, version). No checkpoints without it.
     #[arg(long)]
-    pub checkpoint_dir: Option<PathBuf>,
+    pub checkpoint_dir: Option<String>,
+    /// Seconds between this shard's checkpoints (one is also written on shutdown).
+    #[arg(long, default_value_t = 30.0)]
+    pub checkpoint_every: f64,
+    /// Checkpoints kept; older ones are deleted.
+    #[arg(long, default_value_t = 3)]
+    pub checkpoint_keep: usize,
 }
 
 /// Checked [`ShardArgs`].
@@ -99,8 +109,8 @@ pub struct ShardConfig {
     pub secret: Vec<u8>,
     /// Connection limit.
     pub max_connections: usize,
-    /// Checkpoint directory, if any.
-    pub checkpoint_dir: Option<PathBuf>,
+    /// Checkpoint policy, if any.
+    pub checkpoint: Option<checkpoint::ShardCheckpointConfig>,
 }
 
 impl std::fmt::Debug for ShardConfig {
@@ -140,6 +150,33 @@ impl ShardArgs {
         if self.max_connections == 0 {
             return Err(Error::Config("--max-connections must be positive".into()));
         }
+        let checkpoint = match self.checkpoint_dir {
+            None => None,
+            Some(d) if d.is_empty() => {
+                return Err(Error::Config("--checkpoint-dir must not be empty".into()))
+            }
+            Some(location) => {
+                if !(self.checkpoint_every.is_finite()
+                    && (0.1..=86_400.0).contains(&self.checkpoint_every))
+                {
+                    return Err(Error::Config(format!(
+                        "--checkpoint-every {} must be between 0.1 and 86400 seconds",
+                        self.checkpoint_every
+                    )));
+                }
+                if !(1..=1000).contains(&self.checkpoint_keep) {
+                    return Err(Error::Config(format!(
+                        "--checkpoint-keep {} must be in 1..=1000",
+                        self.checkpoint_keep
+                    )));
+                }
+                Some(checkpoint::ShardCheckpointConfig {
+                    location,
+                    every: Duration::from_secs_f64(self.checkpoint_every),
+                    keep: self.checkpoint_keep,
+                })
+            }
+        };
         Ok(ShardConfig {
             listen: self.listen,
             index: self.index,
@@ -150,7 +187,7 @@ impl ShardArgs {
                 .as_bytes()
                 .to_vec(),
             max_connections: self.max_connections,
-            checkpoint_dir: self.checkpoint_dir,
+            checkpoint,
         })
     }
 }
@@ -199,48 +236,18 @@ pub fn spec_of(t: &Training, inputs: usize, classes: usize) -> Result<RunSpec> {
             test_len: 0,
         },
         local: Default::default(),
+        normalize: Default::default(),
     })?)
-}
-
-/// The state a restarted shard resumes from.
-#[derive(Debug, Clone)]
-pub struct Resumed {
-    /// The shard's values.
-    pub values: Vec<f32>,
-    /// Its version.
-    pub version: u64,
-}
-
-/// RESUME HOOK: the newest valid checkpoint of this shard in `dir`, if any.
-///
-/// The checkpoint module (`server/src/checkpoint/`, issue 9) is not in this build yet, so this
-/// returns `Ok(None)` and the shard starts from the run's initial weights (the workers carry on;
-/// the run loses this shard's progress). Wiring it: load the newest checkpoint of shard `index`
-/// from `dir`, check its range, and start the shard's `ShardCore` at its values, optimizer state
-/// and version; also write checkpoints periodically from [`run`].
-///
-/// # Errors
-/// None yet (a corrupt checkpoint will be one).
-pub fn resume_hook(dir: Option<&std::path::Path>, index: usize) -> Result<Option<Resumed>> {
-    if let Some(dir) = dir {
-        tracing::warn!(
-            dir = %dir.display(),
-            index,
-            "shard checkpoints are not wired in this build: starting from the initial weights"
-        );
-    }
-    Ok(None)
 }
 
 struct ShardProc {
     shard: Shard,
     registry: Registry,
     spec: RunSpec,
-        normalize: Default::default(),
     shutdown: watch::Receiver<bool>,
     tracker: TaskTracker,
     connections: Arc<Semaphore>,
-    metrics: crate::metrics::Metrics,
+    metrics: Arc<crate::metrics::Metrics>,
     started: Instant,
 }
 
@@ -257,12 +264,14 @@ pub async fn run(
     let spec = spec_of(&cfg.training, cfg.inputs, cfg.classes)?;
     let range = spec.ranges()[cfg.index];
     let t = &cfg.training;
-    let values = match resume_hook(cfg.checkpoint_dir.as_deref(), cfg.index)? {
-        Some(r) => r.values,
-        None => {
-            let model = Model::new(spec.model.clone())?;
-            model.init_params(t.seed)[range.start..range.end].to_vec()
+    // This shard's own checkpoints: continue from the newest valid one (a corrupt one is
+    // skipped, one of another run is refused before serving).
+    let (checkpointer, restored) = match &cfg.checkpoint {
+        Some(c) => {
+            let (ck, r) = checkpoint::resume(c, &spec, cfg.index).await?;
+            (Some(Arc::new(ck)), r)
         }
+        None => (None, None),
     };
     let opts = ShardOptions {
         optimizer: t.optimizer,
@@ -275,7 +284,17 @@ pub async fn run(
         pseudo_gradients: t.exchange.local.steps.pseudo_gradients(),
         guard: t.exchange.guard(t.batch_size),
     };
-    let shard = Shard::start(cfg.index as u32, range, values, opts);
+    let shard = match restored {
+        Some((name, c)) => {
+            tracing::info!(checkpoint = %name, version = c.meta.version, "shard continues from its checkpoint");
+            Shard::restore(cfg.index as u32, range, c.export(), opts)?
+        }
+        None => {
+            let model = Model::new(spec.model.clone())?;
+            let values = model.init_params(t.seed)[range.start..range.end].to_vec();
+            Shard::start(cfg.index as u32, range, values, opts)
+        }
+    };
     shard.require_credential(cfg.secret.clone());
     let (stop_tx, stop_rx) = watch::channel(false);
     let proc = Arc::new(ShardProc {
@@ -285,7 +304,7 @@ pub async fn run(
         shutdown: stop_rx,
         tracker: TaskTracker::new(),
         connections: Arc::new(Semaphore::new(cfg.max_connections)),
-        metrics: crate::metrics::Metrics::default(),
+        metrics: Arc::default(),
         started: Instant::now(),
     });
     let router = Router::new()
@@ -296,6 +315,14 @@ pub async fn run(
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .with_state(proc.clone());
+    let writer = checkpointer.clone().map(|ck| {
+        tokio::spawn(checkpoint::task(
+            proc.shard.clone(),
+            ck,
+            proc.shutdown.clone(),
+            proc.metrics.clone(),
+        ))
+    });
     tracing::info!(
         index = cfg.index,
         of = t.shards,
@@ -313,6 +340,22 @@ pub async fn run(
         .map_err(|e| Error::io("serving", e));
     proc.tracker.close();
     let _ = tokio::time::timeout(DRAIN, proc.tracker.wait()).await;
+    // Every connection is done: the final checkpoint holds every acknowledged push.
+    let mut served = served;
+    if let Some(ck) = &checkpointer {
+        if let Some(w) = writer {
+            let _ = w.await;
+        }
+        match ck.write(&proc.shard).await {
+            Ok(w) => {
+                tracing::info!(checkpoint = %w.name, bytes = w.bytes, version = w.version, "final shard checkpoint written")
+            }
+            Err(e) => {
+                tracing::error!(%e, "final shard checkpoint failed");
+                served = served.and(Err(e));
+            }
+        }
+    }
     served
 }
 
