@@ -217,6 +217,12 @@ pub struct JoinRequest {
     /// server's contribution ledger. Absent: the session is not credited to anyone.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub identity: Option<String>,
+    /// This join is one of a volunteer's parallel threads (a tab's Web Workers, `crowdgrad
+    /// work --threads`): the server gives every thread of one `volunteer` the same data
+    /// partition (downloaded once) and its dashboard shows them as one volunteer. Absent: a
+    /// volunteer of one thread.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub threads: Option<Threads>,
 }
 
 impl JoinRequest {
@@ -227,7 +233,56 @@ impl JoinRequest {
             client,
             name: None,
             identity: None,
+            threads: None,
         }
+    }
+}
+
+/// Most threads one volunteer may run ([`Threads::count`]).
+pub const MAX_THREADS: u32 = 256;
+
+/// Which of a volunteer's parallel threads a join is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Threads {
+    /// A key the volunteer's threads share, drawn afresh each time it starts (8 to 64
+    /// characters of `[A-Za-z0-9_-]`); not its ledger identity, which two tabs of one
+    /// browser share.
+    pub volunteer: String,
+    /// This thread, `0..count`.
+    pub index: u32,
+    /// Threads the volunteer runs, `1..=MAX_THREADS`.
+    pub count: u32,
+}
+
+impl Threads {
+    /// Checks the fields' bounds.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the bad field.
+    pub fn check(&self) -> Result<()> {
+        let v = &self.volunteer;
+        if !(8..=64).contains(&v.len())
+            || !v
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        {
+            return Err(Error::Config(
+                "threads.volunteer must be 8 to 64 characters of A-Z a-z 0-9 - _".into(),
+            ));
+        }
+        if !(1..=MAX_THREADS).contains(&self.count) {
+            return Err(Error::Config(format!(
+                "threads.count {} is outside 1..={MAX_THREADS}",
+                self.count
+            )));
+        }
+        if self.index >= self.count {
+            return Err(Error::Config(format!(
+                "threads.index {} is not below threads.count {}",
+                self.index, self.count
+            )));
+        }
+        Ok(())
     }
 }
 

@@ -122,9 +122,9 @@ async fn join(
     let name: Option<String> = req
         .name
         .map(|n| n.chars().filter(|c| !c.is_control()).take(64).collect());
-    let Some((worker_id, index)) = app
-        .registry
-        .join(req.client, name.clone(), app.cfg.partitions)
+    let Some((worker_id, index)) =
+        app.registry
+            .join_thread(req.client, name.clone(), app.cfg.partitions, req.threads)
     else {
         return error(
             StatusCode::SERVICE_UNAVAILABLE,

@@ -97,6 +97,10 @@ enum Cmd {
         /// Seconds without a byte during an HTTP request before the link counts as stalled.
         #[arg(long, default_value_t = 30.0)]
         stall_timeout: f64,
+        /// Worker loops to run in parallel, as threads of one volunteer (1-256); default: every
+        /// core but one. --steps and --seconds apply to each.
+        #[arg(long)]
+        threads: Option<usize>,
         /// Seconds to wait for the shards' reply to a pull or push before reconnecting.
         #[arg(long, default_value_t = 30.0)]
         reply_timeout: f64,
@@ -248,8 +252,10 @@ fn main() -> anyhow::Result<()> {
             http_timeout,
             stall_timeout,
             reply_timeout,
+            threads,
         } => {
             let mut opts = WorkOptions::new(server);
+            opts.threads = threads.unwrap_or_else(crowdgrad::worker::default_threads);
             let secs = |flag: &str, v: f64| {
                 anyhow::ensure!(
                     v.is_finite() && (0.05..=86_400.0).contains(&v),
@@ -294,8 +300,9 @@ fn main() -> anyhow::Result<()> {
             } else {
                 let s = &summary.stats;
                 println!(
-                    "worker {:?}: {} steps, {} samples in {:.1} s ({:.0} samples/s); pushes {} accepted, {} rejected, {} lost; loss {:.4}; mean staleness {:.2}; sessions {}; peak RSS {} MiB{}",
+                    "worker {:?}{}: {} steps, {} samples in {:.1} s ({:.0} samples/s); pushes {} accepted, {} rejected, {} lost; loss {:.4}; mean staleness {:.2}; sessions {}; peak RSS {} MiB{}",
                     summary.worker_ids,
+                    if summary.threads > 1 { format!(" ({} threads)", summary.threads) } else { String::new() },
                     s.steps,
                     s.samples,
                     summary.seconds,

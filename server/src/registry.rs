@@ -12,7 +12,7 @@ use crate::shard::Read;
 use crowdgrad_core::shard::Outcome;
 use crowdgrad_core::wire::{ClientKind, ErrorCode};
 use serde::Serialize;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -46,6 +46,9 @@ pub struct WorkerTotals {
     pub native: KindCount,
     /// Browser tabs.
     pub browser: KindCount,
+    /// Volunteers: the threads of one (a tab's Web Workers, a `work --threads` process,
+    /// joined with one `threads.volunteer`) count once; a worker joined without counts alone.
+    pub volunteers: KindCount,
 }
 
 impl WorkerTotals {
@@ -169,6 +172,9 @@ pub struct WorkerRecord {
     pub name: Option<String>,
     /// Data partition assigned.
     pub partition: usize,
+    /// Which of a volunteer's threads it is (as joined), if it runs several.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub threads: Option<crowdgrad_core::spec::Threads>,
     /// Shard connections open now.
     pub shards_connected: u32,
     /// Whether it has any connection open.
@@ -284,6 +290,19 @@ impl Registry {
         name: Option<String>,
         partitions: usize,
     ) -> Option<(u64, usize)> {
+        self.join_thread(client, name, partitions, None)
+    }
+
+    /// [`Registry::join`] for one of a volunteer's threads (checked by the caller): it gets
+    /// the partition of the volunteer's threads already registered, so they share one
+    /// download.
+    pub fn join_thread(
+        &self,
+        client: ClientKind,
+        name: Option<String>,
+        partitions: usize,
+        threads: Option<crowdgrad_core::spec::Threads>,
+    ) -> Option<(u64, usize)> {
         let mut g = self.lock();
         let now = Instant::now();
         if g.workers.len() >= self.capacity {
@@ -298,7 +317,23 @@ impl Registry {
         }
         let id = g.next_id;
         g.next_id += 1;
-        let partition = ((id - 1) as usize) % partitions.max(1);
+        // The volunteer's other threads are among the newest workers: look back a bounded
+        // way (a thread joining much later just gets a partition of its own).
+        let sibling = threads.as_ref().and_then(|t| {
+            g.workers
+                .values()
+                .rev()
+                .take(4 * crowdgrad_core::spec::MAX_THREADS as usize)
+                .find(|w| {
+                    w.threads
+                        .as_ref()
+                        .is_some_and(|o| o.volunteer == t.volunteer)
+                })
+                .map(|w| w.partition)
+        });
+        let partition = sibling
+            .filter(|&p| p < partitions.max(1))
+            .unwrap_or(((id - 1) as usize) % partitions.max(1));
         g.workers.insert(
             id,
             WorkerRecord {
@@ -306,6 +341,7 @@ impl Registry {
                 client,
                 name,
                 partition,
+                threads,
                 shards_connected: 0,
                 connected: false,
                 last_seen_s: 0.0,
@@ -522,9 +558,21 @@ impl Registry {
             .map(|w| present(w, now))
             .collect();
         let mut by_kind = WorkerTotals::default();
+        // Volunteer key -> whether any of its threads is connected.
+        let mut volunteers: HashMap<&str, bool> = HashMap::new();
         for w in g.workers.values() {
-            by_kind.count(w.client, w.shards_connected > 0);
+            let connected = w.shards_connected > 0;
+            by_kind.count(w.client, connected);
+            match &w.threads {
+                Some(t) => *volunteers.entry(t.volunteer.as_str()).or_default() |= connected,
+                None => {
+                    by_kind.volunteers.registered += 1;
+                    by_kind.volunteers.connected += u64::from(connected);
+                }
+            }
         }
+        by_kind.volunteers.registered += volunteers.len() as u64;
+        by_kind.volunteers.connected += volunteers.values().filter(|&&c| c).count() as u64;
         let mut totals = g.totals.clone();
         totals.workers = Some(by_kind);
         (recent, g.shards.clone(), totals)

@@ -13,17 +13,24 @@
 //! blocking HTTP call is left to its own deadline on a helper thread that the runtime does not
 //! wait for; see `main.rs`). `https://` servers are reached over TLS (rustls, webpki roots, or
 //! `--ca FILE`), their shards over `wss://`.
+//!
+//! With [`WorkOptions::threads`] > 1 the process runs that many worker loops, each on an OS
+//! thread of its own with a single-threaded runtime and sockets of its own, joined as the
+//! threads of one volunteer ([`Threads`]: the server gives them one partition, downloaded
+//! once into a cache they share, and its dashboard shows one volunteer). Every rule above
+//! holds per thread; the stop signal reaches all of them; the progress bar sums them.
 
 use crate::error::{Error, Result};
 use crowdgrad_core::backoff::{self, Backoff};
 use crowdgrad_core::data::Dataset;
-use crowdgrad_core::spec::{JoinRequest, JoinResponse};
+use crowdgrad_core::spec::{JoinRequest, JoinResponse, Threads, MAX_THREADS};
 use crowdgrad_core::wire::{self, Bye, ClientKind, Message as Frame};
 use crowdgrad_core::worker::{Worker, WorkerStats};
 use futures_util::{SinkExt, StreamExt};
 use serde::Serialize;
 use std::collections::HashMap;
 use std::future::Future;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::Message;
@@ -56,6 +63,9 @@ pub struct WorkOptions {
     pub ca: Option<std::path::PathBuf>,
     /// Deadlines of the network waits.
     pub timeouts: Timeouts,
+    /// Worker loops to run in parallel (1 to [`MAX_THREADS`]), as threads of one volunteer;
+    /// `steps` and `duration` apply to each.
+    pub threads: usize,
 }
 
 /// How long the worker waits for the network before it gives the session up and reconnects.
@@ -99,8 +109,17 @@ impl WorkOptions {
             join_token: None,
             ca: None,
             timeouts: Timeouts::default(),
+            threads: 1,
         }
     }
+}
+
+/// The default of `crowdgrad work --threads`: every core but one (left to the volunteer), at
+/// least one.
+pub fn default_threads() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get().saturating_sub(1))
+        .max(1)
 }
 
 /// What a worker did, printed at the end.
@@ -123,6 +142,8 @@ pub struct Summary {
     /// The server refused to let the worker join (a private run and a missing or wrong
     /// `--join-token`): the worker gave up instead of retrying.
     pub refused: bool,
+    /// Worker loops it ran ([`WorkOptions::threads`]); the counters are their sums.
+    pub threads: usize,
 }
 
 /// The identity kept in `path` (created with 32 random hex digits when missing): how
@@ -248,11 +269,13 @@ async fn join(
     http: &str,
     name: Option<String>,
     identity: Option<String>,
+    threads: Option<Threads>,
 ) -> std::result::Result<JoinResponse, JoinError> {
     let url = format!("{http}/api/join");
     let mut req = JoinRequest::new(ClientKind::Native);
     req.name = name;
     req.identity = identity;
+    req.threads = threads;
     let body = serde_json::to_vec(&req).map_err(|e| Error::Http(e.to_string()))?;
     let net2 = net.clone();
     let (status, bytes) = tokio::task::spawn_blocking(move || -> Result<(u16, Vec<u8>)> {
@@ -328,18 +351,37 @@ enum End {
     Refused(String),
 }
 
+/// What each thread of a `--threads` worker last reported: its worker id and counters.
+type Slots = Arc<Mutex<Vec<(Option<u64>, WorkerStats)>>>;
+
 struct Progress {
     bar: Option<indicatif::ProgressBar>,
+    /// With several threads: where this one posts its counters (the bar sums them).
+    slot: Option<(Slots, usize)>,
     last: Instant,
+}
+
+fn spinner() -> indicatif::ProgressBar {
+    let b = indicatif::ProgressBar::new_spinner();
+    b.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} [{elapsed_precise}] {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+    );
+    b
 }
 
 impl Progress {
     fn update(&mut self, id: u64, stats: &WorkerStats, started: Instant, force: bool) {
-        let Some(bar) = &self.bar else { return };
         if !force && self.last.elapsed() < Duration::from_millis(200) {
             return;
         }
         self.last = Instant::now();
+        if let Some((slots, i)) = &self.slot {
+            if let Some(s) = slots.lock().unwrap_or_else(|p| p.into_inner()).get_mut(*i) {
+                *s = (Some(id), stats.clone());
+            }
+        }
+        let Some(bar) = &self.bar else { return };
         let rate = stats.samples as f64 / started.elapsed().as_secs_f64().max(1e-9);
         bar.set_message(format!(
             "worker {id} | {} samples | {rate:.0} samples/s | loss {:.4} | pushes {} ok, {} rejected | staleness {}",
@@ -349,14 +391,241 @@ impl Progress {
     }
 }
 
-/// Runs a native worker until its step or time limit, or until `shutdown` completes.
+/// Data partitions downloaded so far, by images path, shared by a worker's threads.
+type Cache = Arc<tokio::sync::Mutex<HashMap<String, Dataset>>>;
+
+/// How one worker loop takes part in its process.
+struct ThreadCtx {
+    /// As joined (`None`: a worker of one thread, joined as before threads existed).
+    threads: Option<Threads>,
+    cache: Cache,
+    progress: Progress,
+}
+
+/// Runs a native worker until its step or time limit, or until `shutdown` completes: one
+/// worker loop, or [`WorkOptions::threads`] of them as threads of one volunteer.
 ///
 /// # Errors
-/// Only for bad options (a malformed server URL); network trouble is retried with backoff and
-/// reported in the summary.
+/// Only for bad options (a malformed server URL, a thread count outside 1..=256) or when a
+/// thread cannot be started; network trouble is retried with backoff and reported in the
+/// summary.
 pub async fn work(opts: WorkOptions, shutdown: impl Future<Output = ()>) -> Result<Summary> {
-    let (http, ws) = base_urls(&opts.server)?;
+    base_urls(&opts.server)?;
+    if !(1..=MAX_THREADS as usize).contains(&opts.threads) {
+        return Err(Error::Config(format!(
+            "--threads {} is outside 1..={MAX_THREADS}",
+            opts.threads
+        )));
+    }
     let net = Net::new(&opts)?;
+    if opts.threads == 1 {
+        let ctx = ThreadCtx {
+            threads: None,
+            cache: Cache::default(),
+            progress: Progress {
+                bar: opts.progress.then(spinner),
+                slot: None,
+                last: Instant::now(),
+            },
+        };
+        return run_loop(&opts, &net, ctx, shutdown).await;
+    }
+    work_threads(opts, net, shutdown).await
+}
+
+/// A key for this process' threads to join under ([`Threads::volunteer`]): 32 random hex
+/// digits.
+fn volunteer_key() -> Result<String> {
+    let bytes = crate::credential::run_secret().map_err(|e| Error::io("drawing a key", e))?;
+    Ok(bytes[..16].iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// How long threads asked to stop may take before [`work`] returns without them (each one's
+/// waits race the stop, so they take milliseconds; this bounds a thread stuck in a step).
+const THREADS_STOP_WITHIN: Duration = Duration::from_millis(1500);
+
+async fn work_threads(
+    opts: WorkOptions,
+    net: Net,
+    shutdown: impl Future<Output = ()>,
+) -> Result<Summary> {
+    let n = opts.threads;
+    let started = Instant::now();
+    let volunteer = volunteer_key()?;
+    let cache = Cache::default();
+    let slots: Slots = Arc::new(Mutex::new(vec![(None, WorkerStats::default()); n]));
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut finished = futures_util::stream::FuturesUnordered::new();
+    for index in 0..n {
+        let (tx, rx) = tokio::sync::oneshot::channel::<Result<Summary>>();
+        let ctx = ThreadCtx {
+            threads: Some(Threads {
+                volunteer: volunteer.clone(),
+                index: index as u32,
+                count: n as u32,
+            }),
+            cache: cache.clone(),
+            progress: Progress {
+                bar: None,
+                slot: Some((slots.clone(), index)),
+                last: Instant::now(),
+            },
+        };
+        let (opts, net, mut stop) = (opts.clone(), net.clone(), stop_rx.clone());
+        let spawned = std::thread::Builder::new()
+            .name(format!("crowdgrad-worker-{index}"))
+            .spawn(move || {
+                let r = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .map_err(|e| Error::io("building a runtime", e))
+                    .and_then(|rt| {
+                        let stopped = async move {
+                            let _ = stop.wait_for(|s| *s).await;
+                        };
+                        let r = rt.block_on(run_loop(&opts, &net, ctx, stopped));
+                        // An HTTP call stuck on a stalled link sits on a blocking thread until
+                        // its own deadline: do not wait for it.
+                        rt.shutdown_timeout(Duration::from_millis(100));
+                        r
+                    });
+                let _ = tx.send(r);
+            });
+        if let Err(e) = spawned {
+            let _ = stop_tx.send(true);
+            return Err(Error::io("starting a worker thread", e));
+        }
+        finished.push(rx);
+    }
+    drop(stop_rx);
+    let bar = opts.progress.then(spinner);
+    let render = |force: bool| {
+        let Some(bar) = &bar else { return };
+        let slots = slots.lock().unwrap_or_else(|p| p.into_inner());
+        let ids: Vec<String> = slots
+            .iter()
+            .map(|(id, _)| id.map_or_else(|| "-".into(), |i| i.to_string()))
+            .collect();
+        let sum = sum_stats(slots.iter().map(|(_, s)| s));
+        let rate = sum.samples as f64 / started.elapsed().as_secs_f64().max(1e-9);
+        bar.set_message(format!(
+            "{n} threads, workers {} | {} samples | {rate:.0} samples/s | loss {:.4} | pushes {} ok, {} rejected | staleness {}",
+            ids.join(","), sum.samples, sum.ema_loss, sum.pushes_accepted, sum.pushes_rejected, sum.last_staleness
+        ));
+        if force {
+            bar.tick();
+        }
+    };
+    let mut summaries = Vec::with_capacity(n);
+    let mut tick = tokio::time::interval(Duration::from_millis(200));
+    let mut stop_by: Option<tokio::time::Instant> = None;
+    let mut lost_threads = 0usize;
+    tokio::pin!(shutdown);
+    while summaries.len() + lost_threads < n {
+        let give_up = async {
+            match stop_by {
+                Some(t) => tokio::time::sleep_until(t).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            r = finished.next() => match r {
+                Some(Ok(s)) => {
+                    let s = s?;
+                    summaries.push(s);
+                }
+                // The thread died without an answer (a panic): count it, keep the others.
+                Some(Err(_)) => lost_threads += 1,
+                None => break,
+            },
+            _ = &mut shutdown, if stop_by.is_none() => {
+                let _ = stop_tx.send(true);
+                stop_by = Some(tokio::time::Instant::now() + THREADS_STOP_WITHIN);
+            }
+            _ = give_up => {
+                tracing::warn!("{} threads did not stop within {THREADS_STOP_WITHIN:?}", n - summaries.len());
+                lost_threads = n - summaries.len();
+            }
+            _ = tick.tick() => render(true),
+        }
+    }
+    // Threads that ended by themselves (limits) leave the others running: stop them all.
+    let _ = stop_tx.send(true);
+    render(true);
+    if let Some(b) = &bar {
+        b.finish();
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let stats = sum_stats(summaries.iter().map(|s| &s.stats));
+    let mut last_error = summaries.iter().find_map(|s| s.last_error.clone());
+    if lost_threads > 0 {
+        last_error = Some(format!("{lost_threads} of {n} threads did not report"));
+    }
+    Ok(Summary {
+        worker_ids: summaries
+            .iter()
+            .flat_map(|s| s.worker_ids.clone())
+            .collect(),
+        samples_per_sec: stats.samples as f64 / seconds.max(1e-9),
+        stats,
+        seconds,
+        sessions: summaries.iter().map(|s| s.sessions).sum(),
+        peak_rss_kib: peak_rss_kib(),
+        last_error,
+        refused: summaries.iter().any(|s| s.refused),
+        threads: n,
+    })
+}
+
+/// The counters of several threads as one worker's: counts add up, the loss is their mean,
+/// staleness and read skew their largest.
+fn sum_stats<'a>(all: impl Iterator<Item = &'a WorkerStats>) -> WorkerStats {
+    let mut sum = WorkerStats::default();
+    let mut n = 0u32;
+    for s in all {
+        n += 1;
+        sum.steps += s.steps;
+        sum.samples += s.samples;
+        sum.pushes_sent += s.pushes_sent;
+        sum.pushes_accepted += s.pushes_accepted;
+        sum.pushes_rejected += s.pushes_rejected;
+        sum.pushes_lost += s.pushes_lost;
+        sum.last_loss += s.last_loss;
+        sum.ema_loss += s.ema_loss;
+        sum.last_staleness = sum.last_staleness.max(s.last_staleness);
+        sum.max_staleness = sum.max_staleness.max(s.max_staleness);
+        sum.staleness_sum += s.staleness_sum;
+        sum.read_skew = sum.read_skew.max(s.read_skew);
+        sum.rounds += s.rounds;
+        sum.local_steps = sum.local_steps.max(s.local_steps);
+        sum.compute_s += s.compute_s;
+        sum.wall_s = sum.wall_s.max(s.wall_s);
+        sum.bytes_up += s.bytes_up;
+        sum.bytes_down += s.bytes_down;
+        if sum.last_error.is_none() {
+            sum.last_error.clone_from(&s.last_error);
+        }
+    }
+    if n > 0 {
+        sum.last_loss /= f64::from(n);
+        sum.ema_loss /= f64::from(n);
+    }
+    sum
+}
+
+/// One worker loop: sessions with reconnection until its limits or `shutdown`.
+async fn run_loop(
+    opts: &WorkOptions,
+    net: &Net,
+    ctx: ThreadCtx,
+    shutdown: impl Future<Output = ()>,
+) -> Result<Summary> {
+    let (http, ws) = base_urls(&opts.server)?;
+    let ThreadCtx {
+        threads,
+        cache,
+        mut progress,
+    } = ctx;
     let started = Instant::now();
     let deadline = opts.duration.map(|d| started + d);
     let mut stats = WorkerStats::default();
@@ -365,18 +634,6 @@ pub async fn work(opts: WorkOptions, shutdown: impl Future<Output = ()>) -> Resu
     let mut backoff = Backoff::new(jitter_seed()).with_cap(opts.max_backoff.as_secs_f64());
     let mut last_error = None;
     let mut refused = false;
-    let mut cache: HashMap<String, Dataset> = HashMap::new();
-    let mut progress = Progress {
-        bar: opts.progress.then(|| {
-            let b = indicatif::ProgressBar::new_spinner();
-            b.set_style(
-                indicatif::ProgressStyle::with_template("{spinner} [{elapsed_precise}] {msg}")
-                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
-            );
-            b
-        }),
-        last: Instant::now(),
-    };
     tokio::pin!(shutdown);
     loop {
         let out_of_time = deadline.is_some_and(|d| Instant::now() >= d);
@@ -387,12 +644,13 @@ pub async fn work(opts: WorkOptions, shutdown: impl Future<Output = ()>) -> Resu
         sessions += 1;
         let steps_before = stats.steps;
         let end = session(
-            &opts,
-            &net,
+            opts,
+            net,
             &http,
             &ws,
             &mut ids,
-            &mut cache,
+            threads.as_ref(),
+            &cache,
             &mut stats,
             deadline,
             &mut progress,
@@ -444,6 +702,7 @@ pub async fn work(opts: WorkOptions, shutdown: impl Future<Output = ()>) -> Resu
         peak_rss_kib: peak_rss_kib(),
         last_error,
         refused,
+        threads: 1,
     })
 }
 
@@ -467,7 +726,8 @@ async fn session(
     http: &str,
     ws: &str,
     ids: &mut Vec<u64>,
-    cache: &mut HashMap<String, Dataset>,
+    threads: Option<&Threads>,
+    cache: &Cache,
     stats: &mut WorkerStats,
     deadline: Option<Instant>,
     progress: &mut Progress,
@@ -475,18 +735,33 @@ async fn session(
     mut shutdown: std::pin::Pin<&mut impl Future<Output = ()>>,
 ) -> Result<End> {
     let prepare = async {
-        let joined = join(net, http, opts.name.clone(), opts.identity.clone()).await?;
+        let joined = join(
+            net,
+            http,
+            opts.name.clone(),
+            opts.identity.clone(),
+            threads.cloned(),
+        )
+        .await?;
         ids.push(joined.worker_id);
-        let data = match cache.get(&joined.partition.images) {
+        // The first thread to need the partition downloads it; the others wait for it here.
+        let mut cached = cache.lock().await;
+        let data = match cached.get(&joined.partition.images) {
             Some(d) => d.clone(),
             None => {
                 let images = get(net, format!("{http}{}", joined.partition.images)).await?;
                 let labels = get(net, format!("{http}{}", joined.partition.labels)).await?;
                 let d = Dataset::from_idx(&images, &labels).map_err(Error::from)?;
-                cache.insert(joined.partition.images.clone(), d.clone());
+                // Bounded: as many partitions as threads (a server without thread support
+                // gives each its own); a restarted server's new paths replace the old.
+                if cached.len() >= threads.map_or(1, |t| t.count as usize) {
+                    cached.clear();
+                }
+                cached.insert(joined.partition.images.clone(), d.clone());
                 d
             }
         };
+        drop(cached);
         Ok::<_, JoinError>((joined, data))
     };
     let (joined, data) = tokio::select! {

@@ -17,5 +17,6 @@ mod sim;
 mod spotcheck;
 mod stall;
 mod tls;
+mod threads;
 mod training;
 mod util;
