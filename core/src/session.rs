@@ -108,6 +108,38 @@ impl Default for PushGuard {
     }
 }
 
+/// `max |v|` and `Σ v²` (in f64) of finite `values`, in [`GUARD_LANES`] independent lanes
+/// (summed in a fixed order at the end, so the result is the same on every platform). A single
+/// running sum is one long chain of dependent f64 additions that does not vectorise: it was 43%
+/// of the server's CPU per step (perf, 2 native workers, 101,770 parameters); the lanes run
+/// ~8x faster.
+fn max_abs_and_square_sum(values: &[f32]) -> (f32, f64) {
+    let mut max = [0.0f32; GUARD_LANES];
+    let mut sq = [0.0f64; GUARD_LANES];
+    let chunks = values.chunks_exact(GUARD_LANES);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for i in 0..GUARD_LANES {
+            let a = c[i].abs();
+            // A select, not `f32::max` (whose NaN rule does not vectorise); values are finite.
+            max[i] = if a > max[i] { a } else { max[i] };
+            sq[i] += f64::from(c[i]) * f64::from(c[i]);
+        }
+    }
+    for (i, &v) in rest.iter().enumerate() {
+        let a = v.abs();
+        max[i] = if a > max[i] { a } else { max[i] };
+        sq[i] += f64::from(v) * f64::from(v);
+    }
+    (
+        max.iter().fold(0.0f32, |m, &a| if a > m { a } else { m }),
+        sq.iter().sum(),
+    )
+}
+
+/// Lanes of [`max_abs_and_square_sum`].
+const GUARD_LANES: usize = 8;
+
 /// Accepted pushes whose norms the median is taken over.
 pub const NORM_WINDOW: usize = 64;
 /// Accepted pushes before the norm bound applies.
@@ -395,11 +427,7 @@ impl ShardState {
                 g.max_samples
             ));
         }
-        let (mut max, mut sq) = (0.0f32, 0.0f64);
-        for &v in &self.scratch {
-            max = max.max(v.abs());
-            sq += f64::from(v) * f64::from(v);
-        }
+        let (max, sq) = max_abs_and_square_sum(&self.scratch);
         if max > g.max_abs {
             return Err(format!(
                 "a value of magnitude {max:e} exceeds the bound {:e}",
@@ -1107,6 +1135,24 @@ mod tests {
     use crate::optim::{OptimizerConfig, Rule};
     use crate::shard::StalenessPolicy;
     use crate::wire::{ClientKind, Hello};
+
+    /// The laned guard sums equal a plain running max and f64 sum (to rounding), for every
+    /// remainder length; the max is exact.
+    #[test]
+    fn guard_sums_in_lanes_match_a_plain_loop() {
+        let mut rng = crate::rng::Rng::new(5);
+        for n in [0usize, 1, 7, 8, 9, 1000, 50_885] {
+            let v: Vec<f32> = (0..n).map(|_| (rng.normal() * 3.0) as f32).collect();
+            let (max, sq) = max_abs_and_square_sum(&v);
+            let want_max = v.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            let want_sq: f64 = v.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+            assert_eq!(max, want_max, "n {n}");
+            assert!(
+                (sq - want_sq).abs() <= 1e-12 * want_sq.max(1.0),
+                "n {n}: {sq} {want_sq}"
+            );
+        }
+    }
 
     fn state(consistency: Consistency, n: usize) -> ShardState {
         let setup = ShardSetup {
