@@ -14,7 +14,6 @@ use crate::error::{Error, Result};
 use crowdgrad_core::spec::{JoinRequest, JoinResponse};
 use crowdgrad_core::wire::{self, ClientKind, Hello, Message as Frame, PROTOCOL_VERSION};
 use futures_util::{SinkExt, StreamExt};
-use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -37,6 +36,60 @@ pub struct E2e {
     pub server_rss_mib: f64,
     /// Largest worker peak RSS, MiB.
     pub worker_rss_mib: f64,
+    /// Server CPU time (user + system, all threads) per worker step, ms, over the same window
+    /// as the rates: what a step costs the parameter server, whatever else runs on the machine.
+    pub server_cpu_ms_per_step: f64,
+    /// Worker CPU time per step (all worker processes together over all their steps), ms.
+    pub worker_cpu_ms_per_step: f64,
+    /// The 1-minute load average when the run ended (how busy the machine was).
+    pub load_avg: f64,
+}
+
+impl E2e {
+    /// The header of [`E2e::row`]'s Markdown table.
+    pub const HEADER: &'static str = "| workers | samples/s | steps/s | time to 95% | final accuracy | server peak RSS | worker peak RSS | server CPU/step | worker CPU/step | load avg |\n|---|---|---|---|---|---|---|---|---|---|";
+
+    /// This run as a row of a Markdown table under [`E2e::HEADER`].
+    pub fn row(&self) -> String {
+        format!(
+            "| {} | {:.0} | {:.0} | {} | {:.2}% | {:.0} MiB | {:.0} MiB | {:.3} ms | {:.3} ms | {:.2} |",
+            self.workers,
+            self.samples_per_sec,
+            self.steps_per_sec,
+            self.to_95
+                .map_or("not reached".into(), |t| format!("{t:.1} s")),
+            self.accuracy * 100.0,
+            self.server_rss_mib,
+            self.worker_rss_mib,
+            self.server_cpu_ms_per_step,
+            self.worker_cpu_ms_per_step,
+            self.load_avg,
+        )
+    }
+}
+
+/// CPU time (user + system) process `pid` has used so far, seconds, from `/proc/PID/stat`
+/// (Linux; in clock ticks of 1/100 s, the USER_HZ of every Linux ABI); 0 when unreadable.
+fn cpu_seconds(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            // The fields after the command name (which may hold spaces) in parentheses.
+            let rest = &s[s.rfind(')')? + 1..];
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            // utime and stime are fields 14 and 15 of the line, 12 and 13 after the name.
+            let ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+            Some(ticks as f64 / 100.0)
+        })
+        .unwrap_or(0.0)
+}
+
+/// The 1-minute load average (Linux), 0 when unreadable.
+fn load_avg() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0.0)
 }
 
 fn rss_mib(pid: u32) -> f64 {
@@ -86,7 +139,8 @@ pub fn e2e(
     seconds: f64,
     serve_args: &[String],
 ) -> Result<E2e> {
-    let mut server = Command::new(exe)
+    let mut serve = Command::new(exe);
+    serve
         .args(["serve", "--addr", "127.0.0.1:0", "--no-fetch"])
         // Evaluate often enough to time the climb to 95%, unless the caller chose a period.
         .args(
@@ -97,28 +151,12 @@ pub fn e2e(
         )
         .arg("--data-dir")
         .arg(data_dir)
-        .args(serve_args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| Error::io("starting the server", e))?;
-    let out = server
-        .stdout
-        .take()
-        .ok_or_else(|| Error::Config("no server stdout".into()))?;
+        .args(serve_args);
+    // Its stdout is drained to the end: the server prints more after its listening line (the
+    // admin token), and a closed pipe would end it.
+    let (server, url) = link::start_server(serve, Duration::from_secs(60))?;
     let server_pid = server.id();
     let mut procs = Killer(vec![server]);
-    let mut url = None;
-    for line in BufReader::new(out)
-        .lines()
-        .map_while(std::result::Result::ok)
-    {
-        if let Some(u) = line.strip_prefix("crowdgrad listening on ") {
-            url = Some(u.trim().to_string());
-            break;
-        }
-    }
-    let url = url.ok_or_else(|| Error::Config("the server did not start".into()))?;
     let started = Instant::now();
     let mut worker_pids = Vec::new();
     for _ in 0..workers {
@@ -134,8 +172,9 @@ pub fn e2e(
     }
     let mut to_95 = None;
     let mut worker_rss: f64 = 0.0;
-    let mut first: Option<(Instant, u64, u64)> = None;
-    let mut last = (Instant::now(), 0u64, 0u64);
+    // (when, samples, shard 0 version, server CPU s, workers' CPU s)
+    let mut first: Option<(Instant, u64, u64, f64, f64)> = None;
+    let mut last = (Instant::now(), 0u64, 0u64, 0.0, 0.0);
     while started.elapsed().as_secs_f64() < seconds - 0.3 {
         std::thread::sleep(Duration::from_millis(100));
         for pid in &worker_pids {
@@ -144,16 +183,22 @@ pub fn e2e(
         let Ok(s) = status(&url) else { continue };
         let samples = s["totals"]["samples"].as_u64().unwrap_or(0);
         let steps = s["shards"][0]["version"].as_u64().unwrap_or(0);
+        let cpu = (
+            cpu_seconds(server_pid),
+            worker_pids.iter().map(|p| cpu_seconds(*p)).sum::<f64>(),
+        );
         if first.is_none() && samples > 0 {
-            first = Some((Instant::now(), samples, steps));
+            first = Some((Instant::now(), samples, steps, cpu.0, cpu.1));
         }
-        last = (Instant::now(), samples, steps);
+        last = (Instant::now(), samples, steps, cpu.0, cpu.1);
         if to_95.is_none() && s["eval"]["accuracy"].as_f64().unwrap_or(0.0) >= 0.95 {
             to_95 = Some(started.elapsed().as_secs_f64());
         }
     }
-    let (t0, s0, v0) = first.unwrap_or(last);
+    let (t0, s0, v0, sc0, wc0) = first.unwrap_or(last);
     let dt = last.0.duration_since(t0).as_secs_f64().max(1e-9);
+    let steps = (last.2 - v0).max(1) as f64;
+    let load = load_avg();
     std::thread::sleep(Duration::from_millis(600));
     let accuracy = status(&url)
         .ok()
@@ -169,6 +214,9 @@ pub fn e2e(
         accuracy,
         server_rss_mib,
         worker_rss_mib: worker_rss,
+        server_cpu_ms_per_step: (last.3 - sc0) * 1e3 / steps,
+        worker_cpu_ms_per_step: (last.4 - wc0) * 1e3 / steps,
+        load_avg: load,
     })
 }
 

@@ -403,21 +403,10 @@ fn main() -> anyhow::Result<()> {
                 },
         } => {
             let exe = std::env::current_exe()?;
-            println!("| workers | samples/s | steps/s | time to 95% | final accuracy | server peak RSS | worker peak RSS |");
-            println!("|---|---|---|---|---|---|---|");
+            println!("{}", crowdgrad::bench::E2e::HEADER);
             for n in workers {
                 let r = crowdgrad::bench::e2e(&exe, &data_dir, n, seconds, &serve_args)?;
-                println!(
-                    "| {} | {:.0} | {:.0} | {} | {:.2}% | {:.0} MiB | {:.0} MiB |",
-                    r.workers,
-                    r.samples_per_sec,
-                    r.steps_per_sec,
-                    r.to_95
-                        .map_or("not reached".into(), |t| format!("{t:.1} s")),
-                    r.accuracy * 100.0,
-                    r.server_rss_mib,
-                    r.worker_rss_mib
-                );
+                println!("{}", r.row());
             }
         }
         Cmd::Bench {
