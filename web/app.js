@@ -309,11 +309,32 @@ function renderWorkers(workers) {
       cell(`${fixed(w.staleness_mean, 1)} / ${num(w.staleness_max)}`, 'num'),
       sparkCell(w.staleness_hist),
       ...exchangeCells(w.exchange),
+      trustCell(w.ids || [w.id], tr),
       cell(`${fixed(w.last_seen_s, 1)} s ago`, 'num'),
     );
     return tr;
   }));
   markMyWorker();
+}
+
+// Spot checks and quarantine (issue 10), from the status's reputation section: checks passed
+// / failed over the row's worker ids, or QUARANTINED with the reason as the tooltip.
+let reputation = { workers: {} };
+function trustCell(ids, tr) {
+  const reps = ids.map((id) => (reputation.workers || {})[String(id)]).filter(Boolean);
+  const q = reps.find((r) => r.quarantined);
+  if (q) {
+    tr.dataset.quarantined = 'true';
+    const td = cell('QUARANTINED', 'quarantined');
+    td.title = q.quarantined.reason;
+    return td;
+  }
+  const ok = reps.reduce((n, r) => n + r.spot_passed, 0);
+  const bad = reps.reduce((n, r) => n + r.spot_failed, 0);
+  const td = cell(reps.length ? `${num(ok)} / ${num(bad)}` : '–', 'num');
+  const last = reps.map((r) => r.last_check).filter(Boolean).pop();
+  if (last) td.title = `last check: cosine ${last.cosine.toFixed(6)}, norm ratio ${last.norm_ratio.toFixed(4)}`;
+  return td;
 }
 
 // What a worker reported about its exchanges (issue 8): inner steps per push, the negotiated
@@ -408,6 +429,9 @@ function renderStatus(st) {
   $('kpi-samples').textContent = num(t.samples);
   $('kpi-pushes').textContent = `${num(t.pushes_applied)} / ${num(t.pushes_rejected)}`;
   $('kpi-frames').textContent = num(t.frames_rejected);
+  reputation = st.reputation || { workers: {} };
+  const sc = st.spot_checks;
+  $('kpi-spot').textContent = `${sc ? `${num(sc.passed)} / ${num(sc.failed)}` : 'off'} · ${num(reputation.quarantined || 0)}`;
   $('kpi-bytes').textContent = `${bytes(t.bytes_up)} / ${bytes(t.bytes_down)}`;
   $('kpi-kinds').textContent = kindSummary(t.workers);
   $('kpi-mode').textContent = st.consistency || '–';

@@ -1622,6 +1622,65 @@ mod tests {
     }
 
     #[test]
+    fn pushes_to_a_spot_checking_shard_carry_the_rounds_first_batch_and_versions() {
+        let local = LocalConfig {
+            steps: LocalSteps::Fixed(3),
+            ..LocalConfig::default()
+        };
+        let mut w = local_worker(local, 2, None);
+        for shard in 0..2 {
+            w.connected(shard);
+        }
+        drain(&mut w);
+        // Shard 0 spot-checks, shard 1 does not.
+        for (shard, version) in [(0usize, 4u64), (1, 9)] {
+            let f = wire::encode(&Message::Welcome {
+                request_id: 1,
+                shard: shard as u32,
+                welcome: Welcome {
+                    protocol: PROTOCOL_VERSION,
+                    range: range(&w, shard),
+                    version,
+                    pull_encoding: Default::default(),
+                    push_encoding: Default::default(),
+                    reports: false,
+                    spot_checks: shard == 0,
+                },
+            });
+            w.receive(shard, &f).unwrap();
+        }
+        let mut p = pulls(&drain(&mut w));
+        for round in 0..2u64 {
+            answer(&mut w, &p, &[4, 9]);
+            for _ in 0..3 {
+                w.step().unwrap();
+            }
+            let out = frames(&mut w);
+            let tags: Vec<(usize, Option<wire::PushTag>)> = out
+                .iter()
+                .filter(|(_, f)| matches!(wire::decode(f, usize::MAX), Ok(Message::Push { .. })))
+                .map(|(shard, f)| (*shard, wire::push_tag(f).unwrap()))
+                .collect();
+            let want = wire::PushTag {
+                batch: 3 * round,
+                versions: vec![4, 9],
+            };
+            assert_eq!(tags, vec![(0, Some(want)), (1, None)], "round {round}");
+            p = out
+                .iter()
+                .filter_map(|(shard, f)| match wire::decode(f, usize::MAX) {
+                    Ok(Message::Pull {
+                        request_id,
+                        min_version,
+                        ..
+                    }) => Some((*shard, request_id, min_version)),
+                    _ => None,
+                })
+                .collect();
+        }
+    }
+
+    #[test]
     fn local_steps_push_the_pseudo_gradient_after_h_inner_steps() {
         let local = LocalConfig {
             steps: LocalSteps::Fixed(3),
