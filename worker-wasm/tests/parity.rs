@@ -21,9 +21,16 @@
 //!   run time by CPU features (FMA where available), and through `expf`/`ln`, so they may round
 //!   differently on another machine even though on the reference machine they match bit for
 //!   bit. The largest relative difference seen is printed by both tests.
+//!
+//! Every GEMM kernel ([`Gemm::ALL`]: `matrixmultiply`, our load-splat kernel) computes the
+//! same gradients of the MLP, the CNN and the small CNN, and each is compared with the one
+//! native fixture (`*_kernel_matches_native_fixture`): in the browser that is wasm
+//! load-splat on `v128` lanes (and, in the relaxed-SIMD build the xtask tests too,
+//! `f32x4.relaxed_madd`) against native `matrixmultiply` with AVX2/FMA. `compute` itself uses
+//! the target's default kernel, load-splat on wasm.
 
 use crowdgrad_core::data::{BatchSampler, Dataset};
-use crowdgrad_core::model::{Model, ModelSpec};
+use crowdgrad_core::model::{default_kernel, Gemm, Model, ModelSpec};
 use crowdgrad_core::optim::{self, OptState, OptimizerConfig, Rule};
 use crowdgrad_core::rng::Rng;
 use crowdgrad_core::wire::{self, ClientKind, Message};
@@ -108,60 +115,8 @@ fn compute() -> Fingerprint {
     fp.put_exact("init.mlp128.len", p0.len().to_string());
     fp.put_exact("init.mlp128.bits", fnv_f32(&p0));
 
-    // Data parsing and batching.
-    let (img, lab) = synthetic_idx(96, 5);
-    let data = Dataset::from_idx(&img, &lab).expect("valid IDX");
-    let mut sampler = BatchSampler::new(data.len(), 11);
-    let mut idx = vec![0u32; 32];
-    let mut all_idx = Vec::new();
-    for _ in 0..4 {
-        sampler.next_batch(&mut idx);
-        all_idx.extend_from_slice(&idx);
-    }
-    fp.put_exact(
-        "data.batches",
-        fnv(all_idx.iter().flat_map(|i| i.to_le_bytes())),
-    );
-    let mut x = Array2::zeros((32, 784));
-    let mut y = vec![0u8; 32];
-    data.fill_batch(&idx, &mut x.view_mut(), &mut y);
-    fp.put_exact(
-        "data.batch_x",
-        fnv_f32(x.as_slice().expect("standard layout")),
-    );
-    fp.put_exact("data.batch_y", fnv(y.iter().copied()));
-
-    // Loss and gradient of the MNIST MLP on that batch.
-    let mut grad = vec![0.0f32; p0.len()];
-    let mut ws = mlp.workspace(32);
-    let stats = mlp
-        .loss_and_grad(&p0, x.view(), &y, &mut grad, &mut ws)
-        .expect("fits");
-    fp.put_approx("mlp128.loss", [stats.mean_loss()]);
-    fp.put_approx("mlp128.grad.l2_sum", [l2(&grad), sum(&grad)]);
-    // A spread of individual entries: first and last layer, weights and biases.
-    let picks: Vec<f64> = [
-        0usize, 1, 5000, 77_777, 100_351, 100_480, 100_481, 101_759, 101_769,
-    ]
-    .iter()
-    .map(|&i| f64::from(grad[i]))
-    .collect();
-    fp.put_approx("mlp128.grad.picks", picks);
-
-    // A tiny model, every gradient entry.
-    let tiny = Model::new(ModelSpec::parse("mlp:8", 16, 4).expect("spec")).expect("model");
-    let tp = tiny.init_params(3);
-    let mut r = Rng::new(9);
-    let tx = Array2::from_shape_fn((8, 16), |_| r.normal() as f32);
-    let ty: Vec<u8> = (0..8).map(|_| r.below(4) as u8).collect();
-    let mut tg = vec![0.0f32; tp.len()];
-    let mut tws = tiny.workspace(8);
-    let ts = tiny
-        .loss_and_grad(&tp, tx.view(), &ty, &mut tg, &mut tws)
-        .expect("fits");
-    fp.put_exact("tiny.init.bits", fnv_f32(&tp));
-    fp.put_approx("tiny.loss", [ts.mean_loss()]);
-    fp.put_approx("tiny.grad", tg.iter().map(|&g| f64::from(g)));
+    let (x, y) = mnist_batch(&mut fp);
+    gradients(&mut fp, default_kernel(), &x, &y);
 
     // The optimizer: element-wise IEEE arithmetic, so bit-exact.
     for name in ["sgd", "momentum", "adagrad", "rmsprop", "adam"] {
@@ -183,15 +138,82 @@ fn compute() -> Fingerprint {
         fp.put_exact(&format!("optim.{name}"), fnv_f32(&p));
     }
 
-    cnn(&mut fp, &x, &y);
     worker_session(&mut fp);
     fp
+}
+
+/// The MNIST-shaped batch the gradients are taken on, from IDX parsing and the sampler; their
+/// digests go into `fp`.
+fn mnist_batch(fp: &mut Fingerprint) -> (Array2<f32>, Vec<u8>) {
+    let (img, lab) = synthetic_idx(96, 5);
+    let data = Dataset::from_idx(&img, &lab).expect("valid IDX");
+    let mut sampler = BatchSampler::new(data.len(), 11);
+    let mut idx = vec![0u32; 32];
+    let mut all_idx = Vec::new();
+    for _ in 0..4 {
+        sampler.next_batch(&mut idx);
+        all_idx.extend_from_slice(&idx);
+    }
+    fp.put_exact(
+        "data.batches",
+        fnv(all_idx.iter().flat_map(|i| i.to_le_bytes())),
+    );
+    let mut x = Array2::zeros((32, 784));
+    let mut y = vec![0u8; 32];
+    data.fill_batch(&idx, &mut x.view_mut(), &mut y);
+    fp.put_exact(
+        "data.batch_x",
+        fnv_f32(x.as_slice().expect("standard layout")),
+    );
+    fp.put_exact("data.batch_y", fnv(y.iter().copied()));
+    (x, y)
+}
+
+/// Losses and gradients of every model on the batch `x`, `y`, computed with `kernel`.
+fn gradients(fp: &mut Fingerprint, kernel: Gemm, x: &Array2<f32>, y: &[u8]) {
+    let mlp = Model::new(ModelSpec::parse("mlp:128", 784, 10).expect("spec")).expect("model");
+    let p0 = mlp.init_params(7);
+    // Loss and gradient of the MNIST MLP on that batch.
+    let mut grad = vec![0.0f32; p0.len()];
+    let mut ws = mlp.workspace(32);
+    ws.set_gemm(kernel);
+    let stats = mlp
+        .loss_and_grad(&p0, x.view(), y, &mut grad, &mut ws)
+        .expect("fits");
+    fp.put_approx("mlp128.loss", [stats.mean_loss()]);
+    fp.put_approx("mlp128.grad.l2_sum", [l2(&grad), sum(&grad)]);
+    // A spread of individual entries: first and last layer, weights and biases.
+    let picks: Vec<f64> = [
+        0usize, 1, 5000, 77_777, 100_351, 100_480, 100_481, 101_759, 101_769,
+    ]
+    .iter()
+    .map(|&i| f64::from(grad[i]))
+    .collect();
+    fp.put_approx("mlp128.grad.picks", picks);
+
+    // A tiny model, every gradient entry.
+    let tiny = Model::new(ModelSpec::parse("mlp:8", 16, 4).expect("spec")).expect("model");
+    let tp = tiny.init_params(3);
+    let mut r = Rng::new(9);
+    let tx = Array2::from_shape_fn((8, 16), |_| r.normal() as f32);
+    let ty: Vec<u8> = (0..8).map(|_| r.below(4) as u8).collect();
+    let mut tg = vec![0.0f32; tp.len()];
+    let mut tws = tiny.workspace(8);
+    tws.set_gemm(kernel);
+    let ts = tiny
+        .loss_and_grad(&tp, tx.view(), &ty, &mut tg, &mut tws)
+        .expect("fits");
+    fp.put_exact("tiny.init.bits", fnv_f32(&tp));
+    fp.put_approx("tiny.loss", [ts.mean_loss()]);
+    fp.put_approx("tiny.grad", tg.iter().map(|&g| f64::from(g)));
+
+    cnn(fp, kernel, x, y);
 }
 
 /// The default CNN (`cnn`: im2col convolutions, max-pooling, dense layers) and a small model
 /// with every other layer kind (padding, stride, average pooling, dropout), on the MNIST-shaped
 /// batch `x`, `y`: initial weights exactly, loss and gradients within tolerance.
-fn cnn(fp: &mut Fingerprint, x: &Array2<f32>, y: &[u8]) {
+fn cnn(fp: &mut Fingerprint, kernel: Gemm, x: &Array2<f32>, y: &[u8]) {
     let cnn =
         Model::new(ModelSpec::parse_shaped("cnn", &[28, 28], 10).expect("spec")).expect("model");
     let p0 = cnn.init_params(7);
@@ -199,6 +221,7 @@ fn cnn(fp: &mut Fingerprint, x: &Array2<f32>, y: &[u8]) {
     fp.put_exact("init.cnn.bits", fnv_f32(&p0));
     let mut grad = vec![0.0f32; p0.len()];
     let mut ws = cnn.workspace(32);
+    ws.set_gemm(kernel);
     let stats = cnn
         .loss_and_grad(&p0, x.view(), y, &mut grad, &mut ws)
         .expect("fits");
@@ -226,6 +249,7 @@ fn cnn(fp: &mut Fingerprint, x: &Array2<f32>, y: &[u8]) {
     let sp = small.init_params(5);
     let mut sg = vec![0.0f32; sp.len()];
     let mut sws = small.workspace(32);
+    sws.set_gemm(kernel);
     let ss = small
         .loss_and_grad_seeded(&sp, x.view(), y, 99, &mut sg, &mut sws)
         .expect("fits");
@@ -395,6 +419,54 @@ fn compare_flags_differences() {
     }
     let failures = compare(&got, &want).failures;
     assert_eq!(failures.len(), 2, "{failures:?}");
+}
+
+/// The gradients of every model with `kernel`, compared with the fixture's (native default
+/// kernel) values of the same keys.
+fn kernel_report(kernel: Gemm) -> Report {
+    let mut fp = Fingerprint::default();
+    let (x, y) = mnist_batch(&mut fp);
+    gradients(&mut fp, kernel, &x, &y);
+    let mut want = fixture();
+    want.exact.retain(|k, _| fp.exact.contains_key(k));
+    want.approx.retain(|k, _| fp.approx.contains_key(k));
+    assert!(
+        want.approx.len() >= 10,
+        "the fixture lacks the gradient keys: {:?}",
+        want.approx.keys()
+    );
+    compare(&fp, &want)
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+#[test]
+fn every_kernel_matches_native_fixture() {
+    for kernel in Gemm::ALL {
+        let report = kernel_report(kernel);
+        println!("native {kernel} vs fixture: {report}");
+        assert!(
+            report.failures.is_empty(),
+            "{kernel}: {}",
+            report.failures.join("\n")
+        );
+    }
+}
+
+#[cfg(target_arch = "wasm32")]
+#[wasm_bindgen_test::wasm_bindgen_test]
+fn wasm_every_kernel_matches_native_fixture() {
+    let (simd128, relaxed) = Gemm::simd_lanes();
+    for kernel in Gemm::ALL {
+        let report = kernel_report(kernel);
+        wasm_bindgen_test::console_log!(
+            "wasm {kernel} (simd128 {simd128}, relaxed-simd {relaxed}) vs native fixture: {report}"
+        );
+        assert!(
+            report.failures.is_empty(),
+            "{kernel}: {}",
+            report.failures.join("\n")
+        );
+    }
 }
 
 #[cfg(target_arch = "wasm32")]

@@ -4,7 +4,12 @@
 //!   the version of the `wasm-bindgen` crate in `Cargo.lock`, Chromium and chromedriver (apt),
 //!   and the npm packages (`npm ci`).
 //! - `build-web`: the browser worker for wasm32 (`wasm-release` profile, SIMD128), its JS
-//!   bindings into `web/pkg/`, and the chart library into `web/vendor/`.
+//!   bindings into `web/pkg/`, a second build with relaxed SIMD into `web/pkg/relaxed/` (same
+//!   JS glue, checked; `web/worker.js` loads it only when asked and the engine validates relaxed
+//!   SIMD), and the chart library into `web/vendor/`.
+//! - `bench-browser [ARGS...]`: build-web, the release server, native `step_time` (AVX2/FMA
+//!   detected) and a second one built with `MMTEST_FEATURE=sse2` (matrixmultiply limited to
+//!   SSE2, wasm SIMD128's width) into `target/sse2`, then `tests/browser/bench-step.mjs ARGS...`.
 //! - `serve [ARGS...]`: setup, build-web, then `crowdgrad serve ARGS...` (release).
 //! - `test`: everything CI runs, in order, failing fast with the name of the failed stage:
 //!   formatting, clippy, core for wasm32, release build, MNIST, `cargo test --workspace
@@ -24,6 +29,9 @@ use std::{env, fs};
 /// RUSTFLAGS for every wasm32 build: the browser build, the core check and the wasm tests share
 /// them so they share artifacts.
 const WASM_RUSTFLAGS: &str = "-C target-feature=+simd128";
+/// The relaxed-SIMD build (`f32x4.relaxed_madd` in both GEMM kernels); its own target dir
+/// (`target/relaxed`) so the two flag sets do not rebuild each other's artifacts.
+const WASM_RELAXED_RUSTFLAGS: &str = "-C target-feature=+simd128,+relaxed-simd";
 const WASM_TARGET: &str = "wasm32-unknown-unknown";
 const CHROMIUM: &str = "/usr/bin/chromium";
 const CHROMEDRIVER: &str = "/usr/bin/chromedriver";
@@ -35,6 +43,9 @@ commands:
   setup            install the wasm32 target, wasm-bindgen-cli, Chromium + chromedriver, npm packages
   build-web        build the browser worker into web/pkg and copy chart assets into web/vendor
   serve [ARGS...]  setup, build-web, then `crowdgrad serve ARGS...` (release build)
+  bench-browser [ARGS...]
+                   build-web and native step_time (AVX2 and SSE2-only), then the browser step
+                   benchmark tests/browser/bench-step.mjs ARGS... (--rounds N, --tab-seconds S)
   test             everything CI runs (fmt, clippy, builds, tests, wasm tests, browser e2e)";
 
 fn main() -> ExitCode {
@@ -54,6 +65,7 @@ fn main() -> ExitCode {
         "setup" => x.setup(),
         "build-web" => x.build_web(),
         "serve" => x.serve(&args[1..]),
+        "bench-browser" => x.bench_browser(&args[1..]),
         "test" => x.test(),
         "help" | "-h" | "--help" => {
             println!("{USAGE}");
@@ -207,6 +219,58 @@ impl Xtask {
             println!("web/pkg/crowdgrad_worker_wasm_bg.wasm: {} KiB", size / 1024);
             Ok(())
         })?;
+        self.stage(
+            "build-web: relaxed-SIMD wasm worker into web/pkg/relaxed",
+            |x| {
+                let target = x.target_dir().join("relaxed");
+                let mut c = x.cargo();
+                c.args([
+                    "build",
+                    "-p",
+                    "crowdgrad-worker-wasm",
+                    "--target",
+                    WASM_TARGET,
+                    "--profile",
+                    "wasm-release",
+                ])
+                .env("CARGO_TARGET_DIR", &target)
+                .env(
+                    "CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS",
+                    WASM_RELAXED_RUSTFLAGS,
+                );
+                run(c)?;
+                let wasm = target
+                    .join(WASM_TARGET)
+                    .join("wasm-release")
+                    .join("crowdgrad_worker_wasm.wasm");
+                let out = x.root.join("web/pkg/relaxed");
+                let mut c = x.cmd("wasm-bindgen");
+                c.args(["--target", "web", "--out-dir"])
+                    .arg(&out)
+                    .arg(&wasm);
+                run(c)?;
+                // web/worker.js loads this module with the plain build's glue: they must agree.
+                let glue = "crowdgrad_worker_wasm.js";
+                let plain = fs::read(x.root.join("web/pkg").join(glue))?;
+                if fs::read(out.join(glue))? != plain {
+                    bail!("the relaxed-SIMD build's JS glue differs from the plain build's");
+                }
+                for entry in fs::read_dir(&out)? {
+                    let path = entry?.path();
+                    if path.file_name().and_then(|n| n.to_str())
+                        != Some("crowdgrad_worker_wasm_bg.wasm")
+                    {
+                        fs::remove_file(&path)?;
+                    }
+                }
+                let size = fs::metadata(out.join("crowdgrad_worker_wasm_bg.wasm"))?.len();
+                println!(
+                "web/pkg/relaxed/crowdgrad_worker_wasm_bg.wasm: {} KiB (glue shared with web/pkg)",
+                size / 1024
+            );
+                Ok(())
+            },
+        )?;
         self.stage("build-web: vendor JS into web/vendor", |x| x.copy_vendor())
     }
 
@@ -219,6 +283,52 @@ impl Xtask {
                 .args(args);
             run(c)
         })
+    }
+
+    fn bench_browser(&mut self, args: &[String]) -> Result<()> {
+        self.build_web()?;
+        self.stage("release build of the server", |x| {
+            let mut c = x.cargo();
+            c.args(["build", "--release", "-p", "crowdgrad"]);
+            run(c)
+        })?;
+        self.stage("native step_time (AVX2/FMA detected at run time)", |x| {
+            let mut c = x.cargo();
+            c.args([
+                "build",
+                "--release",
+                "-p",
+                "crowdgrad-worker-wasm",
+                "--example",
+                "step_time",
+            ]);
+            run(c)
+        })?;
+        self.stage(
+            "native step_time, SSE2 only (MMTEST_FEATURE=sse2, target/sse2)",
+            |x| {
+                let mut c = x.cargo();
+                c.args([
+                    "build",
+                    "--release",
+                    "-p",
+                    "crowdgrad-worker-wasm",
+                    "--example",
+                    "step_time",
+                ])
+                .env("CARGO_TARGET_DIR", x.target_dir().join("sse2"))
+                .env("MMTEST_FEATURE", "sse2");
+                run(c)
+            },
+        )?;
+        self.stage(
+            "browser step benchmark (tests/browser/bench-step.mjs)",
+            |x| {
+                let mut c = x.cmd("node");
+                c.arg("tests/browser/bench-step.mjs").args(args);
+                run(c)
+            },
+        )
     }
 
     fn test(&mut self) -> Result<()> {
@@ -277,6 +387,30 @@ impl Xtask {
             ]);
             wasm_env(&mut c);
             c.env(
+                "CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER",
+                "wasm-bindgen-test-runner",
+            )
+            .env("CHROMEDRIVER", CHROMEDRIVER)
+            .env("WASM_BINDGEN_TEST_TIMEOUT", "120");
+            x.run_counting(c)
+        })?;
+        self.stage("wasm parity with relaxed SIMD (target/relaxed)", |x| {
+            let mut c = x.cargo();
+            c.args([
+                "test",
+                "-p",
+                "crowdgrad-worker-wasm",
+                "--target",
+                WASM_TARGET,
+                "--test",
+                "parity",
+            ])
+            .env("CARGO_TARGET_DIR", x.target_dir().join("relaxed"))
+            .env(
+                "CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS",
+                WASM_RELAXED_RUSTFLAGS,
+            )
+            .env(
                 "CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER",
                 "wasm-bindgen-test-runner",
             )

@@ -5,9 +5,12 @@
 //!   which has a lane FMA) spends a lane shuffle on every multiply-accumulate; built with
 //!   `+relaxed-simd` it uses `f32x4.relaxed_madd`.
 //! - [`Gemm::LoadSplat`]: our own kernel in the shape XNNPACK uses for wasm: B in 8-column
-//!   panels (read in place when B is row-major, packed otherwise), A packed in 4-row micro-panels,
-//!   and a 4x8 micro-kernel that broadcasts each A scalar with one `v128.load32_splat` and
-//!   multiply-adds it into two B vectors: 8 accumulators, no shuffle in the loop. On wasm32 with
+//!   panels (read in place when B is row-major, packed otherwise: the weights of a forward pass
+//!   are read where they are, a transposed weight is packed once per product), A read in place
+//!   (row-major or transposed; a partial last group of rows is packed with zeros), and a 4x8
+//!   micro-kernel that broadcasts each A scalar with one `v128.load32_splat` and multiply-adds
+//!   it into two B vectors: 8 accumulators, no shuffle in the loop. Depth is cut in passes of
+//!   `KC` (256) like `matrixmultiply`'s, so long sums round like its. On wasm32 with
 //!   `simd128` the lanes are `v128` (and `f32x4.relaxed_madd` when the build has
 //!   `+relaxed-simd`); elsewhere they are `[f32; 4]`, so native tests run the same blocking,
 //!   packing and edge code.
@@ -103,9 +106,13 @@ pub fn set_default_kernel(kernel: Gemm) {
 const MR: usize = 4;
 /// Columns of a micro-tile: two 4-lane vectors of B.
 const NR: usize = 8;
-/// Rows of A packed at once: `MC x k` floats stay in L2 while every B panel passes over them,
-/// and one B panel (`k x 8`) stays in L1 across the `MC / MR` micro-panels.
+/// Rows of A packed at once: `MC x KC` floats (32 KiB) stay in L2 while every B panel passes
+/// over them, and one B panel (`KC x 8`, 8 KiB) stays in L1 across the `MC / MR` micro-panels.
 const MC: usize = 32;
+/// Depth of one pass: each output sums `KC` products in a register, then adds them to C
+/// (like `matrixmultiply`'s `kc`), which bounds the packing buffers and keeps long sums (an
+/// im2col weight gradient sums over every position of every example) as accurate as its.
+const KC: usize = 256;
 
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 mod lanes {
@@ -197,7 +204,7 @@ use lanes::F4;
 /// Packing buffers of the load-splat kernel; they grow to the largest product once.
 #[derive(Debug, Clone, Default)]
 pub struct Scratch {
-    /// `MC` rows of A in `MR`-row micro-panels: `[panel][p][row]`.
+    /// A last, partial micro-panel of A, packed with zero rows: `[p][row]`.
     a: Vec<f32>,
     /// B panels that cannot be read in place: `[panel][p][2 vectors]`.
     b: Vec<F4>,
@@ -284,66 +291,124 @@ fn load_splat(
         panels
     };
     let first_packed = panels - packed_panels;
-    let need_b = packed_panels * k * 2;
+    let kc_max = KC.min(k);
+    let need_b = packed_panels * kc_max * 2;
     if s.b.len() < need_b {
         s.b.resize(need_b, lanes::zero());
     }
-    for (q, jp) in (first_packed..panels).enumerate() {
-        pack_b(
-            &mut s.b[q * k * 2..(q + 1) * k * 2],
-            b,
-            brs,
-            bcs,
-            k,
-            jp * NR,
-            n,
-        );
-    }
-    let need_a = MC.min(m.div_ceil(MR) * MR) * k;
+    let need_a = MR * kc_max;
     if s.a.len() < need_a {
         s.a.resize(need_a, 0.0);
     }
-    let mut i0 = 0;
-    while i0 < m {
-        let mc = MC.min(m - i0);
-        let micro = mc.div_ceil(MR);
-        pack_a(&mut s.a[..micro * MR * k], a, ars, acs, k, i0, mc);
-        for jp in 0..panels {
-            let j0 = jp * NR;
-            let nr = NR.min(n - j0);
-            let panel = if jp < first_packed {
-                PanelB::InPlace { b, ld: brs, j0 }
-            } else {
-                let q = jp - first_packed;
-                PanelB::Packed(&s.b[q * k * 2..(q + 1) * k * 2])
-            };
-            for ip in 0..micro {
-                let pa = &s.a[ip * MR * k..(ip + 1) * MR * k];
-                let acc = match panel {
-                    PanelB::InPlace { b, ld, j0 } => tile(
-                        pa,
-                        b[j0..]
-                            .chunks(ld)
-                            .take(k)
-                            .map(|row| (lanes::load(&row[..4]), lanes::load(&row[4..8]))),
-                    ),
-                    PanelB::Packed(pb) => tile(pa, pb.chunks_exact(2).map(|v| (v[0], v[1]))),
-                };
-                let r0 = i0 + ip * MR;
-                let mr = MR.min(m - r0);
-                store(&acc, &mut c[r0 * n + j0..], n, mr, nr, beta);
-            }
+    let mut pc = 0;
+    while pc < k {
+        let kc = KC.min(k - pc);
+        // The first pass applies beta, the others add to what it wrote.
+        let beta = if pc == 0 { beta } else { 1.0 };
+        let (ak, bk) = (&a[pc * acs..], &b[pc * brs..]);
+        for (q, jp) in (first_packed..panels).enumerate() {
+            pack_b(
+                &mut s.b[q * kc * 2..(q + 1) * kc * 2],
+                bk,
+                brs,
+                bcs,
+                kc,
+                jp * NR,
+                n,
+            );
         }
-        i0 += mc;
+        let mut i0 = 0;
+        while i0 < m {
+            let mc = MC.min(m - i0);
+            let micro = mc.div_ceil(MR);
+            for jp in 0..panels {
+                let j0 = jp * NR;
+                let nr = NR.min(n - j0);
+                let panel = if jp < first_packed {
+                    PanelB::InPlace { b: bk, ld: brs, j0 }
+                } else {
+                    let q = jp - first_packed;
+                    PanelB::Packed(&s.b[q * kc * 2..(q + 1) * kc * 2])
+                };
+                for ip in 0..micro {
+                    let r0 = i0 + ip * MR;
+                    let mr = MR.min(m - r0);
+                    // Full micro-panels read A where it is; a last, partial one is packed
+                    // with zero rows (as are layouts with no unit stride, which the model
+                    // does not make).
+                    let source = if mr == MR && acs == 1 {
+                        PanelA::Rows(&ak[r0 * ars..], ars)
+                    } else if mr == MR && ars == 1 {
+                        PanelA::Columns(&ak[r0..], acs)
+                    } else {
+                        pack_a(&mut s.a[..MR * kc], ak, ars, acs, kc, r0, mr);
+                        PanelA::Packed(&s.a[..MR * kc])
+                    };
+                    let acc = micro_tile(source, &panel, kc);
+                    store(&acc, &mut c[r0 * n + j0..], n, mr, nr, beta);
+                }
+            }
+            i0 += mc;
+        }
+        pc += kc;
+    }
+}
+
+/// Where the micro-kernel reads its `MR` rows of A from.
+enum PanelA<'a> {
+    /// Row-major: row `r` is `a[r * ld..][..kc]`.
+    Rows(&'a [f32], usize),
+    /// Transposed: the `MR` values of step `p` are `a[p * ld..][..MR]`.
+    Columns(&'a [f32], usize),
+    /// Packed `[p][row]`.
+    Packed(&'a [f32]),
+}
+
+/// One `MR x NR` tile over `kc` steps, for every pair of A and B sources.
+#[inline(always)]
+fn micro_tile(a: PanelA<'_>, b: &PanelB<'_>, kc: usize) -> [[F4; 2]; MR] {
+    macro_rules! with_b {
+        ($a:expr) => {
+            match *b {
+                PanelB::InPlace { b, ld, j0 } => tile(
+                    $a,
+                    b[j0..]
+                        .chunks(ld)
+                        .take(kc)
+                        .map(|row| (lanes::load(&row[..4]), lanes::load(&row[4..8]))),
+                ),
+                PanelB::Packed(pb) => tile($a, pb.chunks_exact(2).map(|v| (v[0], v[1]))),
+            }
+        };
+    }
+    match a {
+        PanelA::Rows(a, ld) => {
+            let (r0, r1, r2, r3) = (
+                &a[..kc],
+                &a[ld..ld + kc],
+                &a[2 * ld..2 * ld + kc],
+                &a[3 * ld..3 * ld + kc],
+            );
+            with_b!(r0
+                .iter()
+                .zip(r1)
+                .zip(r2)
+                .zip(r3)
+                .map(|(((&x0, &x1), &x2), &x3)| [x0, x1, x2, x3]))
+        }
+        PanelA::Columns(a, ld) => {
+            with_b!(a.chunks(ld).take(kc).map(|c| [c[0], c[1], c[2], c[3]]))
+        }
+        PanelA::Packed(pa) => with_b!(pa.chunks_exact(MR).map(|c| [c[0], c[1], c[2], c[3]])),
     }
 }
 
 /// The 4x8 micro-kernel: for each `p`, four broadcasts of A times two vectors of B.
 #[inline(always)]
-fn tile(pa: &[f32], bs: impl Iterator<Item = (F4, F4)>) -> [[F4; 2]; MR] {
+fn tile(a: impl Iterator<Item = [f32; MR]>, bs: impl Iterator<Item = (F4, F4)>) -> [[F4; 2]; MR] {
     let z = lanes::zero();
     let mut acc = [[z; 2]; MR];
-    for (av, (b0, b1)) in pa.chunks_exact(MR).zip(bs) {
+    for (av, (b0, b1)) in a.zip(bs) {
         for (r, acc) in acc.iter_mut().enumerate() {
             let x = lanes::splat(av[r]);
             acc[0] = lanes::madd(x, b0, acc[0]);
@@ -447,6 +512,7 @@ mod tests {
             (33, 31, 10),
             (70, 3, 9),
             (128, 32, 10),
+            (6, 700, 9),
         ];
         for (i, &(m, k, n)) in shapes.iter().enumerate() {
             let seed = i as u64;

@@ -1,0 +1,434 @@
+#!/usr/bin/env node
+// Browser step benchmark (issue 11): the wasm gradient step per GEMM kernel against native in
+// the same run, per-layer shares of the CNN in wasm next to native, one tab's samples/s against
+// a server on this machine and against the in-memory loopback shards, and the bundle size.
+//
+//   cargo xtask bench-browser        (builds what it needs, then runs this script)
+//   node tests/browser/bench-step.mjs [--rounds 5] [--tab-seconds 10]
+//
+// Needs: web/pkg (cargo xtask build-web; web/pkg/relaxed too for the relaxed-SIMD rows),
+// target/release/crowdgrad, target/release/examples/step_time (native, AVX2/FMA detected at run
+// time) and target/sse2/release/examples/step_time (native built with MMTEST_FEATURE=sse2:
+// matrixmultiply limited to its 4-wide SSE2 kernel, the width of wasm SIMD128).
+//
+// Plain headless Chromium over a raw DevTools pipe with only the Runtime domain (as the
+// figures phase of e2e.mjs): nothing mirrors the page's WebSocket traffic. The wasm benchmarks
+// run in a dedicated module Web Worker that imports the same bundle the page uses and calls its
+// `bench_step` / `bench_layers` exports (worker-wasm/src/bench.rs); native runs the same Rust
+// code (examples/step_time.rs). Kernels and native builds are interleaved round by round and
+// the median of the rounds is reported, because the machine is shared. A benchmark, not a
+// test: it prints figures and fails only when something does not run.
+
+import { spawn } from 'node:child_process';
+import fs from 'node:fs';
+import net from 'node:net';
+import os from 'node:os';
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
+import zlib from 'node:zlib';
+
+const ROOT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '../..');
+const TARGET = process.env.CARGO_TARGET_DIR || path.join(ROOT, 'target');
+const SERVER = process.env.CROWDGRAD_BIN || path.join(TARGET, 'release/crowdgrad');
+const NATIVE = {
+  avx2: path.join(TARGET, 'release/examples/step_time'),
+  sse2: path.join(TARGET, 'sse2/release/examples/step_time'),
+};
+const CHROMIUM = process.env.CHROMIUM || '/usr/bin/chromium';
+const WEB = path.join(ROOT, 'web');
+const DATA = path.join(ROOT, 'data/mnist');
+const OUT = path.join(TARGET, 'browser');
+const LIMIT_S = Number(process.env.BENCH_TIMEOUT_S || 1200);
+const CHROMIUM_ARGS = [
+  '--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
+  '--disable-background-networking', '--disable-component-update', '--disable-sync',
+];
+
+const argv = process.argv.slice(2);
+const flag = (name, def) => {
+  const i = argv.indexOf(name);
+  return i >= 0 && argv[i + 1] !== undefined ? Number(argv[i + 1]) : def;
+};
+const ROUNDS = flag('--rounds', 5);
+const TAB_S = flag('--tab-seconds', 10);
+// Steps per round: MLP steps take ~0.3-1 ms, CNN steps ~5-20 ms.
+const MODELS = [
+  { model: 'mlp:128', batch: 32, shards: 2, steps: 300 },
+  { model: 'cnn', batch: 32, shards: 2, steps: 20 },
+];
+
+const started = Date.now();
+const since = () => `${((Date.now() - started) / 1000).toFixed(1)}s`;
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+const log = (msg) => console.log(`[${since()}] ${msg}`);
+const median = (v) => {
+  const s = [...v].sort((a, b) => a - b);
+  return s.length ? (s.length % 2 ? s[(s.length - 1) / 2] : (s[s.length / 2 - 1] + s[s.length / 2]) / 2) : NaN;
+};
+const kib = (n) => `${(n / 1024).toFixed(1)} KiB`;
+const gzipSize = (file) => zlib.gzipSync(fs.readFileSync(file), { level: 9 }).length;
+
+const children = new Set();
+function killChildren() {
+  for (const c of children) {
+    try { c.kill('SIGKILL'); } catch { /* gone */ }
+  }
+  children.clear();
+}
+process.on('exit', killChildren);
+for (const sig of ['SIGINT', 'SIGTERM']) process.on(sig, () => { killChildren(); process.exit(130); });
+setTimeout(() => {
+  console.error(`bench-step: not done within ${LIMIT_S} s`);
+  killChildren();
+  process.exit(1);
+}, LIMIT_S * 1000).unref();
+
+function track(child) {
+  children.add(child);
+  child.exited = new Promise((r) => child.on('exit', (code, signal) => {
+    children.delete(child);
+    r({ code, signal });
+  }));
+  return child;
+}
+
+async function stopChild(child) {
+  if (!child || child.exitCode !== null || child.signalCode !== null) return;
+  child.kill('SIGTERM');
+  const r = await Promise.race([child.exited, sleep(10_000).then(() => null)]);
+  if (!r) {
+    child.kill('SIGKILL');
+    await child.exited;
+  }
+}
+
+async function waitFor(what, fn, timeoutMs, intervalMs = 250) {
+  const end = Date.now() + timeoutMs;
+  let last = null;
+  while (Date.now() < end) {
+    try {
+      const v = await fn();
+      if (v) return v;
+    } catch (e) {
+      last = e;
+    }
+    await sleep(intervalMs);
+  }
+  throw new Error(`timed out after ${timeoutMs / 1000} s waiting for ${what}${last ? ` (last error: ${last.message})` : ''}`);
+}
+
+function freePort() {
+  return new Promise((resolve, reject) => {
+    const s = net.createServer();
+    s.unref();
+    s.on('error', reject);
+    s.listen(0, '127.0.0.1', () => {
+      const { port } = s.address();
+      s.close(() => resolve(port));
+    });
+  });
+}
+
+/// Runs `cmd args` to completion (bounded) and returns its stdout.
+function runCapture(cmd, args, timeoutMs = 300_000) {
+  return new Promise((resolve, reject) => {
+    const child = track(spawn(cmd, args, { cwd: ROOT, stdio: ['ignore', 'pipe', 'pipe'] }));
+    let out = '';
+    let err = '';
+    child.stdout.on('data', (d) => { out += d; });
+    child.stderr.on('data', (d) => { err += d; });
+    const timer = setTimeout(() => child.kill('SIGKILL'), timeoutMs);
+    child.on('exit', (code, signal) => {
+      clearTimeout(timer);
+      if (code === 0) resolve(out);
+      else reject(new Error(`${path.relative(ROOT, cmd)} ${args.join(' ')} exited with ${signal || code}: ${err.trim()}`));
+    });
+  });
+}
+
+async function getStatus(base) {
+  const r = await fetch(`${base}/api/status`, { signal: AbortSignal.timeout(3_000) });
+  if (!r.ok) throw new Error(`/api/status answered ${r.status}`);
+  return r.json();
+}
+
+async function startServer(port) {
+  const base = `http://127.0.0.1:${port}`;
+  fs.mkdirSync(OUT, { recursive: true });
+  const logFile = path.join(OUT, 'server-bench-step.log');
+  const fd = fs.openSync(logFile, 'w');
+  const child = track(spawn(SERVER,
+    ['serve', '--addr', `127.0.0.1:${port}`, '--data-dir', DATA, '--web-dir', WEB],
+    { cwd: ROOT, stdio: ['ignore', fd, fd] }));
+  fs.closeSync(fd);
+  await waitFor('the server to answer /api/status', async () => {
+    if (child.exitCode !== null) throw new Error(`server exited with ${child.exitCode}; see ${logFile}`);
+    return getStatus(base);
+  }, 180_000, 200);
+  return { child, base };
+}
+
+/// A minimal CDP client over Chromium's --remote-debugging-pipe (fd 3 in, fd 4 out,
+/// NUL-terminated JSON), as in e2e.mjs: no Network domain.
+class PipeBrowser {
+  static async launch(dir) {
+    const child = track(spawn(CHROMIUM, [...CHROMIUM_ARGS, `--user-data-dir=${dir}`, '--remote-debugging-pipe', 'about:blank'],
+      { cwd: ROOT, stdio: ['ignore', 'ignore', 'ignore', 'pipe', 'pipe'] }));
+    const b = new PipeBrowser(child);
+    const { targetInfos } = await waitFor('Chromium to open its first page', async () => {
+      const r = await b.send('Target.getTargets');
+      return r.targetInfos.some((t) => t.type === 'page') ? r : null;
+    }, 20_000, 200);
+    const page = targetInfos.find((t) => t.type === 'page');
+    b.session = (await b.send('Target.attachToTarget', { targetId: page.targetId, flatten: true })).sessionId;
+    return b;
+  }
+
+  constructor(child) {
+    this.child = child;
+    this.next = 1;
+    this.pending = new Map();
+    this.buffer = '';
+    child.stdio[3].on('error', () => {});
+    child.stdio[4].on('data', (chunk) => {
+      this.buffer += chunk.toString('utf8');
+      let end;
+      while ((end = this.buffer.indexOf('\0')) >= 0) {
+        const msg = JSON.parse(this.buffer.slice(0, end));
+        this.buffer = this.buffer.slice(end + 1);
+        const p = msg.id && this.pending.get(msg.id);
+        if (p) {
+          this.pending.delete(msg.id);
+          if (msg.error) p.reject(new Error(`${p.method}: ${msg.error.message}`));
+          else p.resolve(msg.result);
+        }
+      }
+    });
+  }
+
+  send(method, params = {}, sessionId = undefined, timeoutMs = 15_000) {
+    const id = this.next++;
+    const msg = JSON.stringify({ id, method, params, ...(sessionId ? { sessionId } : {}) });
+    return new Promise((resolve, reject) => {
+      const timer = setTimeout(() => {
+        this.pending.delete(id);
+        reject(new Error(`${method}: no answer in ${timeoutMs / 1000} s`));
+      }, timeoutMs);
+      this.pending.set(id, {
+        method,
+        resolve: (v) => { clearTimeout(timer); resolve(v); },
+        reject: (e) => { clearTimeout(timer); reject(e); },
+      });
+      this.child.stdio[3].write(`${msg}\0`);
+    });
+  }
+
+  async evaluate(expression, timeoutMs = 15_000) {
+    const r = await this.send('Runtime.evaluate',
+      { expression, returnByValue: true, awaitPromise: true }, this.session, timeoutMs);
+    if (r.exceptionDetails) {
+      const d = r.exceptionDetails;
+      throw new Error((d.exception && d.exception.description) || d.text);
+    }
+    return r.result.value;
+  }
+
+  async close() {
+    this.send('Browser.close').catch(() => {});
+    await Promise.race([this.child.exited, sleep(5_000)]);
+    await stopChild(this.child);
+  }
+}
+
+/// Runs `jobs` in a fresh dedicated module Web Worker of the page that loads `wasm` (a URL
+/// under /pkg, the plain or the relaxed-SIMD build) with the page's JS glue.
+async function inWorker(browser, wasm, jobs, timeoutMs) {
+  const expr = `(async () => {
+    const src = \`
+      import init, * as w from '\${self.location.origin}/pkg/crowdgrad_worker_wasm.js';
+      self.onmessage = async (e) => {
+        try {
+          await init({ module_or_path: self.location.origin + e.data.wasm });
+          const out = [];
+          for (const j of e.data.jobs) {
+            out.push(JSON.parse(j.kind === 'step'
+              ? w.bench_step(j.model, j.batch, j.shards, j.steps, j.kernel)
+              : w.bench_layers(j.model, j.batch, j.steps, j.kernel)));
+          }
+          self.postMessage({ ok: true, info: JSON.parse(w.bench_info()), out });
+        } catch (err) {
+          self.postMessage({ ok: false, error: String(err && err.message ? err.message : err) });
+        }
+      };\`;
+    const url = URL.createObjectURL(new Blob([src], { type: 'text/javascript' }));
+    const worker = new Worker(url, { type: 'module' });
+    try {
+      return await new Promise((resolve, reject) => {
+        const timer = setTimeout(() => reject(new Error('bench worker: no answer')), ${timeoutMs - 1000});
+        worker.onmessage = (e) => { clearTimeout(timer); resolve(e.data); };
+        worker.onerror = (e) => { clearTimeout(timer); reject(new Error('bench worker: ' + e.message)); };
+        worker.postMessage({ wasm: ${JSON.stringify(wasm)}, jobs: ${JSON.stringify(jobs)} });
+      });
+    } finally {
+      worker.terminate();
+      URL.revokeObjectURL(url);
+    }
+  })()`;
+  const r = await browser.evaluate(expr, timeoutMs);
+  if (!r.ok) throw new Error(`wasm benchmark failed: ${r.error}`);
+  return r;
+}
+
+async function nativeRun(which, m, layers) {
+  const args = ['--model', m.model, '--batch', String(m.batch), '--shards', String(m.shards),
+    '--steps', String(m.steps * (layers ? 1 : 1))];
+  if (layers) args.push('--layers');
+  const out = await runCapture(NATIVE[which], args);
+  const json = out.split('\n').find((l) => l.startsWith('{'));
+  if (!json) throw new Error(`no JSON line from ${NATIVE[which]}`);
+  return JSON.parse(json);
+}
+
+const fmt = (v, d = 3) => (Number.isFinite(v) ? v.toFixed(d) : 'n/a');
+
+async function main() {
+  for (const [what, file] of [['server binary', SERVER], ['Chromium', CHROMIUM],
+    ['wasm bundle (cargo xtask build-web)', path.join(WEB, 'pkg/crowdgrad_worker_wasm_bg.wasm')],
+    ['native step_time (cargo build --release -p crowdgrad-worker-wasm --example step_time)', NATIVE.avx2]]) {
+    if (!fs.existsSync(file)) throw new Error(`${what} missing: ${file}`);
+  }
+  const haveSse2 = fs.existsSync(NATIVE.sse2);
+  const builds = [{ name: 'simd128', wasm: '/pkg/crowdgrad_worker_wasm_bg.wasm' }];
+  if (fs.existsSync(path.join(WEB, 'pkg/relaxed/crowdgrad_worker_wasm_bg.wasm'))) {
+    builds.push({ name: 'relaxed-simd', wasm: '/pkg/relaxed/crowdgrad_worker_wasm_bg.wasm' });
+  }
+  const load = os.loadavg().map((l) => l.toFixed(1)).join(' / ');
+  log(`load average ${load} on ${os.cpus().length} cores; ${ROUNDS} rounds`);
+
+  const port = await freePort();
+  const { child: server, base } = await startServer(port);
+  const st = await getStatus(base);
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-bench-step-'));
+  let browser = null;
+  // wasm[build][kernel][model] = [round values]; native[which][model] = [...]
+  const wasm = {};
+  const wasmLoop = {};
+  const native = { avx2: {}, sse2: {} };
+  const nativeLoop = { avx2: {}, sse2: {} };
+  let layersWasm = {};
+  let layersNative = {};
+  let info = null;
+  const tab = {};
+  try {
+    browser = await PipeBrowser.launch(dir);
+    await browser.send('Page.navigate', { url: `${base}/` }, browser.session);
+    await waitFor('the page to load', () => browser.evaluate(
+      "document.readyState === 'complete' && !!window.crowdgrad"), 30_000, 100);
+    for (const b of builds) {
+      const r = await inWorker(browser, b.wasm, [], 60_000);
+      b.info = r.info;
+      info = info || r.info;
+      log(`${b.name} build: kernels ${r.info.kernels.join(', ')} (default ${r.info.default}), relaxed ${r.info.relaxed_simd}`);
+    }
+    for (let round = 0; round < ROUNDS; round++) {
+      for (const b of builds) {
+        const jobs = [];
+        for (const k of b.info.kernels) for (const m of MODELS) jobs.push({ kind: 'step', kernel: k, ...m });
+        const r = await inWorker(browser, b.wasm, jobs, 600_000);
+        for (const s of r.out) {
+          const key = `${b.name}/${s.kernel}`;
+          ((wasm[key] ||= {})[s.model] ||= []).push(s.step_ms_mean);
+          ((wasmLoop[key] ||= {})[s.model] ||= []).push(s.loopback_samples_per_sec);
+        }
+      }
+      for (const which of ['avx2', 'sse2']) {
+        if (which === 'sse2' && !haveSse2) continue;
+        for (const m of MODELS) {
+          const n = await nativeRun(which, m, false);
+          (native[which][m.model] ||= []).push(n.native_step_ms_mean);
+          (nativeLoop[which][m.model] ||= []).push(n.loopback_samples_per_sec);
+        }
+      }
+      log(`round ${round + 1}/${ROUNDS} done`);
+    }
+    // Per-layer times of the CNN, every kernel of the plain build, and native.
+    const cnn = MODELS.find((m) => m.model === 'cnn');
+    const lj = builds.flatMap((b) => b.info.kernels.map((k) => ({ b, k })));
+    for (const { b, k } of lj) {
+      const r = await inWorker(browser, b.wasm, [{ kind: 'layers', kernel: k, ...cnn, steps: 3 * cnn.steps }], 600_000);
+      layersWasm[`${b.name}/${k}`] = r.out[0];
+    }
+    for (const which of ['avx2', 'sse2']) {
+      if (which === 'sse2' && !haveSse2) continue;
+      layersNative[which] = (await nativeRun(which, { ...cnn, steps: 3 * cnn.steps }, true)).layers;
+    }
+
+    // One tab against the server on this machine (the page's own worker, default kernel).
+    await browser.evaluate("document.getElementById('contribute').click(), true");
+    await waitFor('the tab\'s first accepted push', () => browser.evaluate(
+      'window.crowdgrad.volunteer.firstPushAt && true'), 60_000, 100);
+    await sleep(TAB_S * 1000);
+    const p = JSON.parse(await browser.evaluate('JSON.stringify(window.crowdgrad.volunteer.progress)'));
+    if (!(p.state === 'training' && p.pushes_accepted > 0)) throw new Error(`the tab is not training: ${JSON.stringify(p)}`);
+    Object.assign(tab, p);
+  } finally {
+    if (browser) await browser.close();
+    await stopChild(server);
+    fs.rmSync(dir, { recursive: true, force: true });
+  }
+
+  // ------------------------------------------------------------------ report
+  const rows = [];
+  const nat = (which, model) => median(native[which][model] || []);
+  console.log(`\nwasm step() vs native, median of ${ROUNDS} rounds (ms per step, mean over each round's steps):`);
+  console.log('| build / kernel | MLP 784-128-10 | × AVX2 | × SSE2 | CNN | × AVX2 | × SSE2 |');
+  console.log('|---|---|---|---|---|---|---|');
+  for (const which of ['avx2', 'sse2']) {
+    if (!native[which]['mlp:128']) continue;
+    console.log(`| native ${which === 'avx2' ? 'AVX2/FMA (run-time detected)' : 'SSE2 only (MMTEST_FEATURE=sse2)'} | ${fmt(nat(which, 'mlp:128'))} | | | ${fmt(nat(which, 'cnn'))} | | |`);
+  }
+  for (const [key, per] of Object.entries(wasm)) {
+    const mlp = median(per['mlp:128']);
+    const cnn = median(per.cnn);
+    const x = (v, which, model) => (native[which][model] ? `${(v / nat(which, model)).toFixed(2)}×` : 'n/a');
+    const line = `| wasm ${key} | ${fmt(mlp)} | ${x(mlp, 'avx2', 'mlp:128')} | ${x(mlp, 'sse2', 'mlp:128')} | ${fmt(cnn)} | ${x(cnn, 'avx2', 'cnn')} | ${x(cnn, 'sse2', 'cnn')} |`;
+    console.log(line);
+    rows.push({ key, mlp, cnn });
+  }
+  console.log('\nsamples/s against the in-memory loopback shards (worker and shards on one thread), MLP:');
+  for (const [key, per] of Object.entries(wasmLoop)) console.log(`  wasm ${key}: ${median(per['mlp:128']).toFixed(0)}`);
+  for (const which of ['avx2', 'sse2']) {
+    if (nativeLoop[which]['mlp:128']) console.log(`  native ${which}: ${median(nativeLoop[which]['mlp:128']).toFixed(0)}`);
+  }
+  console.log(`\none tab, K = 1 Web Worker, against the server on this machine (${st.model}, batch ${st.batch_size}, ${st.shards.length} shards, default kernel ${info.default}, after ${TAB_S} s):`);
+  console.log(`  ${tab.samples_per_sec.toFixed(0)} samples/s; per step ${tab.step_ms.toFixed(3)} ms computing + ${tab.wait_ms.toFixed(3)} ms waiting for parameters`);
+
+  console.log(`\nCNN per stage (ms per step, forward + backward, share of the step), batch ${MODELS[1].batch}:`);
+  const cols = [...Object.keys(layersNative).map((w) => `native ${w}`), ...Object.keys(layersWasm).map((k) => `wasm ${k}`)];
+  const all = [...Object.values(layersNative), ...Object.values(layersWasm)];
+  console.log(`| stage | ${cols.join(' | ')} |`);
+  console.log(`|---|${cols.map(() => '---').join('|')}|`);
+  const names = all[0].names;
+  const cell = (l, i) => {
+    const t = i < 0 ? l.loss_ms : l.forward_ms[i] + l.backward_ms[i];
+    return `${fmt(t)} (${((100 * t) / l.step_ms).toFixed(1)}%)`;
+  };
+  names.forEach((n, i) => console.log(`| ${n} | ${all.map((l) => cell(l, i)).join(' | ')} |`));
+  console.log(`| softmax + loss | ${all.map((l) => cell(l, -1)).join(' | ')} |`);
+  console.log(`| **step** | ${all.map((l) => fmt(l.step_ms)).join(' | ')} |`);
+
+  console.log('\nbundle:');
+  for (const b of builds) {
+    const f = path.join(WEB, b.wasm.replace(/^\//, ''));
+    console.log(`  ${b.name}: ${path.relative(ROOT, f)} ${kib(fs.statSync(f).size)} raw / ${kib(gzipSize(f))} gzip -9`);
+  }
+  const glue = path.join(WEB, 'pkg/crowdgrad_worker_wasm.js');
+  console.log(`  JS glue: ${kib(fs.statSync(glue).size)} raw / ${kib(gzipSize(glue))} gzip -9`);
+  console.log(`\nload average at the end: ${os.loadavg().map((l) => l.toFixed(1)).join(' / ')} (start ${load})`);
+}
+
+main().then(() => process.exit(0), (e) => {
+  console.error(`bench-step: ${e.stack || e}`);
+  killChildren();
+  process.exit(1);
+});
