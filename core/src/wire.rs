@@ -828,6 +828,16 @@ fn encode_data(
     feedback: Option<&mut ErrorFeedback>,
     meta: &[u8],
 ) -> Result<Vec<u8>> {
+    // Frames carry no block size: on the wire int8 blocks are always DEFAULT_INT8_BLOCK values
+    // (docs/protocol.md section 8). Another block size would make a frame no receiver decodes.
+    if let Encoding::Int8Block { block } = encoding {
+        if block != codec::DEFAULT_INT8_BLOCK {
+            return Err(Error::Malformed(format!(
+                "int8 blocks of {block} cannot be sent: frames carry blocks of {}",
+                codec::DEFAULT_INT8_BLOCK
+            )));
+        }
+    }
     let h = Header {
         encoding,
         count: u32::try_from(values.len())

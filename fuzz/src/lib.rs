@@ -153,6 +153,10 @@ pub fn payload(data: &[u8]) {
     for round in 0..2u32 {
         match wire::encode_push_as(enc, round + 1, 0, 0, 1, &values, Some(&mut ef)) {
             Ok(f) => {
+                assert!(
+                    !matches!(enc, Encoding::Int8Block { block } if block != 256),
+                    "encoded a push in {enc}, which frames cannot carry"
+                );
                 let Ok(Message::Push { grad, .. }) = wire::decode(&f, usize::MAX) else {
                     panic!("an encoded push does not decode");
                 };
@@ -719,6 +723,20 @@ mod tests {
             0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 51, 51, 51, 51, 16,
             33, 92, 64, 108, 236,
         ]);
+    }
+
+    /// Found by the `payload` target (4-minute run): `wire::encode_push_as` with int8 blocks of
+    /// another size than 256 made a frame labelled int8 (id 2) that no receiver decodes, since
+    /// frames carry no block size. The encoder now refuses it.
+    #[test]
+    fn regression_int8_push_with_another_block_size_is_refused() {
+        payload(&[
+            255, 0, 22, 0, 0, 0, 92, 15, 189, 204, 204, 15, 189, 204, 204, 204, 60, 40,
+        ]);
+        let e = Encoding::Int8Block { block: 64 };
+        assert!(wire::encode_push_as(e, 1, 0, 0, 1, &[0.5; 100], None).is_err());
+        assert!(wire::encode_params_as(e, 1, 0, 0, &[0.5; 100]).is_err());
+        assert!(wire::encode_push_as(Encoding::INT8, 1, 0, 0, 1, &[0.5; 100], None).is_ok());
     }
 
     /// The session seeds really apply pushes (so the fuzzer starts from deep states).
