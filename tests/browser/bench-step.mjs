@@ -351,16 +351,20 @@ async function main() {
       }
       log(`round ${round + 1}/${ROUNDS} done`);
     }
-    // Per-layer times of the CNN, every kernel of the plain build, and native.
-    const cnn = MODELS.find((m) => m.model === 'cnn');
+    // Per-layer times of both models, every kernel of every build, and native.
     const lj = builds.flatMap((b) => b.info.kernels.map((k) => ({ b, k })));
-    for (const { b, k } of lj) {
-      const r = await inWorker(browser, b.wasm, [{ kind: 'layers', kernel: k, ...cnn, steps: 3 * cnn.steps }], 600_000);
-      layersWasm[`${b.name}/${k}`] = r.out[0];
-    }
-    for (const which of ['avx2', 'sse2']) {
-      if (which === 'sse2' && !haveSse2) continue;
-      layersNative[which] = (await nativeRun(which, { ...cnn, steps: 3 * cnn.steps }, true)).layers;
+    for (const m of MODELS) {
+      const steps = 3 * m.steps;
+      layersWasm[m.model] = {};
+      layersNative[m.model] = {};
+      for (const { b, k } of lj) {
+        const r = await inWorker(browser, b.wasm, [{ kind: 'layers', kernel: k, ...m, steps }], 600_000);
+        layersWasm[m.model][`${b.name}/${k}`] = r.out[0];
+      }
+      for (const which of ['avx2', 'sse2']) {
+        if (which === 'sse2' && !haveSse2) continue;
+        layersNative[m.model][which] = (await nativeRun(which, { ...m, steps }, true)).layers;
+      }
     }
 
     // One tab against the server on this machine (the page's own worker, default kernel).
@@ -403,19 +407,23 @@ async function main() {
   console.log(`\none tab, K = 1 Web Worker, against the server on this machine (${st.model}, batch ${st.batch_size}, ${st.shards.length} shards, default kernel ${info.default}, after ${TAB_S} s):`);
   console.log(`  ${tab.samples_per_sec.toFixed(0)} samples/s; per step ${tab.step_ms.toFixed(3)} ms computing + ${tab.wait_ms.toFixed(3)} ms waiting for parameters`);
 
-  console.log(`\nCNN per stage (ms per step, forward + backward, share of the step), batch ${MODELS[1].batch}:`);
-  const cols = [...Object.keys(layersNative).map((w) => `native ${w}`), ...Object.keys(layersWasm).map((k) => `wasm ${k}`)];
-  const all = [...Object.values(layersNative), ...Object.values(layersWasm)];
-  console.log(`| stage | ${cols.join(' | ')} |`);
-  console.log(`|---|${cols.map(() => '---').join('|')}|`);
-  const names = all[0].names;
-  const cell = (l, i) => {
-    const t = i < 0 ? l.loss_ms : l.forward_ms[i] + l.backward_ms[i];
-    return `${fmt(t)} (${((100 * t) / l.step_ms).toFixed(1)}%)`;
-  };
-  names.forEach((n, i) => console.log(`| ${n} | ${all.map((l) => cell(l, i)).join(' | ')} |`));
-  console.log(`| softmax + loss | ${all.map((l) => cell(l, -1)).join(' | ')} |`);
-  console.log(`| **step** | ${all.map((l) => fmt(l.step_ms)).join(' | ')} |`);
+  for (const m of MODELS) {
+    console.log(`\n${m.model} per stage: forward + backward ms per step (share of loss_and_grad), batch ${m.batch}; `
+      + 'step() adds the batch copy, clipping and push encoding to loss_and_grad:');
+    const ln = layersNative[m.model];
+    const lw = layersWasm[m.model];
+    const cols = [...Object.keys(ln).map((w) => `native ${w}`), ...Object.keys(lw).map((k) => `wasm ${k}`)];
+    const all = [...Object.values(ln), ...Object.values(lw)];
+    console.log(`| stage | ${cols.join(' | ')} |`);
+    console.log(`|---|${cols.map(() => '---').join('|')}|`);
+    const cell = (l, i) => {
+      const t = i < 0 ? l.loss_ms : l.forward_ms[i] + l.backward_ms[i];
+      return `${fmt(t)} (${((100 * t) / l.step_ms).toFixed(1)}%)`;
+    };
+    all[0].names.forEach((n, i) => console.log(`| ${n} | ${all.map((l) => cell(l, i)).join(' | ')} |`));
+    console.log(`| softmax + loss | ${all.map((l) => cell(l, -1)).join(' | ')} |`);
+    console.log(`| **loss_and_grad** | ${all.map((l) => fmt(l.step_ms)).join(' | ')} |`);
+  }
 
   console.log('\nbundle:');
   for (const b of builds) {
