@@ -21,7 +21,7 @@ use bytes::Bytes;
 use crowdgrad_core::session::{header_request_id, Action, Record, ShardSession};
 use crowdgrad_core::shard::Outcome;
 use crowdgrad_core::wire::{self, Bye, ErrorCode, Message, MAGIC};
-use futures_util::{Sink, SinkExt, Stream, StreamExt};
+use futures_util::{FutureExt, Sink, SinkExt, Stream, StreamExt};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
@@ -80,6 +80,8 @@ pub async fn serve<Si, St>(
         .map_or_else(LimitConfig::default, |c| c.limits.cfg);
     let opened = Instant::now();
     let mut heard = opened;
+    // Frames taken in a row without waiting (and without flushing the replies).
+    let mut batched = 0usize;
     // The reputation's quarantine epoch last seen: the worker is re-checked when it moves.
     let mut quarantine_epoch = u64::MAX;
     loop {
@@ -92,6 +94,11 @@ pub async fn serve<Si, St>(
             break;
         }
         if let Some(deadline) = session.poll_timeout() {
+            // What the session sent leaves before the pull waits.
+            if !flush(&mut tx).await {
+                session.handle_close(&mut access);
+                continue;
+            }
             tokio::select! {
                 biased;
                 c = shutdown.changed() => {
@@ -112,20 +119,39 @@ pub async fn serve<Si, St>(
             None => (opened + cfg.hello_timeout, true),
             Some(_) => (heard + cfg.idle_timeout, false),
         };
-        let inbound = tokio::select! {
-            biased;
-            c = shutdown.changed() => {
-                if c.is_err() || *shutdown.borrow() {
-                    session.shutdown(&mut access);
-                }
-                continue;
-            }
-            m = rx.next() => m.unwrap_or(Inbound::Closed),
-            () = tokio::time::sleep_until(silence_until.into()) => {
-                let limits = conn.as_ref().map(|c| &c.limits);
-                timed_out(&mut tx, &shard, hello_due, &cfg, limits).await;
+        // A frame that is already here is taken at once and the replies so far stay queued, so
+        // the replies to frames that came together (a worker's push and its pull) leave in one
+        // write; otherwise they are flushed before the wait. At most `BATCH` frames in a row
+        // skip the wait (and its shutdown and deadline checks).
+        let ready = if batched < BATCH {
+            rx.next().now_or_never()
+        } else {
+            None
+        };
+        let inbound = if let Some(m) = ready {
+            batched += 1;
+            m.unwrap_or(Inbound::Closed)
+        } else {
+            batched = 0;
+            if !flush(&mut tx).await {
                 session.handle_close(&mut access);
                 continue;
+            }
+            tokio::select! {
+                biased;
+                c = shutdown.changed() => {
+                    if c.is_err() || *shutdown.borrow() {
+                        session.shutdown(&mut access);
+                    }
+                    continue;
+                }
+                m = rx.next() => m.unwrap_or(Inbound::Closed),
+                () = tokio::time::sleep_until(silence_until.into()) => {
+                    let limits = conn.as_ref().map(|c| &c.limits);
+                    timed_out(&mut tx, &shard, hello_due, &cfg, limits).await;
+                    session.handle_close(&mut access);
+                    continue;
+                }
             }
         };
         heard = Instant::now();
@@ -179,6 +205,17 @@ pub async fn serve<Si, St>(
     }
     // Records of a close the peer started (Left) still reach the registry.
     perform(&mut session, &mut tx, &shard, &registry).await;
+    // The last replies (an error frame before a close), within a second for a peer that
+    // stopped reading.
+    let _ = tokio::time::timeout(Duration::from_secs(1), tx.flush()).await;
+}
+
+/// Most frames taken one after another without waiting (see [`serve`]).
+const BATCH: usize = 16;
+
+/// Sends what [`perform`] queued. Returns false when the socket failed.
+async fn flush<Si: Sink<Outbound> + Unpin>(tx: &mut Si) -> bool {
+    tx.flush().await.is_ok()
 }
 
 /// A socket missed its Hello deadline (`protocol` error) or went silent (Bye `idle`): say why,
@@ -218,7 +255,10 @@ async fn timed_out<Si: Sink<Outbound> + Unpin>(
     .await;
 }
 
-/// Carries out the session's actions. Returns false when sending failed.
+/// Carries out the session's actions. Frames are queued, not flushed: [`serve`] flushes them
+/// before it waits, so replies to frames that arrived together leave in one write (one
+/// syscall and one wake-up of the worker instead of one per frame). Returns false when
+/// sending failed.
 async fn perform<Si: Sink<Outbound> + Unpin>(
     session: &mut ShardSession,
     tx: &mut Si,
@@ -230,7 +270,7 @@ async fn perform<Si: Sink<Outbound> + Unpin>(
         match action {
             Action::Send(frame) => {
                 shard.count_bytes(0, frame.len());
-                if tx.send(Outbound::Frame(frame)).await.is_err() {
+                if tx.feed(Outbound::Frame(frame)).await.is_err() {
                     return false;
                 }
             }
