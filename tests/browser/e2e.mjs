@@ -169,6 +169,21 @@ async function getStatus(base) {
   return r.json();
 }
 
+// Issue 10: the server's spot checks of `kind` workers' pushes (cosine and norm ratio of the
+// pushed slice to the server's own recomputation) and whether any check failed or anybody was
+// quarantined.
+function spotChecks(st, kind) {
+  const kinds = new Map((st.workers || []).map((w) => [w.id, w.client]));
+  const mine = ((st.spot_checks && st.spot_checks.recent) || []).filter((f) => kinds.get(f.worker) === kind);
+  const ok = !!st.spot_checks && st.spot_checks.failed === 0 && st.reputation.quarantined === 0 && mine.length > 0;
+  const cos = mine.map((f) => 1 - f.cosine);
+  const ratio = mine.map((f) => f.norm_ratio);
+  const text = mine.length === 0 ? `no checks of ${kind} pushes` : `${mine.length} checks of ${kind} pushes: `
+    + `1 - cosine max ${Math.max(...cos).toExponential(2)}, norm ratio ${Math.min(...ratio).toFixed(5)}..${Math.max(...ratio).toFixed(5)}; `
+    + `${st.spot_checks.passed} passed, ${st.spot_checks.failed} failed, ${st.reputation.quarantined} quarantined`;
+  return { ok, text };
+}
+
 async function startServer(port, tag, extra = []) {
   const base = `http://127.0.0.1:${port}`;
   const child = spawnLogged(`server-${tag}`, SERVER,
@@ -231,7 +246,8 @@ async function main() {
 
   const port = await freePort();
   const base = `http://127.0.0.1:${port}`;
-  const FUNCTIONAL = ['--model', 'softmax'];
+  // Half the rounds spot-checked (issue 10): honest tabs and the native worker must pass.
+  const FUNCTIONAL = ['--model', 'softmax', '--spot-check', '0.5'];
   let server = await startServer(port, 1, FUNCTIONAL);
 
   userDataDir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-e2e-'));
@@ -281,6 +297,12 @@ async function main() {
   figures['time from native start to test accuracy > 0.90'] =
     `${((Date.now() - trainStart) / 1000).toFixed(1)} s (accuracy ${st.eval.accuracy.toFixed(4)} after ${st.eval.samples} samples)`;
   check('test accuracy > 0.90 on /api/status', st.eval.accuracy > 0.90, `accuracy ${st.eval.accuracy.toFixed(4)}`);
+  const spotNow = await getStatus(base);
+  for (const kind of ['browser', 'native']) {
+    const sc = spotChecks(spotNow, kind);
+    check(`spot checks pass for the honest ${kind} workers (--spot-check 0.5), nobody quarantined`, sc.ok, sc.text);
+    figures[`spot checks, honest ${kind} (softmax, H = 1, bf16 / int8)`] = sc.text;
+  }
 
   for (const tab of tabs) {
     const shown = await shownAccepted(tab.page);
@@ -656,7 +678,7 @@ async function localStepsTab() {
   const port = await freePort();
   const base = `http://127.0.0.1:${port}`;
   const server = await startServer(port, 'local-steps', ['--local-steps', '4',
-    '--pull-encoding', 'bf16', '--push-encoding', 'int8_block', '--eval-every', '1']);
+    '--pull-encoding', 'bf16', '--push-encoding', 'int8_block', '--eval-every', '1', '--spot-check', '1']);
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-local-'));
   let browser = null;
   try {
@@ -687,6 +709,10 @@ async function localStepsTab() {
       const f32 = 4 * tab.s.params / tab.s.shards.length;
       check('the tab\'s pushes are int8 blocks on the wire (~25% of f32)', perPush < 0.27 * f32,
         `${(perPush / 1024).toFixed(1)} KiB per shard push vs ${(f32 / 1024).toFixed(1)} KiB in f32`);
+      // Every round recomputed whole by the server (issue 10): the tab is not quarantined.
+      const sc = spotChecks(tab.s, 'browser');
+      check('spot checks of the tab\'s local rounds (H = 4) all pass', sc.ok, sc.text);
+      figures['spot checks, honest browser (mlp, H = 4, bf16 / int8)'] = sc.text;
       figures['local steps (H = 4, bf16 / int8) in one tab'] =
         `${(100 * x.compute_share).toFixed(0)}% computing, up ${(x.up_bps / 1e3).toFixed(0)} kB/s, down ${(x.down_bps / 1e3).toFixed(0)} kB/s`;
     }
