@@ -1,5 +1,5 @@
-// The page: a volunteer panel driving one Web Worker (web/worker.js, which hosts the Rust
-// BrowserWorker), and a live dashboard fed by the server's status stream (/api/events). The
+// The page: a volunteer panel driving K Web Workers ("use K of N cores"; each web/worker.js
+// hosts one Rust BrowserWorker, joined as thread i of K of one volunteer), and a live dashboard fed by the server's status stream (/api/events). The
 // status carries only the newest 100 workers and totals by kind; older pages of the worker
 // table come from /api/workers.
 // No training logic lives here: the numbers shown come from the worker's progress reports and
@@ -24,6 +24,8 @@ const bytes = (v) => {
 
 const volunteer = {
   worker: null,
+  // One entry per Web Worker: { worker, progress }. `progress` below is their sum.
+  threads: [],
   paused: false,
   progress: null,
   hiddenSince: null,
@@ -33,8 +35,103 @@ const volunteer = {
   firstPushAt: null,
 };
 
+// Every command goes to every Web Worker: pause and the CPU limit hold for all of them.
 function send(cmd, value) {
-  if (volunteer.worker) volunteer.worker.postMessage({ cmd, value });
+  for (const t of volunteer.threads) t.worker.postMessage({ cmd, value });
+}
+
+// "Use K of N cores": N from the browser, the default leaves one core to the volunteer.
+const cores = Math.max(1, Number(navigator.hardwareConcurrency) || 1);
+$('cores').replaceChildren(...Array.from({ length: cores }, (_, i) => {
+  const o = document.createElement('option');
+  o.value = String(i + 1);
+  o.textContent = String(i + 1);
+  return o;
+}));
+$('cores').value = String(Math.max(1, cores - 1));
+$('cores-total').textContent = String(cores);
+
+// Loopback mode (`/?loopback=1`): every Web Worker trains against in-memory shards of its own
+// on a synthetic partition, with the run's model and batch: this device's compute alone;
+// `&batch=B` overrides the batch there (to time smaller batches).
+const pageQuery = new URLSearchParams(location.search);
+const loopback = pageQuery.get('loopback') === '1';
+
+// The script URL tells each Web Worker which thread it is (worker.js stays the same shim).
+function workerUrl(index, count, key, st) {
+  const q = new URLSearchParams({ thread: String(index), threads: String(count), volunteer: key });
+  if (loopback) {
+    const cfg = (st && st.config && st.config.training) || {};
+    q.set('loopback', '1');
+    if (cfg.model) q.set('model', String(cfg.model));
+    if (st && st.batch_size) q.set('batch', String(st.batch_size));
+    if (st && st.shards && st.shards.length) q.set('shards', String(st.shards.length));
+    if (pageQuery.get('batch')) q.set('batch', pageQuery.get('batch'));
+  }
+  return new URL(`./worker.js?${q}`, import.meta.url);
+}
+
+function startThread(index, count, key) {
+  const w = new Worker(workerUrl(index, count, key, lastStatus), { type: 'module' });
+  const t = { worker: w, progress: null };
+  volunteer.threads[index] = t;
+  if (index === 0) volunteer.worker = w;
+  w.onmessage = (e) => {
+    const msg = e.data;
+    if (msg.type === 'progress') {
+      t.progress = msg.progress;
+      renderProgress(sumProgress());
+      // The first thread has the partition in the Cache API once it trains: start the others,
+      // which find it there (one download for all).
+      if (index === 0 && msg.progress.state === 'training') startRest(count, key);
+    } else if (msg.type === 'error') showError(msg.message);
+  };
+  w.onerror = (e) => {
+    e.preventDefault();
+    showError(`The worker failed to load: ${e.message || 'unknown error'}`);
+  };
+  w.postMessage({ cmd: 'throttle', value: Number($('throttle').value) });
+  w.postMessage({ cmd: 'token', value: $('join-token').value });
+  if (volunteer.paused) w.postMessage({ cmd: 'pause' });
+  w.postMessage({ cmd: 'start' });
+}
+
+function startRest(count, key) {
+  if (volunteer.threads.length >= count) return;
+  clearTimeout(volunteer.restTimer);
+  for (let i = volunteer.threads.length; i < count; i++) startThread(i, count, key);
+}
+
+// The threads' reports as one: counts and rates add up, times and the loss are means.
+function sumProgress() {
+  const ps = volunteer.threads.map((t) => t && t.progress).filter(Boolean);
+  if (ps.length === 0) return null;
+  const sum = (k) => ps.reduce((a, p) => a + (p[k] || 0), 0);
+  const mean = (k) => {
+    const vs = ps.map((p) => p[k]).filter((v) => v != null && Number.isFinite(v));
+    return vs.length ? vs.reduce((a, b) => a + b, 0) / vs.length : null;
+  };
+  const stepping = ps.filter((p) => p.steps > 0);
+  const first = ps[0];
+  const worse = ps.find((p) => p.state === 'reconnecting') || first;
+  return {
+    ...first,
+    state: worse.state,
+    retry_in_ms: worse.retry_in_ms,
+    error: ps.map((p) => p.error).find(Boolean) || null,
+    last_error: ps.map((p) => p.last_error).find(Boolean) || null,
+    worker_ids: ps.map((p) => p.worker_id).filter((id) => id != null),
+    threads: ps.length,
+    samples: sum('samples'),
+    steps: sum('steps'),
+    pushes_accepted: sum('pushes_accepted'),
+    pushes_rejected: sum('pushes_rejected'),
+    samples_per_sec: sum('samples_per_sec'),
+    reconnects: sum('reconnects'),
+    ema_loss: stepping.length ? stepping.reduce((a, p) => a + p.ema_loss, 0) / stepping.length : first.ema_loss,
+    step_ms: mean('step_ms'),
+    wait_ms: mean('wait_ms'),
+  };
 }
 
 // A private run's join token: from the link's fragment (#token=..., never sent to the server
@@ -58,20 +155,14 @@ function startContributing() {
   button.textContent = 'Contributing';
   button.setAttribute('aria-pressed', 'true');
   $('pause').hidden = false;
-  const w = new Worker(new URL('./worker.js', import.meta.url), { type: 'module' });
-  volunteer.worker = w;
-  w.onmessage = (e) => {
-    const msg = e.data;
-    if (msg.type === 'progress') renderProgress(msg.progress);
-    else if (msg.type === 'error') showError(msg.message);
-  };
-  w.onerror = (e) => {
-    e.preventDefault();
-    showError(`The worker failed to load: ${e.message || 'unknown error'}`);
-  };
-  send('throttle', Number($('throttle').value));
-  send('token', $('join-token').value);
-  send('start');
+  $('cores').disabled = true;
+  const count = Math.min(cores, Math.max(1, Number($('cores').value) || 1));
+  const key = Array.from(crypto.getRandomValues(new Uint8Array(16)), (b) => b.toString(16).padStart(2, '0')).join('');
+  startThread(0, count, key);
+  // Loopback threads download nothing; otherwise the rest start once thread 0 trains, or
+  // after 30 s whatever it is doing (a slow download must not keep the other cores idle).
+  if (loopback) startRest(count, key);
+  else volunteer.restTimer = setTimeout(() => startRest(count, key), 30_000);
 }
 
 function togglePause() {
@@ -89,6 +180,7 @@ function showError(text) {
 }
 
 function renderProgress(p) {
+  if (!p) return;
   volunteer.progress = p;
   if (volunteer.firstPushAt == null && p.pushes_accepted > 0) volunteer.firstPushAt = performance.now();
   const state = $('my-state');
@@ -98,7 +190,9 @@ function renderProgress(p) {
   }
   state.textContent = label;
   state.dataset.state = p.state;
-  $('my-id').textContent = p.worker_id == null ? '–' : String(p.worker_id);
+  $('my-id').textContent = p.worker_ids && p.worker_ids.length ? p.worker_ids.join(', ')
+    : (loopback ? 'loopback' : '–');
+  $('my-threads').textContent = `${p.threads || 1} of ${cores}${loopback ? ' (loopback)' : ''}`;
   $('my-samples').textContent = num(p.samples);
   $('my-steps').textContent = num(p.steps);
   $('my-accepted').textContent = num(p.pushes_accepted);
@@ -290,16 +384,56 @@ function kindSummary(k) {
   return `${part('native', k.native)} · ${part('browser', k.browser)}`;
 }
 
+// The threads of one volunteer (joined with one threads.volunteer) as one row: counts add up,
+// staleness is their pushes' mean and their max, the histograms add up.
+function groupThreads(workers) {
+  const groups = new Map();
+  const out = [];
+  for (const w of workers) {
+    const key = w.threads && w.threads.volunteer;
+    if (!key) {
+      out.push({ ...w, ids: [w.id], thread_count: 1 });
+      continue;
+    }
+    const g = groups.get(key);
+    if (!g) {
+      const row = { ...w, ids: [w.id], thread_count: 1, staleness_hist: [...(w.staleness_hist || [])] };
+      groups.set(key, row);
+      out.push(row);
+      continue;
+    }
+    const applied = (g.pushes_applied || 0) + (w.pushes_applied || 0);
+    g.staleness_mean = applied
+      ? ((g.staleness_mean || 0) * (g.pushes_applied || 0) + (w.staleness_mean || 0) * (w.pushes_applied || 0)) / applied
+      : g.staleness_mean;
+    g.ids.push(w.id);
+    g.thread_count += 1;
+    g.id = Math.max(g.id, w.id);
+    g.connected = g.connected || w.connected;
+    g.shards_connected += w.shards_connected || 0;
+    g.samples += w.samples || 0;
+    g.pushes_applied = applied;
+    g.pushes_rejected += w.pushes_rejected || 0;
+    g.staleness_max = Math.max(g.staleness_max || 0, w.staleness_max || 0);
+    (w.staleness_hist || []).forEach((c, i) => { g.staleness_hist[i] = (g.staleness_hist[i] || 0) + c; });
+    g.last_seen_s = Math.min(g.last_seen_s, w.last_seen_s);
+  }
+  return out;
+}
+
 function renderWorkers(workers) {
   const body = $('workers');
   // Online workers first, then newest first (as the pages are).
-  const rows = [...workers].sort((a, b) => (b.connected - a.connected) || (b.id - a.id));
+  const rows = groupThreads(workers).sort((a, b) => (b.connected - a.connected) || (b.id - a.id));
   body.replaceChildren(...rows.map((w) => {
     const tr = document.createElement('tr');
     tr.dataset.connected = String(!!w.connected);
     tr.dataset.kind = w.client;
     tr.dataset.id = String(w.id);
-    const label = w.name ? `${w.id} (${w.name})` : String(w.id);
+    tr.dataset.ids = w.ids.join(',');
+    tr.dataset.threads = String(w.thread_count);
+    const ids = w.ids.length > 1 ? `${w.ids.join(', ')} · ${w.thread_count} threads` : String(w.id);
+    const label = w.name ? `${ids} (${w.name})` : ids;
     tr.append(
       cell(label),
       cell(w.client, `kind kind-${w.client}`),
@@ -362,9 +496,9 @@ function sparkCell(h) {
 }
 
 function markMyWorker() {
-  const mine = volunteer.progress && volunteer.progress.worker_id;
+  const mine = new Set(((volunteer.progress && volunteer.progress.worker_ids) || []).map(String));
   for (const tr of $('workers').children) {
-    const me = mine != null && tr.dataset.id === String(mine);
+    const me = (tr.dataset.ids || '').split(',').some((id) => mine.has(id));
     tr.classList.toggle('me', me);
     if (me) tr.title = 'this tab';
     else tr.removeAttribute('title');
@@ -408,7 +542,11 @@ function renderShards(shards, health) {
   }));
 }
 
+// The latest status (loopback threads take the run's model and batch from it).
+let lastStatus = null;
+
 function renderStatus(st) {
+  lastStatus = st;
   // A private run shows the token field (unless the link carried the token).
   $('join-token-label').hidden = !st.private_run || Boolean(joinToken);
   const opt = st.optimizer || {};
@@ -426,6 +564,8 @@ function renderStatus(st) {
   const t = st.totals || {};
   $('kpi-rate').textContent = num(t.samples_per_sec);
   $('kpi-workers').textContent = num(st.workers_connected);
+  const vols = t.workers && t.workers.volunteers;
+  $('kpi-volunteers').textContent = vols ? num(vols.connected) : '–';
   $('kpi-samples').textContent = num(t.samples);
   $('kpi-pushes').textContent = `${num(t.pushes_applied)} / ${num(t.pushes_rejected)}`;
   $('kpi-frames').textContent = num(t.frames_rejected);

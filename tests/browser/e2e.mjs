@@ -11,6 +11,9 @@
 // 2. One tab closes mid-training: the server stays healthy, the others keep training.
 // 3. The server restarts on the same port: the remaining tab rejoins and trains on, no click.
 // 4. Figures for the docs come from a separate, uninstrumented run (below).
+// 5. Issue 11: one tab with K = 2 Web Workers trains, is one volunteer with 2 threads on the
+//    dashboard, pauses both and holds the CPU limit for each; figures of K = 1 vs K = 2 against
+//    loopback shards and against the server.
 // Everything binds 127.0.0.1, every wait is bounded, child processes are killed on exit, and the
 // last line is `N passed, M failed`.
 //
@@ -22,7 +25,8 @@
 // over a raw CDP pipe with only the Runtime domain, against the default model.
 //
 // Environment: CROWDGRAD_BIN (server binary, default target/release/crowdgrad), CHROMIUM
-// (default /usr/bin/chromium), E2E_TIMEOUT_S (overall bound, default 900).
+// (default /usr/bin/chromium), E2E_TIMEOUT_S (overall bound, default 900), E2E_ONLY=cores (only
+// phase 5).
 
 import { spawn } from 'node:child_process';
 import fs from 'node:fs';
@@ -244,6 +248,13 @@ async function main() {
   figures['wasm bundle (raw / gzip -9)'] = `${kib(fs.statSync(wasmFile).size)} / ${kib(gzipSize(wasmFile))}`;
   figures['JS glue (raw / gzip -9)'] = `${kib(fs.statSync(glueFile).size)} / ${kib(gzipSize(glueFile))}`;
 
+  // E2E_ONLY=cores: only the issue 11 phases (while working on them).
+  if (process.env.E2E_ONLY === 'cores') {
+    await coresTab();
+    await coresFigures();
+    return;
+  }
+
   const port = await freePort();
   const base = `http://127.0.0.1:${port}`;
   // Half the rounds spot-checked (issue 10): honest tabs and the native worker must pass.
@@ -265,6 +276,8 @@ async function main() {
     await page.goto(`${base}/`, { waitUntil: 'load', timeout: 60_000 });
     const loadMs = Date.now() - t0;
     await page.bringToFront();
+    // One Web Worker per tab here (the default, N - 1 cores, differs between machines).
+    await page.selectOption('#cores', '1');
     await page.getByRole('button', { name: 'Contribute' }).click({ timeout: 30_000 });
     tabs.push({ name, page, t0, loadMs });
     log(`tab ${name} loaded in ${loadMs} ms and clicked Contribute`);
@@ -505,6 +518,8 @@ async function main() {
   await measureFigures();
   await cnnTab();
   await localStepsTab();
+  await coresTab();
+  await coresFigures();
 }
 
 // ------------------------------------------------------------------ phase 4: figures
@@ -580,6 +595,9 @@ class PipeBrowser {
   }
 }
 
+// Clicks Contribute with one Web Worker (the phases below measure one core).
+const ONE_CORE_CONTRIBUTE = "document.getElementById('cores').value = '1'; document.getElementById('contribute').click()";
+
 /// One tab alone, nothing instrumenting it, against the server's default model; then the
 /// native step() time for the same model and batch.
 async function measureFigures() {
@@ -595,7 +613,7 @@ async function measureFigures() {
     await browser.send('Page.navigate', { url: `${base}/` }, browser.session);
     await waitFor('the figures page to load', () => browser.evaluate(
       "document.readyState === 'complete' && !!window.crowdgrad"), 30_000, 100);
-    await browser.evaluate("document.getElementById('contribute').click()");
+    await browser.evaluate(ONE_CORE_CONTRIBUTE);
     const first = await waitFor('the figures tab\'s first push', () => browser.evaluate(
       'window.crowdgrad.volunteer.firstPushAt && JSON.stringify(window.crowdgrad.volunteer)'), 60_000, 100);
     const v = JSON.parse(first);
@@ -650,7 +668,7 @@ async function cnnTab() {
     await browser.send('Page.navigate', { url: `${base}/` }, browser.session);
     await waitFor('the CNN page to load', () => browser.evaluate(
       "document.readyState === 'complete' && !!window.crowdgrad"), 30_000, 100);
-    await browser.evaluate("document.getElementById('contribute').click()");
+    await browser.evaluate(ONE_CORE_CONTRIBUTE);
     await waitFor('the CNN tab\'s first push', () => browser.evaluate(
       'window.crowdgrad.volunteer.firstPushAt && true'), 60_000, 100);
     const acc = await waitFor('the CNN to pass 80% test accuracy', async () => {
@@ -686,7 +704,7 @@ async function localStepsTab() {
     await browser.send('Page.navigate', { url: `${base}/` }, browser.session);
     await waitFor('the local-steps page to load', () => browser.evaluate(
       "document.readyState === 'complete' && !!window.crowdgrad"), 30_000, 100);
-    await browser.evaluate("document.getElementById('contribute').click()");
+    await browser.evaluate(ONE_CORE_CONTRIBUTE);
     await waitFor('the local-steps tab\'s first push', () => browser.evaluate(
       'window.crowdgrad.volunteer.firstPushAt && true'), 60_000, 100);
     const first = (await getStatus(base)).eval_history[0];
@@ -719,6 +737,192 @@ async function localStepsTab() {
   } finally {
     if (browser) await browser.close();
     await stopChild(server, 'local-steps server');
+    fs.rmSync(dir, { recursive: true, force: true });
+  }
+}
+
+// ------------------------------------------------------------------ issue 11: K cores in one tab
+
+/// Opens `url` in the pipe browser and waits for the page's handle.
+async function openPage(browser, url) {
+  await browser.send('Page.navigate', { url }, browser.session);
+  await waitFor(`${url} to load`, () => browser.evaluate(
+    "document.readyState === 'complete' && !!window.crowdgrad && !!window.crowdgrad.volunteer"), 30_000, 100);
+}
+
+/// Clicks Contribute with K Web Workers.
+async function contributeWith(browser, k) {
+  await browser.evaluate(`document.getElementById('cores').value = '${k}'; document.getElementById('contribute').click()`);
+}
+
+/// Every Web Worker's latest report.
+async function threadReports(browser) {
+  return JSON.parse(await browser.evaluate(
+    'JSON.stringify(window.crowdgrad.volunteer.threads.map((t) => (t && t.progress) || null))'));
+}
+
+/// Issue 11: one tab with K = 2 Web Workers against a softmax run: both train, the second reads
+/// the first's partition from the Cache API, the server and its dashboard show one volunteer
+/// with 2 threads, Pause stops both (no push from either), and a 25% CPU limit holds for each.
+async function coresTab() {
+  phase = 'cores';
+  const port = await freePort();
+  const base = `http://127.0.0.1:${port}`;
+  const server = await startServer(port, 'cores', ['--model', 'softmax']);
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-cores-'));
+  let browser = null;
+  try {
+    browser = await PipeBrowser.launch(dir);
+    await openPage(browser, `${base}/`);
+    const offer = JSON.parse(await browser.evaluate(`JSON.stringify({
+      n: navigator.hardwareConcurrency,
+      options: [...document.getElementById('cores').options].map((o) => o.value),
+      value: document.getElementById('cores').value,
+      total: document.getElementById('cores-total').textContent })`));
+    check('the page offers "use K of N cores" (N = navigator.hardwareConcurrency, default K = N - 1, at least 1)',
+      offer.options.length === offer.n && Number(offer.total) === offer.n && Number(offer.value) === Math.max(1, offer.n - 1),
+      `N = ${offer.n}, K offered 1..${offer.options.length}, default ${offer.value}`);
+    if (offer.n < 2) {
+      check('K = 2 Web Workers in one tab', false, `this browser reports ${offer.n} core(s)`);
+      return;
+    }
+    await contributeWith(browser, 2);
+    const both = await waitFor('both Web Workers to have pushes accepted', async () => {
+      const ps = await threadReports(browser);
+      return ps.length === 2 && ps.every((p) => p && p.state === 'training' && p.pushes_accepted > 5) ? ps : null;
+    }, 90_000, 200).catch((e) => { log(e.message); return null; });
+    check('K = 2: both Web Workers of the tab train', both,
+      both ? both.map((p) => `worker ${p.worker_id}: ${p.pushes_accepted} pushes`).join(', ') : 'not both training');
+    if (!both) return;
+    check('the second Web Worker reads the partition the first downloaded (Cache API, one download)',
+      both[1].data_from_cache === true && both[1].partition_images === both[0].partition_images,
+      `thread 1 from cache: ${both[1].data_from_cache}, partitions ${both[0].partition_index} / ${both[1].partition_index}`);
+    const ids = both.map((p) => p.worker_id);
+    const listed = await waitFor('the server to show one volunteer with 2 threads', async () => {
+      const s = await getStatus(base);
+      const ws = s.workers.filter((w) => ids.includes(w.id) && w.connected);
+      return ws.length === 2 && ws.every((w) => w.threads && w.threads.count === 2)
+        && ws[0].threads.volunteer === ws[1].threads.volunteer && s.totals.workers.volunteers.connected === 1 ? s : null;
+    }, 15_000).catch((e) => { log(e.message); return null; });
+    check('the server counts the tab as one volunteer with 2 threads', listed,
+      listed ? `volunteers online ${listed.totals.workers.volunteers.connected}, browser workers online ${listed.totals.workers.browser.connected}` : 'not grouped');
+    const row = await waitFor('the dashboard to show the tab once, with 2 threads', () => browser.evaluate(`(() => {
+      const rows = [...document.querySelectorAll('#workers tr[data-connected="true"]')];
+      return rows.length === 1 && rows[0].dataset.threads === '2' ? rows[0].cells[0].textContent : null; })()`), 10_000)
+      .catch((e) => { log(e.message); return null; });
+    check('the dashboard lists the tab as one volunteer with 2 threads', row, row || 'no single 2-thread row');
+
+    // Pause: neither Web Worker computes or pushes.
+    await browser.evaluate("document.getElementById('pause').click()");
+    const paused = await waitFor('both Web Workers to pause', async () => {
+      const ps = await threadReports(browser);
+      return ps.every((p) => p.state === 'paused') ? ps : null;
+    }, 10_000, 100).catch((e) => { log(e.message); return null; });
+    if (paused) {
+      const s0 = await getStatus(base);
+      await sleep(2_000);
+      const s1 = await getStatus(base);
+      const still = await threadReports(browser);
+      const applied = (s, id) => (s.workers.find((w) => w.id === id) || { pushes_applied: 0 }).pushes_applied;
+      const pushes = ids.map((id) => applied(s1, id) - applied(s0, id));
+      const steps = still.map((p, i) => p.steps - paused[i].steps);
+      const online = s1.workers.filter((w) => ids.includes(w.id) && w.connected).length;
+      check('Pause stops both Web Workers: no step, no push applied from either, both disconnected',
+        pushes.every((n) => n === 0) && steps.every((n) => n === 0) && online === 0,
+        `pushes applied while paused ${pushes.join(' / ')}, steps ${steps.join(' / ')}, ${online} online`);
+      await browser.evaluate("document.getElementById('pause').click()");
+      const resumed = await waitFor('both Web Workers to resume', async () => {
+        const ps = await threadReports(browser);
+        return ps.every((p, i) => p.state === 'training' && p.steps > paused[i].steps) ? ps : null;
+      }, 20_000, 100).catch((e) => { log(e.message); return null; });
+      check('Resume restarts both Web Workers', resumed);
+    } else {
+      check('Pause stops both Web Workers: no step, no push applied from either, both disconnected', false, 'never paused');
+    }
+
+    // The CPU limit, per Web Worker: computing time over wall time from each one's counters.
+    await browser.evaluate("(() => { const s = document.getElementById('throttle'); s.value = '25'; s.dispatchEvent(new Event('change')); })()");
+    await sleep(1_500);
+    const c0 = await threadReports(browser);
+    await sleep(5_000);
+    const c1 = await threadReports(browser);
+    const busy = c1.map((p, i) => (1000 * (p.compute_s - c0[i].compute_s)) / Math.max(1, p.uptime_ms - c0[i].uptime_ms));
+    check('a 25% CPU limit holds for both Web Workers (each computes at most ~25% of the time)',
+      c1.every((p) => p.throttle_percent === 25) && busy.every((b) => b <= 0.3) && busy.every((b) => b > 0),
+      `computing ${busy.map((b) => `${(100 * b).toFixed(1)}%`).join(' / ')} of wall time`);
+    figures['CPU limit 25%, K = 2 (busy share per Web Worker)'] = busy.map((b) => `${(100 * b).toFixed(1)}%`).join(' / ');
+    const errs = errorsIn(['cores']);
+    check('no console errors with 2 Web Workers', errs.length === 0, errs.map((e) => e.text).join(' | '));
+  } finally {
+    if (browser) await browser.close();
+    await stopChild(server, 'cores server');
+    fs.rmSync(dir, { recursive: true, force: true });
+  }
+}
+
+/// Issue 11 figures: one tab's samples/s with K = 1 and K = 2 Web Workers against in-memory
+/// loopback shards (the page's `?loopback=1`: no server CPU competing) and against a server on
+/// the same machine (default model); and the loopback step time at half the batch, the upper
+/// bound of splitting one batch over 2 threads (no barrier, no gradient sum counted).
+async function coresFigures() {
+  phase = 'cores-figures';
+  const port = await freePort();
+  const base = `http://127.0.0.1:${port}`;
+  const server = await startServer(port, 'cores-figures');
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-cores-fig-'));
+  let browser = null;
+  const MEASURE_MS = 10_000;
+  try {
+    const st = await getStatus(base);
+    browser = await PipeBrowser.launch(dir);
+    const run = async (query, k) => {
+      await openPage(browser, `${base}/${query}`);
+      // Loopback threads take the run's model and batch from the status: wait for it.
+      await waitFor('the first status', () => browser.evaluate("document.getElementById('run-info').textContent.startsWith('run ')"), 10_000, 100);
+      await contributeWith(browser, k);
+      await waitFor(`${k} Web Worker(s) training (${query || 'server'})`, async () => {
+        const ps = await threadReports(browser);
+        return ps.length === k && ps.every((p) => p && p.state === 'training' && p.steps > 20);
+      }, 90_000, 200).catch(async (e) => {
+        const ps = await threadReports(browser).catch(() => []);
+        const err = await browser.evaluate("document.getElementById('my-error').textContent").catch(() => '');
+        throw new Error(`${e.message}; reports: ${ps.map((p) => p && `${p.state} ${p.steps} steps ${p.error || ''}`).join(' | ')}; page: ${err}`);
+      });
+      await sleep(2_000);
+      const read = async () => JSON.parse(await browser.evaluate(
+        'JSON.stringify({ t: performance.now(), threads: window.crowdgrad.volunteer.threads.map((x) => x.progress) })'));
+      const a = await read();
+      await sleep(MEASURE_MS);
+      const b = await read();
+      const samples = (r) => r.threads.reduce((n, p) => n + p.samples, 0);
+      const stepMs = b.threads.reduce((n, p) => n + p.step_ms, 0) / k;
+      return { sps: (1000 * (samples(b) - samples(a))) / (b.t - a.t), stepMs };
+    };
+    const n = await browser.evaluate('navigator.hardwareConcurrency').catch(() => 0);
+    const batch = st.batch_size;
+    const l1 = await run('?loopback=1', 1);
+    const l2 = n >= 2 ? await run('?loopback=1', 2) : null;
+    const s1 = await run('', 1);
+    const s2 = n >= 2 ? await run('', 2) : null;
+    const half = await run(`?loopback=1&batch=${Math.max(1, Math.floor(batch / 2))}`, 1);
+    const fmt = (r) => (r ? `${r.sps.toFixed(0)} samples/s (step ${r.stepMs.toFixed(2)} ms)` : 'n/a (1 core)');
+    figures[`cores: tab, loopback shards (${st.model}, batch ${batch}), K = 1 / K = 2`] = `${fmt(l1)} / ${fmt(l2)}`;
+    figures[`cores: tab vs server on the same ${n} cores, K = 1 / K = 2`] = `${fmt(s1)} / ${fmt(s2)}`;
+    if (l2) {
+      const scale = l2.sps / l1.sps;
+      figures['cores: loopback scaling K = 2 over K = 1'] = `${scale.toFixed(2)}x (target >= 1.6x: ${scale >= 1.6 ? 'met' : 'MISSED'})`;
+      // Splitting one batch over 2 threads: each computes half of it; the step takes at least
+      // step(B/2), so samples/s rise at most step(B) / step(B/2).
+      const bound = l1.stepMs / half.stepMs;
+      figures['cores: split-batch bound, step(B) / step(B/2) in loopback'] =
+        `${l1.stepMs.toFixed(2)} ms / ${half.stepMs.toFixed(2)} ms = ${bound.toFixed(2)}x at most (independent workers: ${scale.toFixed(2)}x)`;
+    }
+    if (s2) figures['cores: server scaling K = 2 over K = 1 (server shares the cores)'] = `${(s2.sps / s1.sps).toFixed(2)}x`;
+  } catch (e) {
+    check('the cores figures ran', false, e.message);
+  } finally {
+    if (browser) await browser.close();
+    await stopChild(server, 'cores-figures server');
     fs.rmSync(dir, { recursive: true, force: true });
   }
 }

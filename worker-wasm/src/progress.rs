@@ -87,6 +87,12 @@ pub struct Progress {
     pub wait_ms: Option<f64>,
     /// CPU limit in percent.
     pub throttle_percent: u32,
+    /// Which of the tab's Web Workers this is (`None`: the only one).
+    pub thread: Option<u32>,
+    /// Web Workers the tab runs (1 when alone).
+    pub threads: u32,
+    /// Training against in-memory loopback shards, not the server.
+    pub loopback: bool,
     /// Paused by the volunteer.
     pub paused: bool,
     /// Sessions started after the first (rejoins).

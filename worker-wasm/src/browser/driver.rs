@@ -5,13 +5,15 @@
 
 use super::net::Scope;
 use super::socket::{ShardSocket, SocketEventKind};
-use super::Shared;
+use super::{LoopbackRun, Shared};
 use crate::endpoint::{http_url, ws_url};
 use crate::error::{Error, Result};
+use crate::loopback::{synthetic_run, Loopback};
 use crate::pace::{Ema, RateMeter};
 use crate::progress::ConnState;
 use crowdgrad_core::backoff::Backoff;
 use crowdgrad_core::data::Dataset;
+use crowdgrad_core::optim::OptimizerConfig;
 use crowdgrad_core::spec::{JoinRequest, JoinResponse};
 use crowdgrad_core::wire::ClientKind;
 use crowdgrad_core::worker::{Worker, WorkerStats};
@@ -26,6 +28,19 @@ const STALL_MS: f64 = 30_000.0;
 const REPORT_EVERY_MS: f64 = 250.0;
 /// Weight of the newest step time in the step-time average.
 const STEP_EMA_ALPHA: f64 = 0.1;
+
+/// The join this Web Worker sends: a browser's, as one of the tab's threads if it runs several.
+fn join_request(sh: &Shared) -> JoinRequest {
+    let mut req = JoinRequest::new(ClientKind::Browser);
+    req.threads.clone_from(&sh.setup.threads);
+    req
+}
+
+/// Examples in a loopback partition (synthetic, MNIST-shaped).
+const LOOPBACK_EXAMPLES: usize = 6_000;
+/// In loopback mode nothing else gives the event loop a turn: yield at least this often so
+/// the page's pause, CPU limit and stop reach the worker (a yield costs ~4 ms, under 5%).
+const LOOPBACK_YIELD_MS: f64 = 100.0;
 
 /// Runs sessions until the page calls `stop()`.
 pub(crate) async fn run(sh: Rc<Shared>) {
@@ -45,6 +60,14 @@ pub(crate) async fn run(sh: Rc<Shared>) {
         (js_sys::Math::random() * 9_007_199_254_740_992.0) as u64 ^ js_sys::Date::now().to_bits();
     let mut backoff = Backoff::new(seed);
     let mut sessions = 0u32;
+    if let Some(run) = sh.setup.loopback.clone() {
+        if let Err(e) = d.loopback(&run).await {
+            sh.progress.borrow_mut().error = Some(e.to_string());
+        }
+        sh.progress.borrow_mut().state = ConnState::Stopped;
+        d.report(None, true);
+        return;
+    }
     loop {
         if sh.control.borrow().stopped {
             break;
@@ -206,11 +229,7 @@ impl Driver {
         let token = self.sh.join_token.borrow().clone();
         let join: JoinResponse = self
             .scope()
-            .post_json(
-                &join_url,
-                &JoinRequest::new(ClientKind::Browser),
-                token.as_deref(),
-            )
+            .post_json(&join_url, &join_request(&self.sh), token.as_deref())
             .await?;
         {
             let mut p = self.sh.progress.borrow_mut();
@@ -252,6 +271,88 @@ impl Driver {
         );
         self.carried = worker.stats().clone();
         result
+    }
+
+    /// Trains against in-memory loopback shards (core's shard sessions in this Web Worker) on
+    /// a synthetic partition until `stop()`, under the same pause and CPU limit as a session.
+    async fn loopback(&mut self, run: &LoopbackRun) -> Result<()> {
+        let index = self.sh.setup.threads.as_ref().map_or(0, |t| t.index);
+        let (join, data) = synthetic_run(
+            &run.model,
+            run.shards,
+            OptimizerConfig::default(),
+            run.batch,
+            LOOPBACK_EXAMPLES,
+            1 + u64::from(index),
+        )?;
+        {
+            let mut p = self.sh.progress.borrow_mut();
+            p.worker_id = None;
+            p.run_id = Some(join.run.run_id.clone());
+            p.model = Some(join.run.model.to_string());
+            p.batch_size = Some(join.run.batch_size);
+            p.shards = run.shards;
+            p.shards_connected = run.shards;
+            p.partition_examples = Some(LOOPBACK_EXAMPLES);
+        }
+        let mut shards = Loopback::new(&join, 42)?;
+        let mut worker = Worker::new(join, data, ClientKind::Browser, None)?;
+        for s in 0..run.shards {
+            worker.connected(s);
+        }
+        let mut training = false;
+        let mut rest_end = self.scope().now();
+        let mut last_yield = rest_end;
+        loop {
+            let control = *self.sh.control.borrow();
+            if control.stopped {
+                self.carried = worker.stats().clone();
+                return Ok(());
+            }
+            if control.paused {
+                training = false;
+                self.wait_while_paused().await;
+                self.sh.progress.borrow_mut().shards_connected = run.shards;
+                rest_end = self.scope().now();
+                continue;
+            }
+            // Hello/Welcome, then pulls/Params: a few exchanges at most before a step.
+            let mut exchanges = 0;
+            while !worker.ready() {
+                if exchanges == 16 {
+                    return Err(Error::Stalled(
+                        "the loopback shards sent no parameters".into(),
+                    ));
+                }
+                shards.exchange(&mut worker, |_, _, _| {})?;
+                exchanges += 1;
+            }
+            if !training {
+                training = true;
+                self.set_state(ConnState::Training, Some(&worker));
+            }
+            let t0 = self.scope().now();
+            let idle = t0 - rest_end;
+            worker.set_time(t0 / 1e3);
+            worker.step()?;
+            let t1 = self.scope().now();
+            worker.observe_compute((t1 - t0) / 1e3);
+            worker.set_time(t1 / 1e3);
+            let dt = t1 - t0;
+            self.step_ms.update(dt, STEP_EMA_ALPHA);
+            self.sh.progress.borrow_mut().step_ms_last = Some(dt);
+            self.rate.record(t1, worker.stats().samples);
+            self.report(Some(&worker), false);
+            let rest = control.throttle.rest_ms(dt, idle);
+            if rest > 0.0 {
+                self.scope().sleep(rest).await;
+                last_yield = self.scope().now();
+            } else if t1 - last_yield > LOOPBACK_YIELD_MS {
+                self.scope().sleep(0.0).await;
+                last_yield = self.scope().now();
+            }
+            rest_end = self.scope().now();
+        }
     }
 
     /// Opens one socket per shard.

@@ -1,6 +1,12 @@
 //! The wasm-bindgen surface: [`BrowserWorker`], built once by `web/worker.js` inside a module
 //! Web Worker. Its methods only flip flags and wake the driver ([`driver::run`]), which owns the
 //! core worker, the sockets and all timing.
+//!
+//! A tab that uses K cores runs K Web Workers (`web/app.js`), each its own worker with its own
+//! sockets, joined as the threads of one volunteer. Each learns which thread it is, and
+//! whether it runs against in-memory loopback shards instead of the server, from its script
+//! URL's query ([`Setup::from_query`]: `worker.js?thread=0&threads=2&volunteer=KEY`,
+//! `&loopback=1&model=mlp:128&batch=32&shards=2`), so `worker.js` stays the same thin shim.
 
 mod driver;
 mod net;
@@ -9,6 +15,7 @@ mod socket;
 use crate::error::Error;
 use crate::pace::Throttle;
 use crate::progress::Progress;
+use crowdgrad_core::spec::Threads;
 use js_sys::Function;
 use net::{Scope, Wake};
 use socket::SocketEvent;
@@ -26,6 +33,96 @@ struct Control {
     throttle: Throttle,
 }
 
+/// In-memory loopback shards to train against instead of the server's (to measure this
+/// device's compute alone): the run's model text, batch and shard count, on a synthetic
+/// MNIST-shaped partition.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct LoopbackRun {
+    pub(crate) model: String,
+    pub(crate) batch: usize,
+    pub(crate) shards: usize,
+}
+
+/// What the script URL's query asked of this Web Worker.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Setup {
+    /// Which of the tab's threads it is (sent with the join); `None`: the only one.
+    pub(crate) threads: Option<Threads>,
+    /// Loopback mode.
+    pub(crate) loopback: Option<LoopbackRun>,
+}
+
+impl Setup {
+    /// Parses `?thread=I&threads=K&volunteer=KEY[&loopback=1&model=M&batch=B&shards=S]`
+    /// (each part optional; `thread`, `threads` and `volunteer` come together).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a malformed or out-of-range value.
+    pub(crate) fn from_query(query: &str) -> crate::error::Result<Self> {
+        let mut get = std::collections::HashMap::new();
+        for part in query
+            .trim_start_matches('?')
+            .split('&')
+            .filter(|p| !p.is_empty())
+        {
+            let (k, v) = part.split_once('=').unwrap_or((part, ""));
+            let v = js_sys::decode_uri_component(v)
+                .ok()
+                .and_then(|v| v.as_string())
+                .ok_or_else(|| Error::Config(format!("worker URL: bad value of {k}")))?;
+            get.insert(k.to_owned(), v);
+        }
+        let num = |k: &str| -> crate::error::Result<Option<u32>> {
+            get.get(k)
+                .map(|v| {
+                    v.parse::<u32>().map_err(|_| {
+                        Error::Config(format!("worker URL: {k}={v:?} is not a number"))
+                    })
+                })
+                .transpose()
+        };
+        let threads = match (num("thread")?, num("threads")?, get.get("volunteer")) {
+            (None, None, None) => None,
+            (Some(index), Some(count), Some(v)) => {
+                let t = Threads {
+                    volunteer: v.clone(),
+                    index,
+                    count,
+                };
+                t.check()
+                    .map_err(|e| Error::Config(format!("worker URL: {e}")))?;
+                Some(t)
+            }
+            _ => {
+                return Err(Error::Config(
+                    "worker URL: thread, threads and volunteer go together".into(),
+                ))
+            }
+        };
+        let loopback = match get.get("loopback").map(String::as_str) {
+            None | Some("0") => None,
+            Some(_) => {
+                let batch = num("batch")?.unwrap_or(32) as usize;
+                let shards = num("shards")?.unwrap_or(2) as usize;
+                if !(1..=4096).contains(&batch) || !(1..=64).contains(&shards) {
+                    return Err(Error::Config(
+                        "worker URL: loopback batch must be 1..=4096 and shards 1..=64".into(),
+                    ));
+                }
+                Some(LoopbackRun {
+                    model: get
+                        .get("model")
+                        .cloned()
+                        .unwrap_or_else(|| "mlp:128".into()),
+                    batch,
+                    shards,
+                })
+            }
+        };
+        Ok(Self { threads, loopback })
+    }
+}
+
 /// State shared between the exported object, the socket callbacks and the driver task.
 pub(crate) struct Shared {
     scope: Scope,
@@ -40,6 +137,8 @@ pub(crate) struct Shared {
     progress: RefCell<Progress>,
     /// A private run's join token (sent as `Authorization: Bearer`; never reported).
     join_token: RefCell<Option<String>>,
+    /// Thread and loopback mode, from the script URL.
+    setup: Setup,
 }
 
 impl Shared {
@@ -85,8 +184,17 @@ impl BrowserWorker {
                 "server URL {base_url:?} is not http(s)"
             ))));
         }
+        let query = js_sys::Reflect::get(&js_sys::global(), &"location".into())
+            .and_then(|l| js_sys::Reflect::get(&l, &"search".into()))
+            .ok()
+            .and_then(|s| s.as_string())
+            .unwrap_or_default();
+        let setup = Setup::from_query(&query).map_err(js)?;
         let progress = Progress {
             throttle_percent: Throttle::default().percent(),
+            thread: setup.threads.as_ref().map(|t| t.index),
+            threads: setup.threads.as_ref().map_or(1, |t| t.count),
+            loopback: setup.loopback.is_some(),
             ..Progress::default()
         };
         Ok(Self {
@@ -99,6 +207,7 @@ impl BrowserWorker {
                 wake: Wake::default(),
                 progress: RefCell::new(progress),
                 join_token: RefCell::new(None),
+                setup,
             }),
         })
     }
