@@ -320,13 +320,14 @@ impl ShardAccess for Access<'_> {
             if st.version() != v0 {
                 // An update was applied: its time under the lock is the apply latency.
                 inner.apply_seconds.observe(t0.elapsed().as_secs_f64());
+                // Kept for spot checks before any worker can read it.
+                if let Some(spot) = inner.defence.get().and_then(|d| d.spot.as_ref()) {
+                    spot.record(inner.cfg.id, st.version(), st.values().clone());
+                }
                 inner.current.store(Arc::new(Snapshot {
                     version: st.version(),
                     values: st.values().clone(),
                 }));
-                if let Some(spot) = inner.defence.get().and_then(|d| d.spot.as_ref()) {
-                    spot.record(inner.cfg.id, st.version(), st.values().clone());
-                }
             }
             (r, (st.epoch() != e0).then(|| st.epoch()))
         };

@@ -28,8 +28,9 @@
 //! # Bounds
 //! Memory: the histories hold at most `history` versions of every shard, that is
 //! `history × parameters × 4` bytes (64 versions of the 101,770-parameter `mlp:128` are
-//! 26 MB), plus the queue's [`QUEUE`] pushes (each a shard slice and `Arc`s of versions that
-//! the histories share) and [`CACHE`] recomputed rounds. CPU: one thread; a check of a round
+//! 26 MB); the queue's [`QUEUE`] pushes hold a shard slice each and `Arc`s of the versions
+//! they read, which outlive the history at worst by `QUEUE × parameters × 4` bytes more; and
+//! [`CACHE`] recomputed rounds of `parameters × 4` bytes. CPU: one thread; a check of a round
 //! of H steps costs H gradient computations.
 //!
 //! Remote shards (`--shard-urls`) are not spot-checked: the coordinator does not see their
@@ -55,7 +56,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Sampled pushes waiting for the checker; past this a sampled push is dropped (counted).
-pub const QUEUE: usize = 256;
+pub const QUEUE: usize = 64;
 /// Recomputed rounds the checker keeps (a round is compared once per shard).
 pub const CACHE: usize = 8;
 /// Figures of the most recent checks kept for the status.

@@ -302,7 +302,9 @@ async fn assert_caught(running: &Running, a: &Attack, identity: &str, bound: u64
     let f = failed.last().expect("a failed check's figures");
     eprintln!(
         "spot checks, {label}: caught after {} rounds: cosine {:.4}, norm ratio {:.4}",
-        a.rounds, f["cosine"], f["norm_ratio"]
+        a.rounds,
+        f["cosine"].as_f64().unwrap_or(f64::NAN),
+        f["norm_ratio"].as_f64().unwrap_or(f64::NAN)
     );
     let (_, metrics) = get(format!("{url}/metrics")).await;
     let metrics = String::from_utf8(metrics).expect("utf-8");
@@ -460,4 +462,69 @@ async fn untagged_pushes_are_refused_when_the_shards_spot_check() {
         other => panic!("{other:?}"),
     }
     plain.stop().await.expect("stops");
+}
+
+/// The margin, measured: with the tolerances opened wide (nothing is quarantined), 120 rounds
+/// of the shuffled-label worker next to 100 of an honest one, every round checked. Every one of its
+/// checks is far outside the default tolerances, every honest one far inside.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shuffled_labels_stay_far_outside_the_tolerances_while_the_model_trains() {
+    let mut cfg = spot_config(1.0);
+    cfg.spot.cosine = -1.0;
+    cfg.spot.norm_tol = 1e9;
+    let running = server(cfg).await;
+    let url = running.url();
+    // Bounded, so every check of both fits the status's last 512 figures.
+    let h = honest(&url, "honest", 100);
+    let a = attack(
+        &running,
+        "shuffled-label-measured",
+        Fault::ShuffledLabels,
+        120,
+    )
+    .await;
+    assert!(a.closed_by.is_none(), "{a:?}");
+    let s = status(&url).await;
+    h.kill();
+    let recent = s["spot_checks"]["recent"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let (mut bad, mut good) = (Vec::new(), Vec::new());
+    for f in &recent {
+        let fig = (
+            f["cosine"].as_f64().unwrap_or(f64::NAN),
+            f["norm_ratio"].as_f64().unwrap_or(f64::NAN),
+        );
+        if f["worker"].as_u64() == Some(a.worker_id) {
+            bad.push(fig);
+        } else {
+            good.push(fig);
+        }
+    }
+    let (c0, c1, c2) = spread(bad.iter().map(|f| f.0).collect());
+    let (r0, r1, r2) = spread(bad.iter().map(|f| f.1).collect());
+    eprintln!(
+        "spot checks, shuffled labels over {} checks: cosine min/median/max {c0:.4} / {c1:.4} / {c2:.4}; norm ratio min/median/max {r0:.3} / {r1:.3} / {r2:.3}",
+        bad.len()
+    );
+    let (g0, _, _) = spread(good.iter().map(|f| f.0).collect());
+    eprintln!(
+        "spot checks, the honest worker beside it over {} checks: least cosine {g0:.6}",
+        good.len()
+    );
+    assert!(bad.len() >= 100, "{} checks of the attacker", bad.len());
+    assert!(
+        good.len() >= 10,
+        "{} checks of the honest worker",
+        good.len()
+    );
+    // Outside the defaults (cosine 0.99, norm 1 ± 0.05) every time, by a wide margin in cosine.
+    for (c, r) in &bad {
+        assert!(*c < 0.9 || (r - 1.0).abs() > 0.05, "cosine {c}, ratio {r}");
+    }
+    assert!(c2 < 0.9, "the attacker's best cosine {c2}");
+    assert!(g0 > 0.999, "the honest worker's least cosine {g0}");
+    assert_eq!(s["reputation"]["quarantined"], 0);
+    running.stop().await.expect("stops");
 }
