@@ -461,6 +461,8 @@ impl Xtask {
                 .args([
                     "--",
                     &format!("-max_total_time={seconds}"),
+                    // An input that runs 10 s is a hang: report it as a failure.
+                    "-timeout=10",
                     "-print_final_stats=1",
                 ]);
             run(c)?;
