@@ -60,6 +60,11 @@ pub struct LinkArgs {
     /// Seconds each worker runs (from its start: join, data download, training).
     #[arg(long, default_value_t = 30.0)]
     pub seconds: f64,
+    /// Steps (gradients, or inner steps with local steps) each worker computes before it
+    /// stops, so every configuration trains on the same number of examples (`--seconds` still
+    /// caps the run): the quality comparison at equal samples.
+    #[arg(long)]
+    pub steps: Option<u64>,
     /// The server's evaluation period (the resolution of the times to 95% / 97%).
     #[arg(long, default_value_t = 0.25)]
     pub eval_every: f64,
@@ -452,6 +457,7 @@ pub fn run(
             .arg(format!("bench-{i}"))
             .arg("--seconds")
             .arg(args.seconds.to_string())
+            .args(args.steps.map(|n| format!("--steps={n}")))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::null());
@@ -711,6 +717,20 @@ pub fn targets(runs: &[LinkRun]) -> String {
     s
 }
 
+/// The batch size the extra `serve` flags ask for (32, serve's default, otherwise).
+fn batch_of(serve_args: &[String]) -> u64 {
+    let mut it = serve_args.iter();
+    while let Some(a) = it.next() {
+        if let Some(v) = a.strip_prefix("--batch-size=") {
+            return v.parse().unwrap_or(32);
+        }
+        if a == "--batch-size" {
+            return it.next().and_then(|v| v.parse().ok()).unwrap_or(32);
+        }
+    }
+    32
+}
+
 /// What `crowdgrad bench link` does.
 ///
 /// # Errors
@@ -726,6 +746,11 @@ pub fn cli(args: &LinkArgs) -> Result<()> {
     }
     if !(args.seconds.is_finite() && (1.0..=600.0).contains(&args.seconds)) {
         return Err(Error::Config("--seconds must be between 1 and 600".into()));
+    }
+    if args.steps.is_some_and(|n| !(1..=10_000_000).contains(&n)) {
+        return Err(Error::Config(
+            "--steps must be between 1 and 10000000".into(),
+        ));
     }
     if !(1..=10).contains(&args.repeat) {
         return Err(Error::Config("--repeat must be between 1 and 10".into()));
@@ -764,9 +789,17 @@ pub fn cli(args: &LinkArgs) -> Result<()> {
             }
         }
     }
+    let each = match args.steps {
+        Some(n) => format!(
+            "{n} steps ({} examples) each, at most {} s",
+            n * batch_of(&args.serve_args),
+            args.seconds
+        ),
+        None => format!("{} s each", args.seconds),
+    };
     println!(
-        "{} workers, {} s each (times from the workers' start; in brackets from the first worker's first exchange)\n",
-        args.workers, args.seconds
+        "{} workers, {each} (times from the workers' start; in brackets from the first worker's first exchange)\n",
+        args.workers
     );
     print!("{}", table(&runs));
     let runs = if args.repeat > 1 {
