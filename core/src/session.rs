@@ -288,6 +288,50 @@ impl ShardState {
         self.core.set_paused(paused);
     }
 
+    /// The consistency mode now (the run's, or the one an operator switched to).
+    pub fn consistency(&self) -> Consistency {
+        self.cfg.setup.consistency
+    }
+
+    /// Operator controls: switches the consistency mode of a running shard, for every session
+    /// at once (sessions read the mode from here, not from their copy of the config).
+    ///
+    /// Safe, and done: `async` ↔ `ssp:S`, `ssp:S` → `ssp:S'`, `sync:K` → `sync:K'`, and
+    /// `sync:K` → `async` / `ssp:S`. Leaving sync mode, or changing K, first applies the
+    /// pending aggregate (a flush). Entering SSP from async levels every worker's clock, so
+    /// clocks counted without a bound hold nobody back. A pull waiting under the old mode is
+    /// re-checked under the new one.
+    ///
+    /// # Errors
+    /// `async`/`ssp` → `sync:K`, with a reason (nothing changes): workers that joined under
+    /// async or SSP ask for the current version, not the next one, so a fast worker would fill
+    /// an aggregate with several gradients of its own.
+    pub fn set_consistency(&mut self, mode: Consistency) -> Result<(), String> {
+        let from = self.cfg.setup.consistency;
+        if mode == from {
+            return Ok(());
+        }
+        if matches!(mode, Consistency::Sync { .. }) && !matches!(from, Consistency::Sync { .. }) {
+            return Err(format!(
+                "cannot switch a running shard from {from} to {mode}: workers that joined under \
+                 {from} pull the current version, not the next one, so one fast worker could \
+                 fill an aggregate alone; restart from a checkpoint with --consistency {mode}"
+            ));
+        }
+        if let Some(o) = self.core.set_consistency(mode) {
+            self.record(&o);
+        }
+        match mode {
+            Consistency::Ssp { bound } => self
+                .clock
+                .set_bound(bound, !matches!(from, Consistency::Ssp { .. })),
+            _ => self.clock.set_bound(u64::MAX / 2, false),
+        }
+        self.cfg.setup.consistency = mode;
+        self.epoch += 1;
+        Ok(())
+    }
+
     /// Operator controls: the learning rate from the next update on ([`ShardCore::set_lr`]).
     ///
     /// # Errors
@@ -548,6 +592,12 @@ pub trait ShardAccess {
     }
     /// Takes the copy [`ShardAccess::sample`] asked for.
     fn take_sample(&mut self, _push: SampledPush) {}
+    /// The shard's consistency mode now ([`ShardState::consistency`]; an operator may switch
+    /// it while sessions run). Drivers whose [`ShardAccess::with`] takes a lock should answer
+    /// without it: async pulls ask on every pull.
+    fn mode(&mut self) -> Consistency {
+        self.with(|s| ShardState::consistency(s))
+    }
 }
 
 impl ShardAccess for ShardState {
@@ -846,9 +896,13 @@ impl ShardSession {
         if self.closed {
             return;
         }
-        if due && matches!(self.cfg.setup.consistency, Consistency::Sync { .. }) {
+        if due {
             // Rule 3: stragglers; apply what was gathered so far.
-            shard.with(|s| s.flush());
+            shard.with(|s| {
+                if matches!(s.consistency(), Consistency::Sync { .. }) {
+                    s.flush();
+                }
+            });
         }
         let since = if due { now } else { w.since };
         if !self.pull(shard, w.request_id, w.min_version, now, since) {
@@ -874,7 +928,7 @@ impl ShardSession {
         let Some(worker) = self.worker else {
             return true;
         };
-        let (gate, clock, min_clock) = if self.cfg.setup.consistency == Consistency::Async {
+        let (gate, clock, min_clock) = if shard.mode() == Consistency::Async {
             (Gate::Open, None, None)
         } else {
             shard.with(|s| {
@@ -1335,6 +1389,54 @@ mod tests {
         a.handle_update(&mut sh, 3.1);
         assert_eq!(sent(&mut a), ["ack 5 v1", "params 6 v2"]);
         assert_eq!(sh.updates().get(&2), Some(&1));
+    }
+
+    /// The admin API's consistency change (issue 9): sessions read the mode from the shared
+    /// state, so a switch reaches open connections, and a pull parked under the old mode is
+    /// re-checked under the new one.
+    #[test]
+    fn consistency_changes_reach_open_sessions() {
+        let mut sh = state(Consistency::Sync { k: 2 }, 1);
+        let mut a = ShardSession::new(*sh.config());
+        let mut b = ShardSession::new(*sh.config());
+        a.handle_frame(&mut sh, &hello(1, 1), 0.0);
+        b.handle_frame(&mut sh, &hello(1, 2), 0.0);
+        a.handle_frame(&mut sh, &wire::encode_push(2, 1, 0, 8, &[1.0]), 0.1);
+        a.handle_frame(&mut sh, &pull(3, 1), 0.1);
+        assert!(a.is_waiting());
+        // sync -> async: the pending aggregate is applied first, the parked pull answered.
+        let epoch = sh.epoch();
+        sh.set_consistency(Consistency::Async).unwrap();
+        assert!(sh.epoch() > epoch);
+        assert_eq!((sh.version(), sh.core().pending()), (1, 0));
+        assert_eq!(sh.updates().get(&1), Some(&1), "a flush of one");
+        a.handle_update(&mut sh, 0.2);
+        assert_eq!(sent(&mut a), ["welcome 1", "ack 2 v0", "params 3 v1"]);
+        // Async now: a stale push is applied, not refused as late.
+        b.handle_frame(&mut sh, &wire::encode_push(2, 1, 0, 8, &[1.0]), 0.3);
+        assert_eq!(sent(&mut b), ["welcome 1", "ack 2 v2"]);
+        // async -> ssp:1: clocks are levelled, then the bound holds a runner back.
+        sh.set_consistency(Consistency::Ssp { bound: 1 }).unwrap();
+        for rid in [4, 5] {
+            let v = sh.version();
+            a.handle_frame(&mut sh, &wire::encode_push(rid, 1, v, 8, &[0.5]), 0.4);
+        }
+        a.handle_frame(&mut sh, &pull(6, 0), 0.4);
+        assert!(a.is_waiting(), "two ahead of b with S = 1");
+        // ssp -> sync is refused with a reason, and changes nothing.
+        let e = sh.set_consistency(Consistency::Sync { k: 2 }).unwrap_err();
+        assert!(e.contains("pull the current version"), "{e}");
+        assert_eq!(sh.consistency(), Consistency::Ssp { bound: 1 });
+        // ssp:1 -> ssp:4: the runner may read again.
+        sh.set_consistency(Consistency::Ssp { bound: 4 }).unwrap();
+        a.handle_update(&mut sh, 0.5);
+        assert_eq!(sent(&mut a), ["ack 4 v3", "ack 5 v4", "params 6 v4"]);
+        // sync:K -> sync:K' is allowed only from sync.
+        let mut sh = state(Consistency::Sync { k: 3 }, 1);
+        let mut c = ShardSession::new(*sh.config());
+        c.handle_frame(&mut sh, &hello(1, 1), 0.0);
+        sh.set_consistency(Consistency::Sync { k: 2 }).unwrap();
+        assert_eq!(sh.core().consistency(), Consistency::Sync { k: 2 });
     }
 
     #[test]

@@ -466,6 +466,20 @@ impl ShardCore {
         self.consistency
     }
 
+    /// Switches the consistency mode from the next push on (the admin API; which changes are
+    /// safe is [`crate::session::ShardState::set_consistency`]'s decision). A pending sync
+    /// aggregate is applied first, as a flush would, and returned.
+    pub fn set_consistency(&mut self, mode: Consistency) -> Option<Outcome> {
+        let flushed = self.flush();
+        self.consistency = mode;
+        if matches!(mode, Consistency::Sync { .. }) {
+            self.sum = vec![0.0; self.values.len()];
+        } else {
+            self.sum = Vec::new();
+        }
+        flushed
+    }
+
     /// Handles one push of `grad` (already checked finite and of the right length) computed
     /// from `base_version`.
     ///
@@ -657,6 +671,19 @@ impl SspClock {
     /// The bound S.
     pub fn bound(&self) -> u64 {
         self.bound
+    }
+
+    /// A new bound S from now on (the admin API's consistency change); with `level`, every
+    /// worker's clock is first set to the fastest one, so that clocks counted while no bound
+    /// applied (async) hold nobody back.
+    pub fn set_bound(&mut self, bound: u64, level: bool) {
+        self.bound = bound;
+        if level {
+            let top = self.workers.values().map(|t| t.clock).max().unwrap_or(0);
+            for t in self.workers.values_mut() {
+                t.clock = top;
+            }
+        }
     }
 
     /// A worker connects. It starts at the slowest active clock, so a newcomer neither waits

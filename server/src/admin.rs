@@ -15,7 +15,7 @@
 //! | `POST /api/admin/stop` | as drain, without waiting for connections to finish |
 //! | `POST /api/admin/checkpoint` | write a checkpoint now; answers what was written |
 //! | `POST /api/admin/set-lr` `{"lr": 0.01}` | every shard's learning rate from its next update |
-//! | `POST /api/admin/set-consistency` `{"consistency": "ssp:2"}` | refused unless it is the current mode (see [`set_consistency`]) |
+//! | `POST /api/admin/set-consistency` `{"consistency": "ssp:2"}` | switches the mode where safe (async ↔ ssp:S, sync:K → sync:K' / async / ssp:S), else 409 with the reason (see [`set_consistency`]) |
 
 use crate::app::App;
 use crate::credential::Secret;
@@ -186,7 +186,7 @@ fn state_json(app: &App) -> serde_json::Value {
         "draining": app.admin.draining(),
         "stop": app.admin.stop_mode(),
         "lr": app.admin.lr(),
-        "consistency": app.spec.consistency.to_string(),
+        "consistency": app.consistency().to_string(),
         "versions": app.shards.iter().map(|s| s.version()).collect::<Vec<_>>(),
         "checkpoint": app.checkpoints.as_ref().map(|c| json!({
             "location": c.store().location(),
@@ -350,10 +350,15 @@ async fn unquarantine(State(app): State<Arc<App>>, headers: HeaderMap, body: Byt
     )
 }
 
-/// Changing the consistency mode of a running server is refused (409) unless the mode asked
-/// for is the current one: every open shard session holds its mode (`core::session`), so a
-/// change would apply to new connections only and mix two modes on one shard. Resuming the
-/// run's checkpoint with another `--consistency` is the safe way (the state carries over).
+/// Switches the consistency mode of a running server, on every shard and every open session
+/// at once (sessions read it from the shard's shared state). Safe changes are made:
+/// `async` ↔ `ssp:S`, `ssp:S` → `ssp:S'`, `sync:K` → `sync:K'` and `sync:K` → `async`/`ssp:S`
+/// (leaving sync or changing K first applies the pending aggregate). Refused with 409 and the
+/// reason ([`crate::shard::Shard::set_consistency`]): `async`/`ssp` → `sync:K` (workers that
+/// joined without sync pull the current version, not the next), and any change when the shards
+/// are other processes (`--shard-urls`: restart them with the new `--consistency`). Workers
+/// that join afterwards get the new mode in their join reply; a restart takes the command
+/// line's `--consistency` again.
 async fn set_consistency(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
     if let Err(r) = check(&app, &headers) {
         return r;
@@ -369,17 +374,32 @@ async fn set_consistency(State(app): State<Arc<App>>, headers: HeaderMap, body: 
         Ok(m) => m,
         Err(e) => return refuse(StatusCode::BAD_REQUEST, e.to_string()),
     };
-    if mode == app.spec.consistency {
+    let from = app.consistency();
+    if mode == from {
         return reply(StatusCode::OK, state_json(&app));
     }
-    refuse(
-        StatusCode::CONFLICT,
-        format!(
-            "cannot change the consistency mode of a running server from {} to {mode}: open \
-             shard sessions hold the mode. Drain the server and start it again with \
-             --consistency {mode} and the same --checkpoint-dir (parameters, optimizer state \
-             and versions carry over)",
-            app.spec.consistency
-        ),
-    )
+    if app.remote.is_some() {
+        return refuse(
+            StatusCode::CONFLICT,
+            format!(
+                "cannot change the consistency mode from {from} to {mode} here: the shards are \
+                 other processes (--shard-urls); restart each with --consistency {mode} (its \
+                 checkpoint carries the state over)"
+            ),
+        );
+    }
+    // Every shard runs the same mode, so the first one decides for all: an unsafe change is
+    // refused before any shard changed.
+    for (i, s) in app.shards.iter().enumerate() {
+        if let Err(why) = s.set_consistency(mode) {
+            let status = if i == 0 {
+                StatusCode::CONFLICT
+            } else {
+                StatusCode::INTERNAL_SERVER_ERROR
+            };
+            return refuse(status, why);
+        }
+    }
+    tracing::info!(%from, to = %mode, "admin: consistency mode switched");
+    reply(StatusCode::OK, state_json(&app))
 }

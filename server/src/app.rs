@@ -185,6 +185,14 @@ fn remote_counters(status: Option<&serde_json::Value>) -> Counters {
 }
 
 impl App {
+    /// The consistency mode now: the shards' (the admin API may have switched it), else the
+    /// run's (shards in other processes).
+    pub fn consistency(&self) -> crowdgrad_core::shard::Consistency {
+        self.shards
+            .first()
+            .map_or(self.spec.consistency, |s| s.consistency())
+    }
+
     /// The status report.
     pub fn status(&self) -> Status {
         let (workers, shard_counters, mut totals) = self.registry.view();
@@ -226,7 +234,7 @@ impl App {
             run_id: self.spec.run_id.clone(),
             model: self.model.spec().to_string(),
             params: self.model.param_len(),
-            consistency: self.spec.consistency.to_string(),
+            consistency: self.consistency().to_string(),
             staleness_policy: self.cfg.staleness.to_string(),
             read_skew_hist: self.registry.read_skew_hist(),
             batch_size: self.spec.batch_size,

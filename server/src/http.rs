@@ -143,7 +143,12 @@ async fn join(
     Json(JoinResponse {
         protocol: PROTOCOL_VERSION,
         worker_id,
-        run: app.spec.clone(),
+        run: {
+            // The mode now: an operator may have switched it (`ctl set-consistency`).
+            let mut run = app.spec.clone();
+            run.consistency = app.consistency();
+            run
+        },
         partition: PartitionInfo {
             index,
             count: app.cfg.partitions,

@@ -38,6 +38,9 @@ pub struct Snapshot {
 
 struct Inner {
     cfg: ShardConfig,
+    /// The consistency mode now (the state's, copied here so async pulls read it without the
+    /// mutex; [`Shard::set_consistency`] changes both under the mutex).
+    mode: ArcSwap<Consistency>,
     current: ArcSwap<Snapshot>,
     state: Mutex<ShardState>,
     /// The state's epoch, for handlers whose pull waits.
@@ -170,6 +173,7 @@ impl Shard {
         Ok(Self {
             inner: Arc::new(Inner {
                 cfg,
+                mode: ArcSwap::from_pointee(cfg.setup.consistency),
                 current: ArcSwap::from_pointee(Snapshot { version, values }),
                 state: Mutex::new(state),
                 epoch_tx: watch::channel(0).0,
@@ -198,9 +202,38 @@ impl Shard {
         self.inner.cfg.range
     }
 
-    /// Consistency mode.
+    /// Consistency mode now (the run's, or the one the admin API switched to).
     pub fn consistency(&self) -> Consistency {
-        self.inner.cfg.setup.consistency
+        **self.inner.mode.load()
+    }
+
+    /// Switches the consistency mode for every session of this shard (the admin API): see
+    /// [`ShardState::set_consistency`] for which changes are safe. A pending sync aggregate is
+    /// applied first and published; parked pulls are woken to re-check under the new mode.
+    ///
+    /// # Errors
+    /// An unsafe change, with the reason; nothing changes.
+    pub fn set_consistency(&self, mode: Consistency) -> std::result::Result<(), String> {
+        let inner = &self.inner;
+        let epoch = {
+            let mut st = self.state();
+            let v0 = st.version();
+            st.set_consistency(mode)?;
+            inner.mode.store(Arc::new(mode));
+            if st.version() != v0 {
+                // Kept for spot checks before any worker can read it.
+                if let Some(spot) = inner.defence.get().and_then(|d| d.spot.as_ref()) {
+                    spot.record(inner.cfg.id, st.version(), st.values().clone());
+                }
+                inner.current.store(Arc::new(Snapshot {
+                    version: st.version(),
+                    values: st.values().clone(),
+                }));
+            }
+            st.epoch()
+        };
+        inner.epoch_tx.send_replace(epoch);
+        Ok(())
     }
 
     /// Current version.
@@ -305,6 +338,10 @@ pub struct Access<'a> {
 }
 
 impl ShardAccess for Access<'_> {
+    fn mode(&mut self) -> Consistency {
+        **self.shard.inner.mode.load()
+    }
+
     fn snapshot(&self) -> (u64, Arc<Vec<f32>>) {
         let s = self.shard.inner.current.load();
         (s.version, s.values.clone())

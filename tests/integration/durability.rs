@@ -580,7 +580,7 @@ fn safetensors_values(p: &Path) -> Vec<(String, Vec<u8>)> {
 /// Issue 9: every admin call without the token, or with a wrong one, is a 401 and changes
 /// nothing; the generated token is printed once on stdout, never in the logs or the status;
 /// with it, pause makes shards answer pushes `busy` (nothing applied) and resume undoes it;
-/// set-lr checks its value; set-consistency refuses a change with a reason.
+/// set-lr checks its value; set-consistency refuses an unsafe change with a reason.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_calls_need_the_token_which_is_never_logged() {
     let dir = scratch("admin");
@@ -678,14 +678,14 @@ async fn admin_calls_need_the_token_which_is_never_logged() {
         &url,
         "set-consistency",
         Some(&token),
-        Some(serde_json::json!({"consistency": "ssp:2"})),
+        Some(serde_json::json!({"consistency": "sync:2"})),
     )
     .await;
-    assert_eq!(code, 409);
+    assert_eq!(code, 409, "async -> sync is unsafe");
     assert!(
         b["error"]
             .as_str()
-            .is_some_and(|e| e.contains("--consistency ssp:2")),
+            .is_some_and(|e| e.contains("--consistency sync:2")),
         "{b}"
     );
     let (code, b) = admin(&url, "checkpoint", Some(&token), None).await;

@@ -265,3 +265,105 @@ fn bad_run_files_are_refused_naming_the_key() {
         "{e}"
     );
 }
+
+/// `crowdgrad ctl ... set-consistency MODE`: (exit success, stdout, stderr).
+fn ctl_set_consistency(base: &str, token: &str, mode: &str) -> (bool, String, String) {
+    let out = Command::new(binary())
+        .args([
+            "ctl",
+            "--server",
+            base,
+            "--token",
+            token,
+            "set-consistency",
+            mode,
+        ])
+        .output()
+        .expect("run crowdgrad ctl");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn total_version(s: &serde_json::Value) -> u64 {
+    s["shards"]
+        .as_array()
+        .map_or(0, |a| a.iter().filter_map(|x| x["version"].as_u64()).sum())
+}
+
+/// Issue 9: `ctl set-consistency` switches a running server's mode where that is safe
+/// (sync:2 -> sync:4 -> ssp:3 -> async, with the workers that joined under sync training on
+/// through every switch), new joins get the new mode, and an unsafe change (async -> sync:2)
+/// or a bad mode is refused with the reason while the mode stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn set_consistency_switches_safe_modes_at_runtime() {
+    const TOKEN: &str = "ops-admin-token-consistency-0";
+    let mut cfg = util::config();
+    cfg.consistency = crowdgrad_core::shard::Consistency::Sync { k: 2 };
+    cfg.admin_token = Some(crowdgrad::credential::Secret::new(TOKEN));
+    let running = util::server(cfg).await;
+    let base = running.url();
+    let workers: Vec<WorkerThread> = (0..2)
+        .map(|i| {
+            let mut o = WorkOptions::new(&base);
+            o.name = Some(format!("mode-{i}"));
+            WorkerThread::spawn(o)
+        })
+        .collect();
+    util::wait_for(&base, Duration::from_secs(60), "sync training", |s| {
+        total_version(s) > 40
+    })
+    .await;
+    for (mode, shown) in [("sync:4", "sync:4"), ("ssp:3", "ssp:3"), ("async", "async")] {
+        let b = base.clone();
+        let (ok, out, err) =
+            tokio::task::spawn_blocking(move || ctl_set_consistency(&b, TOKEN, mode))
+                .await
+                .unwrap();
+        assert!(ok, "{mode}: {out} {err}");
+        assert!(out.contains(shown), "{mode}: {out}");
+        let s = util::status(&base).await;
+        assert_eq!(s["consistency"], shown);
+        // The workers that joined under sync:2 keep training under the new mode.
+        let v = total_version(&s);
+        util::wait_for(&base, Duration::from_secs(30), "training on", |s| {
+            total_version(s) > v + 40
+        })
+        .await;
+    }
+    let joined = util::join(&base).await;
+    assert_eq!(
+        joined.run.consistency,
+        crowdgrad_core::shard::Consistency::Async,
+        "a new worker learns the mode in its join"
+    );
+    // Unsafe: back to sync from async. Refused with the reason; the mode stays.
+    let b = base.clone();
+    let (ok, _, err) =
+        tokio::task::spawn_blocking(move || ctl_set_consistency(&b, TOKEN, "sync:2"))
+            .await
+            .unwrap();
+    assert!(!ok);
+    assert!(
+        err.contains("409") && err.contains("pull the current version"),
+        "{err}"
+    );
+    let b = base.clone();
+    let (ok, _, err) = tokio::task::spawn_blocking(move || ctl_set_consistency(&b, TOKEN, "fast"))
+        .await
+        .unwrap();
+    assert!(!ok && err.contains("400"), "{err}");
+    let s = util::status(&base).await;
+    assert_eq!(s["consistency"], "async");
+    // Updates of every mode were applied (merged counts of 1 under async/ssp and flushes,
+    // 2 and 4 under sync).
+    let merged = &s["shards"][0]["updates_by_merged"];
+    assert!(merged["1"].as_u64() > Some(0), "{merged}");
+    assert!(merged["2"].as_u64() > Some(0), "{merged}");
+    for w in workers {
+        let _ = tokio::task::spawn_blocking(move || w.stop()).await;
+    }
+    running.stop().await.unwrap();
+}

@@ -48,7 +48,8 @@ pub enum CtlCmd {
         /// The new learning rate.
         lr: f32,
     },
-    /// Change the consistency mode (refused unless it is the current one; see docs).
+    /// Change the consistency mode of the running server where that is safe (async <-> ssp:S,
+    /// sync:K -> sync:K' / async / ssp:S); an unsafe change is refused with the reason.
     SetConsistency {
         /// `async`, `ssp:S` or `sync:K`.
         mode: String,
