@@ -182,16 +182,16 @@ impl Encoding {
 
     /// Decodes `bytes` into `out`, whose length is the number of values the receiver expects.
     /// The byte length must be exactly [`Encoding::encoded_len`]`(out.len())`, every f32 and bf16
-    /// value finite, and every int8 scale in `[0, MAX_INT8_SCALE]`, so every decoded value is
-    /// finite. Never panics. On error `out` may be partly written: decode into scratch, never
-    /// into live state.
+    /// value finite, every int8 scale in `[0, MAX_INT8_SCALE]` and every int8 code in
+    /// `[-127, 127]`, so every decoded value is finite. Never panics. On error `out` may be
+    /// partly written: decode into scratch, never into live state.
     ///
     /// # Errors
     /// - [`Error::WrongLength`] when the bytes hold a whole number of values, but not
     ///   `out.len()`; [`Error::Malformed`] when they hold no whole number of values;
     /// - [`Error::NotFinite`] for a NaN or infinite f32 or bf16 value;
-    /// - [`Error::Malformed`] for a NaN, infinite, negative or too large int8 scale, or int8
-    ///   block size 0.
+    /// - [`Error::Malformed`] for a NaN, infinite, negative or too large int8 scale, an int8
+    ///   code of -128, or int8 block size 0.
     pub fn decode(self, bytes: &[u8], out: &mut [f32]) -> Result<()> {
         let enc = self.validate()?;
         if bytes.len() != enc.encoded_len(out.len()) {
@@ -613,6 +613,13 @@ fn decode_int8(bytes: &[u8], block: usize, out: &mut [f32]) -> Result<()> {
             )));
         }
     }
+    // The encoder clamps codes to [-127, 127]; -128 (0x80) would make 128 · MAX_INT8_SCALE,
+    // which overflows to -infinity. Refused like a bad scale (found by fuzz/ `payload`).
+    if let Some(i) = codes.iter().position(|&q| q == 0x80) {
+        return Err(Error::Malformed(format!(
+            "int8 value {i} has code -128; codes are in [-127, 127]"
+        )));
+    }
     for ((o, q), s) in out
         .chunks_mut(block)
         .zip(codes.chunks(block))
@@ -630,6 +637,24 @@ fn decode_int8(bytes: &[u8], block: usize, out: &mut [f32]) -> Result<()> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// Found by fuzz/ (`payload`): the code byte 0x80 (-128), which the encoder never writes,
+    /// times a scale near [`MAX_INT8_SCALE`] decoded to -infinity. It is refused now.
+    #[test]
+    fn regression_int8_code_minus_128_is_refused() {
+        let mut bytes = MAX_INT8_SCALE.to_le_bytes().to_vec();
+        bytes.extend([0x80, 0x7f]);
+        let mut out = [0.0f32; 2];
+        assert!(matches!(
+            Encoding::Int8Block { block: 2 }.decode(&bytes, &mut out),
+            Err(Error::Malformed(_))
+        ));
+        bytes[4] = 0x81; // -127: the most negative code, finite
+        Encoding::Int8Block { block: 2 }
+            .decode(&bytes, &mut out)
+            .expect("decodes");
+        assert!(out.iter().all(|v| v.is_finite()));
+    }
 
     const ALL: [Encoding; 5] = [
         Encoding::F32,

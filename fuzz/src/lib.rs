@@ -739,6 +739,16 @@ mod tests {
         assert!(wire::encode_push_as(Encoding::INT8, 1, 0, 0, 1, &[0.5; 100], None).is_ok());
     }
 
+    /// Found by the `payload` target (second 4-minute run): an int8 code byte of -128 (the
+    /// encoder writes -127..=127 only) times a large valid scale decoded to -infinity; the
+    /// decoder now refuses code -128 (core/src/codec.rs).
+    #[test]
+    fn regression_int8_code_minus_128_decodes_to_infinity() {
+        payload(&[
+            242, 0, 0, 255, 0, 124, 0, 92, 0, 17, 0, 0, 128, 127, 0, 92, 0,
+        ]);
+    }
+
     /// The session seeds really apply pushes (so the fuzzer starts from deep states).
     #[test]
     fn session_seeds_apply_pushes() {
