@@ -6,7 +6,8 @@
 //   cargo xtask bench-browser        (builds what it needs, then runs this script)
 //   node tests/browser/bench-step.mjs [--rounds 5] [--tab-seconds 10]
 //
-// Needs: web/pkg (cargo xtask build-web; web/pkg/relaxed too for the relaxed-SIMD rows),
+// Needs: web/pkg (cargo xtask build-web; web/pkg/relaxed for the relaxed-SIMD rows, web/pkg/gemm
+// for the gemm crate's row: cargo xtask bench-browser builds both),
 // target/release/crowdgrad, target/release/examples/step_time (native, AVX2/FMA detected at run
 // time) and target/sse2/release/examples/step_time (native built with MMTEST_FEATURE=sse2:
 // matrixmultiply limited to its 4-wide SSE2 kernel, the width of wasm SIMD128).
@@ -240,12 +241,13 @@ class PipeBrowser {
   }
 }
 
-/// Runs `jobs` in a fresh dedicated module Web Worker of the page that loads `wasm` (a URL
-/// under /pkg, the plain or the relaxed-SIMD build) with the page's JS glue.
-async function inWorker(browser, wasm, jobs, timeoutMs) {
+/// Runs `jobs` in a fresh dedicated module Web Worker of the page that loads build `b`: its
+/// `wasm` module (a URL under /pkg) with its JS `glue`.
+async function inWorker(browser, b, jobs, timeoutMs) {
+  const { wasm, glue } = b;
   const expr = `(async () => {
     const src = \`
-      import init, * as w from '\${self.location.origin}/pkg/crowdgrad_worker_wasm.js';
+      import init, * as w from '\${self.location.origin}${glue}';
       self.onmessage = async (e) => {
         try {
           await init({ module_or_path: self.location.origin + e.data.wasm });
@@ -298,9 +300,14 @@ async function main() {
     if (!fs.existsSync(file)) throw new Error(`${what} missing: ${file}`);
   }
   const haveSse2 = fs.existsSync(NATIVE.sse2);
-  const builds = [{ name: 'simd128', wasm: '/pkg/crowdgrad_worker_wasm_bg.wasm' }];
+  // `glue`: the JS bindings each build is loaded with (the relaxed build shares the plain one's).
+  const builds = [{ name: 'simd128', wasm: '/pkg/crowdgrad_worker_wasm_bg.wasm', glue: '/pkg/crowdgrad_worker_wasm.js' }];
   if (fs.existsSync(path.join(WEB, 'pkg/relaxed/crowdgrad_worker_wasm_bg.wasm'))) {
-    builds.push({ name: 'relaxed-simd', wasm: '/pkg/relaxed/crowdgrad_worker_wasm_bg.wasm' });
+    builds.push({ name: 'relaxed-simd', wasm: '/pkg/relaxed/crowdgrad_worker_wasm_bg.wasm', glue: '/pkg/crowdgrad_worker_wasm.js' });
+  }
+  // The benchmark-only build with the gemm crate (its own glue): only its `gemm` kernel is new.
+  if (fs.existsSync(path.join(WEB, 'pkg/gemm/crowdgrad_worker_wasm.js'))) {
+    builds.push({ name: 'simd128+gemm-crate', wasm: '/pkg/gemm/crowdgrad_worker_wasm_bg.wasm', glue: '/pkg/gemm/crowdgrad_worker_wasm.js', only: ['gemm'] });
   }
   const load = os.loadavg().map((l) => l.toFixed(1)).join(' / ');
   log(`load average ${load} on ${os.cpus().length} cores; ${ROUNDS} rounds`);
@@ -325,8 +332,9 @@ async function main() {
     await waitFor('the page to load', () => browser.evaluate(
       "document.readyState === 'complete' && !!window.crowdgrad"), 30_000, 100);
     for (const b of builds) {
-      const r = await inWorker(browser, b.wasm, [], 60_000);
+      const r = await inWorker(browser, b, [], 60_000);
       b.info = r.info;
+      if (b.only) b.info.kernels = b.info.kernels.filter((k) => b.only.includes(k));
       info = info || r.info;
       log(`${b.name} build: kernels ${r.info.kernels.join(', ')} (default ${r.info.default}), relaxed ${r.info.relaxed_simd}`);
     }
@@ -334,7 +342,7 @@ async function main() {
       for (const b of builds) {
         const jobs = [];
         for (const k of b.info.kernels) for (const m of MODELS) jobs.push({ kind: 'step', kernel: k, ...m });
-        const r = await inWorker(browser, b.wasm, jobs, 600_000);
+        const r = await inWorker(browser, b, jobs, 600_000);
         for (const s of r.out) {
           const key = `${b.name}/${s.kernel}`;
           ((wasm[key] ||= {})[s.model] ||= []).push(s.step_ms_mean);
@@ -358,7 +366,7 @@ async function main() {
       layersWasm[m.model] = {};
       layersNative[m.model] = {};
       for (const { b, k } of lj) {
-        const r = await inWorker(browser, b.wasm, [{ kind: 'layers', kernel: k, ...m, steps }], 600_000);
+        const r = await inWorker(browser, b, [{ kind: 'layers', kernel: k, ...m, steps }], 600_000);
         layersWasm[m.model][`${b.name}/${k}`] = r.out[0];
       }
       for (const which of ['avx2', 'sse2']) {

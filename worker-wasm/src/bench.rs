@@ -304,7 +304,7 @@ mod tests {
     fn benches_run_and_refuse_bad_arguments() {
         let origin = Instant::now();
         let mut now = || origin.elapsed().as_secs_f64();
-        for k in Gemm::ALL {
+        for &k in Gemm::ALL {
             let s = step_bench("mlp:16", 8, 2, 3, k, &mut now).unwrap();
             assert_eq!((s.steps, s.kernel.as_str()), (3, k.name()));
             assert!(s.step_ms_mean > 0.0 && s.loopback_samples_per_sec > 0.0);

@@ -441,7 +441,7 @@ fn kernel_report(kernel: Gemm) -> Report {
 #[cfg(not(target_arch = "wasm32"))]
 #[test]
 fn every_kernel_matches_native_fixture() {
-    for kernel in Gemm::ALL {
+    for &kernel in Gemm::ALL {
         let report = kernel_report(kernel);
         println!("native {kernel} vs fixture: {report}");
         assert!(
@@ -456,7 +456,7 @@ fn every_kernel_matches_native_fixture() {
 #[wasm_bindgen_test::wasm_bindgen_test]
 fn wasm_every_kernel_matches_native_fixture() {
     let (simd128, relaxed) = Gemm::simd_lanes();
-    for kernel in Gemm::ALL {
+    for &kernel in Gemm::ALL {
         let report = kernel_report(kernel);
         wasm_bindgen_test::console_log!(
             "wasm {kernel} (simd128 {simd128}, relaxed-simd {relaxed}) vs native fixture: {report}"

@@ -7,7 +7,8 @@
 //!   bindings into `web/pkg/`, a second build with relaxed SIMD into `web/pkg/relaxed/` (same
 //!   JS glue, checked; `web/worker.js` loads it only when asked and the engine validates relaxed
 //!   SIMD), and the chart library into `web/vendor/`.
-//! - `bench-browser [ARGS...]`: build-web, the release server, native `step_time` (AVX2/FMA
+//! - `bench-browser [ARGS...]`: build-web, a third wasm build with the `gemm` crate as a kernel
+//!   (`web/pkg/gemm/`, benchmark only), the release server, native `step_time` (AVX2/FMA
 //!   detected) and a second one built with `MMTEST_FEATURE=sse2` (matrixmultiply limited to
 //!   SSE2, wasm SIMD128's width) into `target/sse2`, then `tests/browser/bench-step.mjs ARGS...`.
 //! - `serve [ARGS...]`: setup, build-web, then `crowdgrad serve ARGS...` (release).
@@ -221,55 +222,7 @@ impl Xtask {
         })?;
         self.stage(
             "build-web: relaxed-SIMD wasm worker into web/pkg/relaxed",
-            |x| {
-                let target = x.target_dir().join("relaxed");
-                let mut c = x.cargo();
-                c.args([
-                    "build",
-                    "-p",
-                    "crowdgrad-worker-wasm",
-                    "--target",
-                    WASM_TARGET,
-                    "--profile",
-                    "wasm-release",
-                ])
-                .env("CARGO_TARGET_DIR", &target)
-                .env(
-                    "CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS",
-                    WASM_RELAXED_RUSTFLAGS,
-                );
-                run(c)?;
-                let wasm = target
-                    .join(WASM_TARGET)
-                    .join("wasm-release")
-                    .join("crowdgrad_worker_wasm.wasm");
-                let out = x.root.join("web/pkg/relaxed");
-                let mut c = x.cmd("wasm-bindgen");
-                c.args(["--target", "web", "--out-dir"])
-                    .arg(&out)
-                    .arg(&wasm);
-                run(c)?;
-                // web/worker.js loads this module with the plain build's glue: they must agree.
-                let glue = "crowdgrad_worker_wasm.js";
-                let plain = fs::read(x.root.join("web/pkg").join(glue))?;
-                if fs::read(out.join(glue))? != plain {
-                    bail!("the relaxed-SIMD build's JS glue differs from the plain build's");
-                }
-                for entry in fs::read_dir(&out)? {
-                    let path = entry?.path();
-                    if path.file_name().and_then(|n| n.to_str())
-                        != Some("crowdgrad_worker_wasm_bg.wasm")
-                    {
-                        fs::remove_file(&path)?;
-                    }
-                }
-                let size = fs::metadata(out.join("crowdgrad_worker_wasm_bg.wasm"))?.len();
-                println!(
-                "web/pkg/relaxed/crowdgrad_worker_wasm_bg.wasm: {} KiB (glue shared with web/pkg)",
-                size / 1024
-            );
-                Ok(())
-            },
+            |x| x.second_wasm("relaxed", WASM_RELAXED_RUSTFLAGS, &[]),
         )?;
         self.stage("build-web: vendor JS into web/vendor", |x| x.copy_vendor())
     }
@@ -287,6 +240,10 @@ impl Xtask {
 
     fn bench_browser(&mut self, args: &[String]) -> Result<()> {
         self.build_web()?;
+        self.stage(
+            "wasm worker with the gemm crate into web/pkg/gemm (benchmark only)",
+            |x| x.second_wasm("gemm", WASM_RUSTFLAGS, &["gemm-crate"]),
+        )?;
         self.stage("release build of the server", |x| {
             let mut c = x.cargo();
             c.args(["build", "--release", "-p", "crowdgrad"]);
@@ -558,6 +515,62 @@ impl Xtask {
         let mut c = self.cmd("npm");
         c.args(["ci", "--no-audit", "--no-fund"]);
         run(c)
+    }
+
+    /// Another wasm-release build of the worker, in `target/<name>` with `rustflags` and
+    /// `features`, into `web/pkg/<name>/`. Without features it must share the plain build's
+    /// JS glue (checked; `web/worker.js` loads it with that glue) and only its `.wasm` is kept.
+    /// Features change the crates' symbol hashes and so the glue: such a build (the
+    /// benchmark's) keeps its own.
+    fn second_wasm(&mut self, name: &str, rustflags: &str, features: &[&str]) -> Result<()> {
+        let target = self.target_dir().join(name);
+        let mut c = self.cargo();
+        c.args([
+            "build",
+            "-p",
+            "crowdgrad-worker-wasm",
+            "--target",
+            WASM_TARGET,
+            "--profile",
+            "wasm-release",
+        ])
+        .env("CARGO_TARGET_DIR", &target)
+        .env("CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS", rustflags);
+        if !features.is_empty() {
+            c.arg("--features").arg(features.join(","));
+        }
+        run(c)?;
+        let wasm = target
+            .join(WASM_TARGET)
+            .join("wasm-release")
+            .join("crowdgrad_worker_wasm.wasm");
+        let out = self.root.join("web/pkg").join(name);
+        let mut c = self.cmd("wasm-bindgen");
+        c.args(["--target", "web", "--out-dir"])
+            .arg(&out)
+            .arg(&wasm);
+        run(c)?;
+        if !features.is_empty() {
+            println!("web/pkg/{name}: a build with its own glue (features {features:?})");
+            return Ok(());
+        }
+        let glue = "crowdgrad_worker_wasm.js";
+        let plain = fs::read(self.root.join("web/pkg").join(glue))?;
+        if fs::read(out.join(glue))? != plain {
+            bail!("the {name} build's JS glue differs from the plain build's");
+        }
+        for entry in fs::read_dir(&out)? {
+            let path = entry?.path();
+            if path.file_name().and_then(|n| n.to_str()) != Some("crowdgrad_worker_wasm_bg.wasm") {
+                fs::remove_file(&path)?;
+            }
+        }
+        let size = fs::metadata(out.join("crowdgrad_worker_wasm_bg.wasm"))?.len();
+        println!(
+            "web/pkg/{name}/crowdgrad_worker_wasm_bg.wasm: {} KiB (glue shared with web/pkg)",
+            size / 1024
+        );
+        Ok(())
     }
 
     fn copy_vendor(&mut self) -> Result<()> {

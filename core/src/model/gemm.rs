@@ -35,23 +35,34 @@ pub enum Gemm {
     MatrixMultiply,
     /// Our 4x8 load-splat micro-kernel with B in 8-wide panels.
     LoadSplat,
+    /// The `gemm` crate (single-threaded; its SIMD128 kernels on wasm32), with the crate
+    /// feature `gemm-crate` only: a benchmark candidate.
+    #[cfg(feature = "gemm-crate")]
+    GemmCrate,
 }
 
 impl Gemm {
-    /// Every kernel, in the order benchmarks list them.
-    pub const ALL: [Gemm; 2] = [Gemm::MatrixMultiply, Gemm::LoadSplat];
+    /// Every kernel of this build, in the order benchmarks list them.
+    pub const ALL: &'static [Gemm] = &[
+        Gemm::MatrixMultiply,
+        Gemm::LoadSplat,
+        #[cfg(feature = "gemm-crate")]
+        Gemm::GemmCrate,
+    ];
 
-    /// The name used by benchmarks and tests: `matrixmultiply`, `loadsplat`.
+    /// The name used by benchmarks and tests: `matrixmultiply`, `loadsplat`, `gemm`.
     pub fn name(self) -> &'static str {
         match self {
             Gemm::MatrixMultiply => "matrixmultiply",
             Gemm::LoadSplat => "loadsplat",
+            #[cfg(feature = "gemm-crate")]
+            Gemm::GemmCrate => "gemm",
         }
     }
 
     /// The kernel called `name` ([`Gemm::name`]).
     pub fn from_name(name: &str) -> Option<Gemm> {
-        Gemm::ALL.into_iter().find(|g| g.name() == name)
+        Gemm::ALL.iter().copied().find(|g| g.name() == name)
     }
 
     /// The fastest kernel measured on this target (docs/benchmarks.md, "Browser worker"):
@@ -88,6 +99,8 @@ pub fn default_kernel() -> Gemm {
     match DEFAULT.load(Ordering::Relaxed) {
         0 => Gemm::MatrixMultiply,
         1 => Gemm::LoadSplat,
+        #[cfg(feature = "gemm-crate")]
+        2 => Gemm::GemmCrate,
         _ => Gemm::target_default(),
     }
 }
@@ -98,6 +111,8 @@ pub fn set_default_kernel(kernel: Gemm) {
     let v = match kernel {
         Gemm::MatrixMultiply => 0,
         Gemm::LoadSplat => 1,
+        #[cfg(feature = "gemm-crate")]
+        Gemm::GemmCrate => 2,
     };
     DEFAULT.store(v, Ordering::Relaxed);
 }
@@ -242,6 +257,11 @@ pub(crate) fn gemm(
     debug_assert!(beta == 0.0 || beta == 1.0);
     debug_assert_eq!(a.ncols(), b.nrows());
     debug_assert_eq!((a.nrows(), b.ncols()), c.dim());
+    #[cfg(feature = "gemm-crate")]
+    if kernel == Gemm::GemmCrate {
+        gemm_crate(a, b, beta, c);
+        return;
+    }
     if kernel == Gemm::LoadSplat {
         if let (Some(ar), Some(br)) = (raw(a), raw(b)) {
             let (m, n) = c.dim();
@@ -252,6 +272,50 @@ pub(crate) fn gemm(
         }
     }
     general_mat_mul(1.0, a, b, beta, c);
+}
+
+/// `c = a b + beta c` through the `gemm` crate, which takes raw pointers and strides.
+#[cfg(feature = "gemm-crate")]
+#[allow(unsafe_code)]
+fn gemm_crate(
+    a: &ArrayView2<'_, f32>,
+    b: &ArrayView2<'_, f32>,
+    beta: f32,
+    c: &mut ArrayViewMut2<'_, f32>,
+) {
+    let (m, k) = a.dim();
+    let n = b.ncols();
+    let (sa, sb) = (a.strides(), b.strides());
+    let sc = [c.strides()[0], c.strides()[1]];
+    let dst = c.as_mut_ptr();
+    // SAFETY: each pointer and its strides are those of a live ndarray view of exactly
+    // `m x k`, `k x n` and `m x n` elements, so every element gemm addresses is in bounds;
+    // `c` is borrowed exclusively, so it overlaps neither `a` nor `b`; with `read_dst`
+    // false (beta 0) gemm writes C without reading it, and it computes
+    // `dst = alpha * dst + beta * lhs * rhs` with our beta as its alpha.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            sc[1],
+            sc[0],
+            beta != 0.0,
+            a.as_ptr(),
+            sa[1],
+            sa[0],
+            b.as_ptr(),
+            sb[1],
+            sb[0],
+            beta,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
 }
 
 /// Where the micro-kernel reads B panel `jp` from.
@@ -530,24 +594,17 @@ mod tests {
                 for beta in [0.0, 1.0] {
                     let mut want = c0.clone();
                     general_mat_mul(1.0, &a, &b, beta, &mut want);
-                    let mut got = if beta == 0.0 {
-                        Array2::from_elem((m, n), f32::NAN)
-                    } else {
-                        c0.clone()
-                    };
-                    gemm(
-                        Gemm::LoadSplat,
-                        &a,
-                        &b,
-                        beta,
-                        &mut got.view_mut(),
-                        &mut scratch,
-                    );
-                    for (g, w) in got.iter().zip(&want) {
-                        assert!(
-                            (g - w).abs() <= 1e-4 * (1.0 + w.abs()) * (k as f32).sqrt(),
-                            "{m}x{k}x{n} beta {beta}: {g} vs {w}"
-                        );
+                    let nan = Array2::from_elem((m, n), f32::NAN);
+                    let mut got = c0.clone();
+                    for &kernel in &Gemm::ALL[1..] {
+                        got.assign(if beta == 0.0 { &nan } else { &c0 });
+                        gemm(kernel, &a, &b, beta, &mut got.view_mut(), &mut scratch);
+                        for (g, w) in got.iter().zip(&want) {
+                            assert!(
+                                (g - w).abs() <= 1e-4 * (1.0 + w.abs()) * (k as f32).sqrt(),
+                                "{kernel} {m}x{k}x{n} beta {beta}: {g} vs {w}"
+                            );
+                        }
                     }
                 }
             }
@@ -578,7 +635,7 @@ mod tests {
 
     #[test]
     fn names_round_trip() {
-        for g in Gemm::ALL {
+        for &g in Gemm::ALL {
             assert_eq!(Gemm::from_name(g.name()), Some(g));
         }
         assert_eq!(Gemm::from_name("blas"), None);
