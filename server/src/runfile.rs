@@ -107,6 +107,32 @@ pub const KEYS: &[Key] = &[
     key("limits.hello_timeout", "hello_timeout", Kind::Float),
     key("limits.header_timeout", "header_timeout", Kind::Float),
     key("limits.trust_proxy", "trust_proxy", Kind::Bool),
+    key("defence.spot_check", "spot_check", Kind::Float),
+    key(
+        "defence.spot_check_cosine",
+        "spot_check_cosine",
+        Kind::Float,
+    ),
+    key(
+        "defence.spot_check_norm_tol",
+        "spot_check_norm_tol",
+        Kind::Float,
+    ),
+    key(
+        "defence.spot_check_history",
+        "spot_check_history",
+        Kind::Int,
+    ),
+    key(
+        "defence.quarantine_rejections",
+        "quarantine_rejections",
+        Kind::Int,
+    ),
+    key(
+        "defence.quarantine_window",
+        "quarantine_window",
+        Kind::Float,
+    ),
 ];
 
 /// The resolved configuration of a `serve` command line.
