@@ -375,14 +375,26 @@ async function main() {
       }
     }
 
-    // One tab against the server on this machine (the page's own worker, default kernel).
-    await browser.evaluate("document.getElementById('contribute').click(), true");
-    await waitFor('the tab\'s first accepted push', () => browser.evaluate(
-      'window.crowdgrad.volunteer.firstPushAt && true'), 60_000, 100);
-    await sleep(TAB_S * 1000);
-    const p = JSON.parse(await browser.evaluate('JSON.stringify(window.crowdgrad.volunteer.progress)'));
-    if (!(p.state === 'training' && p.pushes_accepted > 0)) throw new Error(`the tab is not training: ${JSON.stringify(p)}`);
-    Object.assign(tab, p);
+    // One tab with K = 1 Web Worker (the page's own, default kernel) against the server on
+    // this machine, then in the page's loopback mode (`/?loopback=1`: in-memory shards in the
+    // Web Worker, no server), if this page has it.
+    for (const [mode, url] of [['server', `${base}/`], ['loopback', `${base}/?loopback=1`]]) {
+      await browser.send('Page.navigate', { url }, browser.session);
+      await sleep(500);
+      await waitFor(`the ${mode} page to load`, () => browser.evaluate(
+        "document.readyState === 'complete' && !!window.crowdgrad"), 30_000, 100);
+      await browser.evaluate("(() => { const c = document.getElementById('cores'); if (c) c.value = '1'; "
+        + "document.getElementById('contribute').click(); return true; })()");
+      const ok = await waitFor(`the ${mode} tab to train`, async () => {
+        const p = JSON.parse(await browser.evaluate('JSON.stringify(window.crowdgrad.volunteer.progress)'));
+        return p && p.state === 'training' && p.steps > 0 && p.pushes_accepted > 0;
+      }, 60_000, 200).catch((e) => (mode === 'loopback' ? (log(`loopback tab: ${e.message}`), false) : Promise.reject(e)));
+      if (!ok) continue;
+      await sleep(TAB_S * 1000);
+      const p = JSON.parse(await browser.evaluate('JSON.stringify(window.crowdgrad.volunteer.progress)'));
+      if (!(p.state === 'training' && p.pushes_accepted > 0)) throw new Error(`the ${mode} tab is not training: ${JSON.stringify(p)}`);
+      tab[mode] = p;
+    }
   } finally {
     if (browser) await browser.close();
     await stopChild(server);
@@ -412,8 +424,11 @@ async function main() {
   for (const which of ['avx2', 'sse2']) {
     if (nativeLoop[which]['mlp:128']) console.log(`  native ${which}: ${median(nativeLoop[which]['mlp:128']).toFixed(0)}`);
   }
-  console.log(`\none tab, K = 1 Web Worker, against the server on this machine (${st.model}, batch ${st.batch_size}, ${st.shards.length} shards, default kernel ${info.default}, after ${TAB_S} s):`);
-  console.log(`  ${tab.samples_per_sec.toFixed(0)} samples/s; per step ${tab.step_ms.toFixed(3)} ms computing + ${tab.wait_ms.toFixed(3)} ms waiting for parameters`);
+  console.log(`\none tab, K = 1 Web Worker (${st.model}, batch ${st.batch_size}, ${st.shards.length} shards, default kernel ${info.default}, after ${TAB_S} s):`);
+  for (const [mode, p] of Object.entries(tab)) {
+    const where = mode === 'server' ? 'against the server on this machine' : 'page loopback mode (/?loopback=1, in-memory shards)';
+    console.log(`  ${where}: ${p.samples_per_sec.toFixed(0)} samples/s; per step ${p.step_ms.toFixed(3)} ms computing + ${(p.wait_ms || 0).toFixed(3)} ms waiting`);
+  }
 
   for (const m of MODELS) {
     console.log(`\n${m.model} per stage: forward + backward ms per step (share of loss_and_grad), batch ${m.batch}; `
