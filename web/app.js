@@ -57,9 +57,31 @@ $('cores-total').textContent = String(cores);
 const pageQuery = new URLSearchParams(location.search);
 const loopback = pageQuery.get('loopback') === '1';
 
+// The volunteer's stable identity: 32 random hex digits made once and kept in localStorage
+// (a Web Worker cannot read it, so it goes in the script URL), sent with every join: the
+// server's ledger credits it across sessions, reloads and server restarts. Not a secret
+// credential (docs/protocol.md, "Identity"). Without localStorage: one for this page only.
+const IDENTITY_KEY = 'crowdgrad.identity';
+const IDENTITY_RE = /^[A-Za-z0-9_-]{8,64}$/;
+const identity = (() => {
+  const fresh = () => Array.from(crypto.getRandomValues(new Uint8Array(16)), (b) => b.toString(16).padStart(2, '0')).join('');
+  try {
+    let id = localStorage.getItem(IDENTITY_KEY);
+    if (!id || !IDENTITY_RE.test(id)) {
+      id = fresh();
+      localStorage.setItem(IDENTITY_KEY, id);
+    }
+    return id;
+  } catch (err) {
+    console.warn('crowdgrad: no localStorage; this identity lasts for this page only', err);
+    return fresh();
+  }
+})();
+
 // The script URL tells each Web Worker which thread it is (worker.js stays the same shim).
 function workerUrl(index, count, key, st) {
   const q = new URLSearchParams({ thread: String(index), threads: String(count), volunteer: key });
+  if (!loopback) q.set('identity', identity);
   if (loopback) {
     const cfg = (st && st.config && st.config.training) || {};
     q.set('loopback', '1');
@@ -594,6 +616,58 @@ function setLive(live) {
   el.dataset.live = String(live);
   el.textContent = live ? 'live' : 'reconnecting…';
 }
+
+// "Your contribution" and the leaderboard, from the server's ledger (/api/contributors):
+// one request at a time, every 3 s, each abandoned after 5 s.
+const BOARD_EVERY_MS = 3_000;
+const BOARD_TOP = 10;
+let boardLoading = false;
+
+function ago(unix) {
+  if (!unix) return '–';
+  return new Date(unix * 1000).toLocaleString();
+}
+
+async function loadBoard() {
+  if (boardLoading) return;
+  boardLoading = true;
+  const abort = new AbortController();
+  const timer = setTimeout(() => abort.abort(), 5_000);
+  try {
+    const q = new URLSearchParams({ limit: String(BOARD_TOP), identity });
+    const r = await fetch(`/api/contributors?${q}`, { signal: abort.signal });
+    const b = await r.json();
+    if (!r.ok) throw new Error(b.error || r.statusText);
+    const you = b.you;
+    $('me-identity').textContent = identity;
+    $('me-samples').textContent = you ? num(you.samples) : '0';
+    $('me-pushes').textContent = you ? `${num(you.pushes_accepted)} / ${num(you.pushes_rejected)}` : '0 / 0';
+    $('me-compute').textContent = you ? `${fixed(you.compute_seconds, 1)} s` : '0 s';
+    $('me-seen').textContent = you ? `${ago(you.first_seen_unix)} – ${ago(you.last_seen_unix)}` : '–';
+    $('me-rank').textContent = you && b.your_rank ? `${num(b.your_rank)} of ${num(b.total)}` : '–';
+    $('leaderboard').replaceChildren(...b.contributors.map((c, i) => {
+      const tr = document.createElement('tr');
+      if (c.identity === identity) tr.className = 'me';
+      const cells = [String(i + 1), c.name || `${c.identity.slice(0, 8)}…`, c.client, num(c.samples),
+        `${num(c.pushes_accepted)} / ${num(c.pushes_rejected)}`, `${fixed(c.compute_seconds, 1)} s`];
+      tr.replaceChildren(...cells.map((text, j) => {
+        const td = document.createElement('td');
+        td.textContent = text;
+        if (j === 0 || j >= 3) td.className = 'num';
+        return td;
+      }));
+      return tr;
+    }));
+  } catch (err) {
+    console.warn('crowdgrad: could not load the contributors', err);
+  } finally {
+    clearTimeout(timer);
+    boardLoading = false;
+  }
+}
+
+loadBoard();
+setInterval(loadBoard, BOARD_EVERY_MS);
 
 function connectEvents() {
   const es = new EventSource('/api/events');

@@ -14,6 +14,9 @@
 // 5. Issue 11: one tab with K = 2 Web Workers trains, is one volunteer with 2 threads on the
 //    dashboard, pauses both and holds the CPU limit for each; figures of K = 1 vs K = 2 against
 //    loopback shards and against the server.
+// 6. Issue 9: a tab trains, reloads and keeps its identity (the same localStorage value); its
+//    total in /api/contributors and on the page grows on from the previous one, and survives a
+//    server restart on the same checkpoint directory.
 // Everything binds 127.0.0.1, every wait is bounded, child processes are killed on exit, and the
 // last line is `N passed, M failed`.
 //
@@ -248,6 +251,11 @@ async function main() {
   figures['wasm bundle (raw / gzip -9)'] = `${kib(fs.statSync(wasmFile).size)} / ${kib(gzipSize(wasmFile))}`;
   figures['JS glue (raw / gzip -9)'] = `${kib(fs.statSync(glueFile).size)} / ${kib(gzipSize(glueFile))}`;
 
+  // E2E_ONLY=identity: only the issue 9 identity phase.
+  if (process.env.E2E_ONLY === 'identity') {
+    await identityTab();
+    return;
+  }
   // E2E_ONLY=cores: only the issue 11 phases (while working on them).
   if (process.env.E2E_ONLY === 'cores') {
     await coresTab();
@@ -518,8 +526,89 @@ async function main() {
   await measureFigures();
   await cnnTab();
   await localStepsTab();
+  await identityTab();
   await coresTab();
   await coresFigures();
+}
+
+// ------------------------------------------------------------------ issue 9: identity and ledger
+
+/// This identity's ledger entry on the server at `base`, or null.
+async function ledgerOf(base, id) {
+  const r = await fetch(`${base}/api/contributors?limit=10&identity=${id}`, { signal: AbortSignal.timeout(3_000) });
+  if (!r.ok) throw new Error(`/api/contributors answered ${r.status}`);
+  return (await r.json()).you || null;
+}
+
+/// Issue 9: a tab trains, reloads and keeps its identity; its total grows on from the previous
+/// one (server and page); the server restarts on its checkpoint directory and the total
+/// survives and grows on again.
+async function identityTab() {
+  phase = 'identity';
+  const port = await freePort();
+  const base = `http://127.0.0.1:${port}`;
+  const ck = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-e2e-ck-'));
+  const flags = ['--model', 'softmax', '--checkpoint-dir', ck, '--checkpoint-every', '1'];
+  let server = await startServer(port, 'identity-1', flags);
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-identity-'));
+  let browser = null;
+  try {
+    browser = await PipeBrowser.launch(dir);
+    const stored = () => browser.evaluate("localStorage.getItem('crowdgrad.identity')");
+    const shownMine = async () => digits(await browser.evaluate("document.getElementById('me-samples').textContent"));
+    await openPage(browser, `${base}/`);
+    await contributeWith(browser, 1);
+    const id = await stored();
+    check('the page keeps a random identity in localStorage', /^[0-9a-f]{32}$/.test(id || ''), String(id));
+    const first = await waitFor('the tab\'s ledger entry', async () => {
+      const me = await ledgerOf(base, id);
+      return me && me.samples > 2_000 ? me : null;
+    }, 60_000, 250);
+    await waitFor('the page to show its contribution', async () => (await shownMine()) > 0, 15_000, 250);
+    check('/api/contributors credits the tab\'s identity', first.client === 'browser' && first.pushes_accepted > 0,
+      `${first.samples} samples, ${first.pushes_accepted} pushes`);
+
+    // Reload: a new page and Web Worker, the same identity; the total continues.
+    await openPage(browser, `${base}/`);
+    const again = await stored();
+    check('a reloaded tab keeps its identity (same localStorage value)', again === id, `${again}`);
+    const before = (await ledgerOf(base, id)).samples;
+    await contributeWith(browser, 1);
+    const grown = await waitFor('the total to grow on after the reload', async () => {
+      const me = await ledgerOf(base, id);
+      return me && me.samples > before + 2_000 && me.sessions >= 2 ? me : null;
+    }, 60_000, 250).catch((e) => { log(e.message); return null; });
+    check('after the reload the total grows from the previous one (not reset)', grown,
+      grown ? `${before} -> ${grown.samples} samples over ${grown.sessions} sessions` : 'it did not grow');
+    const shown = await waitFor('the page to show the carried total', async () => {
+      const n = await shownMine();
+      return n > before ? n : null;
+    }, 15_000, 250).catch(() => null);
+    check('the reloaded page shows a total above the pre-reload one', shown, `${shown} > ${before}`);
+    const rank = await browser.evaluate("document.getElementById('me-rank').textContent");
+    const rows = await browser.evaluate("document.querySelectorAll('#leaderboard tr').length");
+    check('the leaderboard lists the tab', rows >= 1 && /^1 of/.test(rank), `${rows} rows, rank ${rank}`);
+
+    // The server restarts on its checkpoint directory: the ledger survives and the tab, which
+    // rejoins by itself, keeps adding to the same total.
+    const atStop = (await ledgerOf(base, id)).samples;
+    await stopChild(server, 'identity server');
+    server = await startServer(port, 'identity-2', flags);
+    const restored = await ledgerOf(base, id);
+    check('the ledger survives a server restart', restored && restored.samples >= atStop,
+      restored ? `${atStop} before, ${restored.samples} after the restart` : 'gone');
+    const after = await waitFor('the total to grow after the restart', async () => {
+      const me = await ledgerOf(base, id);
+      return me && me.samples > atStop + 2_000 ? me : null;
+    }, 60_000, 250).catch((e) => { log(e.message); return null; });
+    check('the rejoined tab keeps adding to its total after the restart', after,
+      after ? `${atStop} -> ${after.samples} samples` : 'it did not grow');
+  } finally {
+    if (browser) await browser.close();
+    await stopChild(server, 'identity server');
+    fs.rmSync(dir, { recursive: true, force: true });
+    fs.rmSync(ck, { recursive: true, force: true });
+  }
 }
 
 // ------------------------------------------------------------------ phase 4: figures

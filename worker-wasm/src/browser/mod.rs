@@ -50,11 +50,16 @@ pub(crate) struct Setup {
     pub(crate) threads: Option<Threads>,
     /// Loopback mode.
     pub(crate) loopback: Option<LoopbackRun>,
+    /// The volunteer's stable identity (the page keeps it in `localStorage`; a Web Worker
+    /// cannot read it), sent with every join so the server's ledger credits it across
+    /// sessions and reloads; `None`: not credited.
+    pub(crate) identity: Option<String>,
 }
 
 impl Setup {
-    /// Parses `?thread=I&threads=K&volunteer=KEY[&loopback=1&model=M&batch=B&shards=S]`
-    /// (each part optional; `thread`, `threads` and `volunteer` come together).
+    /// Parses `?thread=I&threads=K&volunteer=KEY[&identity=ID][&loopback=1&model=M&batch=B&shards=S]`
+    /// (each part optional; `thread`, `threads` and `volunteer` come together; an identity is
+    /// 8 to 64 characters of `[A-Za-z0-9_-]`, as the server's ledger requires).
     ///
     /// # Errors
     /// [`Error::Config`] for a malformed or out-of-range value.
@@ -119,7 +124,27 @@ impl Setup {
                 })
             }
         };
-        Ok(Self { threads, loopback })
+        let identity = match get.get("identity") {
+            None => None,
+            Some(id)
+                if (8..=64).contains(&id.len())
+                    && id
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') =>
+            {
+                Some(id.clone())
+            }
+            Some(_) => {
+                return Err(Error::Config(
+                    "worker URL: identity must be 8 to 64 characters of A-Z a-z 0-9 - _".into(),
+                ))
+            }
+        };
+        Ok(Self {
+            threads,
+            loopback,
+            identity,
+        })
     }
 }
 
