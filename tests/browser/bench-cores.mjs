@@ -1,0 +1,258 @@
+#!/usr/bin/env node
+// Cores benchmark (issue 11): one tab's samples/s with K = 1..N Web Workers against in-memory
+// loopback shards (the page's `/?loopback=1`: each Web Worker trains against core's shard
+// sessions in its own memory, no server CPU competing) and against a server on this machine
+// (the default run: mlp:128, batch 32, 2 shards); and the loopback step at half the batch, the
+// bound on splitting one batch over 2 threads. Runs are interleaved round by round and the
+// median is reported, because the machine is shared. A benchmark: it prints figures and fails
+// only when something does not run.
+//
+//   node tests/browser/bench-cores.mjs [--rounds 3] [--seconds 8] [--renice]
+//
+// Needs web/pkg (cargo xtask build-web) and target/release/crowdgrad. `--renice` (root) puts
+// the server and every Chromium thread at nice -15, to measure on a machine busy with other
+// work (Chromium resets its renderers to nice 0, so renicing the script is not enough).
+// Plain headless Chromium over a raw DevTools pipe with only the Runtime domain, as the
+// figures phase of e2e.mjs.
+
+import { spawn } from 'node:child_process';
+import fs from 'node:fs';
+import net from 'node:net';
+import os from 'node:os';
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
+
+const ROOT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '../..');
+const TARGET = process.env.CARGO_TARGET_DIR || path.join(ROOT, 'target');
+const SERVER = process.env.CROWDGRAD_BIN || path.join(TARGET, 'release/crowdgrad');
+const CHROMIUM = process.env.CHROMIUM || '/usr/bin/chromium';
+const WEB = path.join(ROOT, 'web');
+const DATA = path.join(ROOT, 'data/mnist');
+const CHROMIUM_ARGS = [
+  '--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
+  '--disable-background-networking', '--disable-component-update', '--disable-sync',
+];
+const argv = process.argv.slice(2);
+const flag = (name, def) => {
+  const i = argv.indexOf(name);
+  return i >= 0 && argv[i + 1] !== undefined ? Number(argv[i + 1]) : def;
+};
+const ROUNDS = flag('--rounds', 3);
+const SECONDS = flag('--seconds', 8);
+const RENICE = argv.includes('--renice');
+const LIMIT_S = Number(process.env.BENCH_TIMEOUT_S || 900);
+
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+const log = (msg) => console.error(msg);
+const children = new Set();
+function track(child) {
+  children.add(child);
+  child.exited = new Promise((r) => child.on('exit', (code, signal) => { children.delete(child); r({ code, signal }); }));
+  return child;
+}
+process.on('exit', () => { for (const c of children) { try { c.kill('SIGKILL'); } catch { /* gone */ } } });
+setTimeout(() => { log(`gave up after ${LIMIT_S} s`); process.exit(1); }, LIMIT_S * 1000).unref();
+
+async function stopChild(child) {
+  if (child.exitCode !== null || child.signalCode !== null) return;
+  child.kill('SIGTERM');
+  if (!(await Promise.race([child.exited, sleep(10_000).then(() => null)]))) child.kill('SIGKILL');
+}
+
+async function waitFor(what, fn, timeoutMs, intervalMs = 250) {
+  const end = Date.now() + timeoutMs;
+  let last = null;
+  while (Date.now() < end) {
+    try {
+      const v = await fn();
+      if (v) return v;
+    } catch (e) {
+      last = e;
+    }
+    await sleep(intervalMs);
+  }
+  throw new Error(`timed out waiting for ${what}${last ? ` (${last.message})` : ''}`);
+}
+
+function freePort() {
+  return new Promise((resolve, reject) => {
+    const s = net.createServer();
+    s.listen(0, '127.0.0.1', () => { const { port } = s.address(); s.close(() => resolve(port)); });
+    s.on('error', reject);
+  });
+}
+
+/// `pid` and every process below it (Chromium's renderers, its zygotes' children).
+async function descendants(pid) {
+  const out = await new Promise((r) => {
+    let o = '';
+    const c = spawn('ps', ['-eo', 'pid=,ppid=']);
+    c.stdout.on('data', (d) => { o += d; });
+    c.on('exit', () => r(o));
+  });
+  const kids = new Map();
+  for (const line of out.trim().split('\n')) {
+    const [p, pp] = line.trim().split(/\s+/).map(Number);
+    if (!kids.has(pp)) kids.set(pp, []);
+    kids.get(pp).push(p);
+  }
+  const all = [pid];
+  for (let i = 0; i < all.length; i++) all.push(...(kids.get(all[i]) || []));
+  return all;
+}
+
+function renice(pids) {
+  return new Promise((r) => spawn('sh', ['-c',
+    `for p in ${pids}; do for t in /proc/$p/task/*; do renice -n -15 -p \${t##*/} >/dev/null 2>&1; done; done`],
+  { stdio: 'ignore' }).on('exit', r));
+}
+
+class PipeBrowser {
+  static async launch(dir) {
+    const child = track(spawn(CHROMIUM, [...CHROMIUM_ARGS, `--user-data-dir=${dir}`, '--remote-debugging-pipe', 'about:blank'],
+      { cwd: ROOT, stdio: ['ignore', 'ignore', 'ignore', 'pipe', 'pipe'] }));
+    const b = new PipeBrowser(child);
+    const { targetInfos } = await waitFor('Chromium to open its first page',
+      async () => {
+        const r = await b.send('Target.getTargets');
+        return r.targetInfos.some((t) => t.type === 'page') ? r : null;
+      }, 20_000, 200);
+    const page = targetInfos.find((t) => t.type === 'page');
+    b.session = (await b.send('Target.attachToTarget', { targetId: page.targetId, flatten: true })).sessionId;
+    return b;
+  }
+
+  constructor(child) {
+    this.child = child;
+    this.next = 1;
+    this.pending = new Map();
+    this.buffer = '';
+    // Writes after Chromium exits fail with EPIPE; the pending call times out instead.
+    child.stdio[3].on('error', () => {});
+    child.stdio[4].on('data', (chunk) => {
+      this.buffer += chunk.toString('utf8');
+      let end;
+      while ((end = this.buffer.indexOf('\0')) >= 0) {
+        const msg = JSON.parse(this.buffer.slice(0, end));
+        this.buffer = this.buffer.slice(end + 1);
+        const p = msg.id && this.pending.get(msg.id);
+        if (p) {
+          this.pending.delete(msg.id);
+          if (msg.error) p.reject(new Error(`${p.method}: ${msg.error.message}`));
+          else p.resolve(msg.result);
+        }
+      }
+    });
+  }
+
+  send(method, params = {}, sessionId = undefined) {
+    const id = this.next++;
+    const msg = JSON.stringify({ id, method, params, ...(sessionId ? { sessionId } : {}) });
+    return new Promise((resolve, reject) => {
+      const timer = setTimeout(() => {
+        this.pending.delete(id);
+        reject(new Error(`${method}: no answer in 15 s`));
+      }, 15_000);
+      this.pending.set(id, {
+        method,
+        resolve: (v) => { clearTimeout(timer); resolve(v); },
+        reject: (e) => { clearTimeout(timer); reject(e); },
+      });
+      this.child.stdio[3].write(`${msg}\0`);
+    });
+  }
+
+  async evaluate(expression) {
+    const r = await this.send('Runtime.evaluate', { expression, returnByValue: true }, this.session);
+    if (r.exceptionDetails) throw new Error(r.exceptionDetails.text);
+    return r.result.value;
+  }
+
+  async close() {
+    // Chromium may exit before it answers Browser.close.
+    this.send('Browser.close').catch(() => {});
+    await Promise.race([this.child.exited, sleep(5_000)]);
+    await stopChild(this.child);
+  }
+}
+
+
+const median = (xs) => { const s = [...xs].sort((a, b) => a - b); return s[Math.floor((s.length - 1) / 2)]; };
+
+async function main() {
+  for (const f of [SERVER, CHROMIUM, path.join(WEB, 'pkg/crowdgrad_worker_wasm_bg.wasm')]) {
+    if (!fs.existsSync(f)) throw new Error(`missing ${f}`);
+  }
+  const port = await freePort();
+  const base = `http://127.0.0.1:${port}`;
+  const server = track(spawn(SERVER, ['serve', '--addr', `127.0.0.1:${port}`, '--data-dir', DATA, '--web-dir', WEB],
+    { cwd: ROOT, stdio: 'ignore' }));
+  const st = await waitFor('the server', async () => (await fetch(`${base}/api/status`)).json(), 120_000, 200);
+  if (RENICE) await renice(String(server.pid));
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-bench-cores-'));
+  const browser = await PipeBrowser.launch(dir);
+  try {
+    const n = await browser.evaluate('navigator.hardwareConcurrency');
+    const ks = Array.from({ length: n }, (_, i) => i + 1);
+    const half = Math.max(1, Math.floor(st.batch_size / 2));
+    const plan = [
+      ...ks.map((k) => ({ name: `loopback K=${k}`, query: '?loopback=1', k })),
+      { name: `loopback K=1 batch ${half}`, query: `?loopback=1&batch=${half}`, k: 1 },
+      ...ks.map((k) => ({ name: `server K=${k}`, query: '', k })),
+    ];
+    const got = new Map(plan.map((p) => [p.name, []]));
+    for (let round = 0; round < ROUNDS; round++) {
+      for (const p of plan) {
+        await browser.send('Page.navigate', { url: `${base}/${p.query}` }, browser.session);
+        await waitFor('the page and its first status', () => browser.evaluate(
+          "document.readyState === 'complete' && !!window.crowdgrad && document.getElementById('run-info').textContent.startsWith('run ')"), 30_000, 100);
+        await browser.evaluate(`document.getElementById('cores').value = '${p.k}'; document.getElementById('contribute').click()`);
+        await waitFor(`${p.name} training`, async () => {
+          const ps = JSON.parse(await browser.evaluate('JSON.stringify(window.crowdgrad.volunteer.threads.map((t) => t && t.progress))'));
+          return ps.length === p.k && ps.every((x) => x && x.state === 'training' && x.steps > 20);
+        }, 90_000, 200);
+        if (RENICE) await renice((await descendants(browser.child.pid)).join(' '));
+        await sleep(2_000);
+        const read = async () => JSON.parse(await browser.evaluate(
+          'JSON.stringify({ t: performance.now(), threads: window.crowdgrad.volunteer.threads.map((x) => x.progress) })'));
+        const a = await read();
+        await sleep(SECONDS * 1000);
+        const b = await read();
+        const samples = b.threads.reduce((s, x, i) => s + x.samples - a.threads[i].samples, 0);
+        const compute = b.threads.reduce((s, x, i) => s + x.compute_s - a.threads[i].compute_s, 0);
+        const steps = b.threads.reduce((s, x, i) => s + x.steps - a.threads[i].steps, 0);
+        const r = { sps: (1000 * samples) / (b.t - a.t), stepMs: (1000 * compute) / Math.max(1, steps) };
+        got.get(p.name).push(r);
+        log(`round ${round + 1}: ${p.name}: ${r.sps.toFixed(0)} samples/s, step() ${r.stepMs.toFixed(3)} ms (load ${fs.readFileSync('/proc/loadavg', 'utf8').split(' ')[0]})`);
+      }
+    }
+    const med = (name) => ({ sps: median(got.get(name).map((r) => r.sps)), stepMs: median(got.get(name).map((r) => r.stepMs)) });
+    console.log(`\n${st.model}, batch ${st.batch_size}, ${st.shards.length} shards; ${n} cores; median of ${ROUNDS} rounds of ${SECONDS} s${RENICE ? ' (nice -15)' : ''}\n`);
+    console.log('| run | samples/s | x K=1 | step() ms |');
+    console.log('|---|---|---|---|');
+    for (const p of plan) {
+      const m = med(p.name);
+      const ratio = p.query.startsWith('?loopback=1&') ? '–' : (m.sps / med(p.name.replace(/K=\d+/, 'K=1')).sps).toFixed(2);
+      console.log(`| ${p.name} | ${m.sps.toFixed(0)} | ${ratio} | ${m.stepMs.toFixed(3)} |`);
+    }
+    const full = med('loopback K=1');
+    const halfM = med(`loopback K=1 batch ${half}`);
+    console.log(`\nsplit-batch bound over 2 threads: step(${st.batch_size}) / step(${half}) = ${(full.stepMs / halfM.stepMs).toFixed(2)}x on step() alone`);
+    if (n >= 2) {
+      const s2 = med('loopback K=2').sps / full.sps;
+      console.log(`loopback K=2 / K=1 = ${s2.toFixed(2)}x (target >= ${(0.8 * 2).toFixed(1)}x: ${s2 >= 1.6 ? 'met' : 'MISSED'})`);
+    }
+  } finally {
+    await browser.close();
+    await stopChild(server);
+    fs.rmSync(dir, { recursive: true, force: true });
+  }
+}
+
+try {
+  await main();
+  process.exit(0);
+} catch (e) {
+  log(`bench-cores: ${e.message}`);
+  process.exit(1);
+}
