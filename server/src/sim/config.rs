@@ -193,6 +193,8 @@ pub struct SimConfig {
     pub partitions: usize,
     /// Model text, e.g. `mlp:128`.
     pub model: String,
+    /// `--normalize`.
+    pub normalize: crowdgrad_core::data::NormalizeChoice,
     /// The shards' optimizer.
     pub optimizer: OptimizerConfig,
     /// Examples per gradient.
@@ -248,8 +250,6 @@ impl Default for SimConfig {
         use clap::Parser;
         #[derive(Parser)]
         struct P {
-    /// `--normalize`.
-    pub normalize: crowdgrad_core::data::NormalizeChoice,
             #[command(flatten)]
             a: SimArgs,
         }
@@ -292,6 +292,7 @@ impl SimArgs {
             shards: t.shards,
             partitions: self.partitions.unwrap_or(self.workers),
             model: t.model,
+            normalize: t.normalize,
             optimizer: t.optimizer,
             batch_size: t.batch_size,
             consistency: t.consistency,
@@ -350,7 +351,6 @@ impl SimConfig {
             return bad(format!(
                 "--batch-size {} must be in 1..=4096",
                 self.batch_size
-            normalize: t.normalize,
             ));
         }
         match (self.samples, self.sim_seconds) {

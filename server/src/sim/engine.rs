@@ -252,8 +252,8 @@ impl<'a> Engine<'a> {
             shards: cfg.shards,
             dataset: DataInfo::of("mnist", train, &data.test),
             local: cfg.exchange.local,
-        })?;
             normalize: cfg.normalize.resolve(train)?,
+        })?;
         if cfg.partitions > train.len() {
             return Err(Error::Config(format!(
                 "--partitions {} exceeds the {} training examples",
