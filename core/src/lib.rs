@@ -23,6 +23,9 @@
 //! - [`local`]: [`local::LocalSteps`] (inner steps per push) and the controller that picks
 //!   them ([`local::Controller`]).
 //! - [`rng`]: the deterministic PRNG everything seeds from.
+//! - [`robust`]: robust aggregation for untrusted volunteers ([`robust::Aggregation`]:
+//!   coordinate-wise median, trimmed mean, (Multi-)Krum in `sync:K`; the consensus filter in
+//!   async).
 
 pub mod backoff;
 pub mod codec;
@@ -34,6 +37,7 @@ pub mod model;
 pub mod optim;
 pub mod partition;
 pub mod rng;
+pub mod robust;
 pub mod session;
 pub mod shard;
 pub mod spec;

@@ -173,6 +173,9 @@ pub struct ShardSetup {
     pub pseudo_gradients: bool,
     /// Bounds every push must keep.
     pub guard: PushGuard,
+    /// How pushes are combined: the plain mean, a robust `sync:K` round rule, or the async
+    /// consensus filter ([`crate::robust`], issue 10).
+    pub aggregation: crate::robust::Aggregation,
 }
 
 impl ShardSetup {
@@ -188,6 +191,7 @@ impl ShardSetup {
     /// A fresh apply path over `values`.
     pub fn core(&self, values: Vec<f32>) -> ShardCore {
         ShardCore::new(values, self.optimizer, self.staleness, self.consistency)
+            .with_aggregation(self.aggregation)
     }
 
     /// Shard `id` over `range`, holding `values` at version 0.
@@ -238,7 +242,8 @@ impl ShardState {
     /// A shard over `core` (whose length must be `cfg.range.len()`).
     ///
     /// # Errors
-    /// [`Error::Config`] when the lengths differ or the mode and the core disagree.
+    /// [`Error::Config`] when the lengths differ, the mode or the aggregation and the core
+    /// disagree, or the aggregation does not fit the mode ([`crate::robust::Aggregation::validate`]).
     pub fn new(cfg: ShardConfig, core: ShardCore) -> crate::Result<Self> {
         if core.len() != cfg.range.len() {
             return Err(Error::Config(format!(
@@ -256,6 +261,15 @@ impl ShardState {
                 cfg.setup.consistency
             )));
         }
+        if core.aggregation() != cfg.setup.aggregation {
+            return Err(Error::Config(format!(
+                "shard {}: core aggregates by {}, config says {}",
+                cfg.id,
+                core.aggregation(),
+                cfg.setup.aggregation
+            )));
+        }
+        cfg.setup.aggregation.validate(cfg.setup.consistency)?;
         let bound = match cfg.setup.consistency {
             Consistency::Ssp { bound } => bound,
             _ => u64::MAX / 2,
@@ -1225,6 +1239,7 @@ mod tests {
             reports: false,
             pseudo_gradients: false,
             guard: PushGuard::default(),
+            aggregation: crate::robust::Aggregation::Mean,
         };
         let range = KeyRange {
             start: 4,

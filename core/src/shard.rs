@@ -7,6 +7,10 @@
 //! - [`Consistency`]: `async` (apply on receipt), `ssp:S` (stale-synchronous parallel; gating
 //!   happens at read time with [`SspClock`]) and `sync:K` (aggregate K fresh gradients, apply
 //!   their mean once, drop late ones).
+//! - Robust aggregation ([`crate::robust::Aggregation`], issue 10): with a round rule a
+//!   `sync:K` shard keeps the round's pushes one by one (at most K × its length values) and
+//!   applies their median, trimmed mean or (Multi-)Krum instead of the mean; in async/SSP the
+//!   `consensus` rule refuses pushes whose direction disagrees with the recent accepted ones.
 //! - [`StalenessPolicy`]: accept all; drop beyond a bound; scale the learning rate down for
 //!   stale pushes ([`LrScale`]); delay compensation (DC-ASGD, Zheng et al., ICML 2017).
 //!   Combinable.
@@ -45,6 +49,7 @@
 
 use crate::error::{Error, Result};
 use crate::optim::{self, OptState, OptimizerConfig};
+use crate::robust::{self, Aggregation, Consensus};
 use crate::wire::ErrorCode;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, VecDeque};
@@ -304,6 +309,13 @@ pub struct ShardCore {
     scaled_pushes: u64,
     /// Paused by the operator: pushes are answered [`ErrorCode::Busy`] and change nothing.
     paused: bool,
+    /// How pushes are combined (issue 10).
+    aggregation: Aggregation,
+    /// Sync with a round rule: the round's pushes, one after the other (`pending` of them).
+    rows: Vec<f32>,
+    robust_scratch: robust::Scratch,
+    /// Async/SSP with `consensus`: the recent accepted directions.
+    consensus: Consensus,
 }
 
 impl ShardCore {
@@ -334,7 +346,25 @@ impl ShardCore {
             inv_staleness_mean: 1.0,
             scaled_pushes: 0,
             paused: false,
+            aggregation: Aggregation::Mean,
+            rows: Vec::new(),
+            robust_scratch: robust::Scratch::default(),
+            consensus: Consensus::default(),
         }
+    }
+
+    /// The same shard combining pushes by `aggregation` (the plain mean without it). A rule
+    /// that does not apply to the mode (checked by [`Aggregation::validate`], which
+    /// [`crate::session::ShardState::new`] calls) changes nothing: round rules act in `sync:K`
+    /// only, `consensus` in async/SSP only.
+    pub fn with_aggregation(mut self, aggregation: Aggregation) -> Self {
+        self.aggregation = aggregation;
+        self
+    }
+
+    /// How pushes are combined.
+    pub fn aggregation(&self) -> Aggregation {
+        self.aggregation
     }
 
     /// A shard that continues from `saved` (a [`ShardCore::export`], maybe of another shard
@@ -524,8 +554,18 @@ impl ShardCore {
                         ),
                     };
                 }
-                for (s, g) in self.sum.iter_mut().zip(grad) {
-                    *s += g;
+                if self.aggregation.keeps_rows() {
+                    // Grows to K rows in the first round, then is reused.
+                    let len = grad.len();
+                    let at = self.pending * len;
+                    if self.rows.len() < at + len {
+                        self.rows.resize(at + len, 0.0);
+                    }
+                    self.rows[at..at + len].copy_from_slice(grad);
+                } else {
+                    for (s, g) in self.sum.iter_mut().zip(grad) {
+                        *s += g;
+                    }
                 }
                 self.pending += 1;
                 if self.pending >= k {
@@ -542,6 +582,17 @@ impl ShardCore {
                         return Outcome::Rejected {
                             code: ErrorCode::TooStale,
                             message: format!("staleness {staleness} exceeds the maximum {max}"),
+                        };
+                    }
+                }
+                if let Aggregation::Consensus { margin } = self.aggregation {
+                    // Refused pushes join the consensus too (see `crate::robust`).
+                    let verdict = self.consensus.check(grad, margin);
+                    self.consensus.observe(grad);
+                    if let Err(message) = verdict {
+                        return Outcome::Rejected {
+                            code: ErrorCode::Disagrees,
+                            message,
                         };
                     }
                 }
@@ -606,9 +657,19 @@ impl ShardCore {
 
     fn apply_mean(&mut self) -> Outcome {
         let merged = self.pending;
-        let inv = 1.0 / self.pending as f32;
         let mut sum = std::mem::take(&mut self.sum);
-        sum.iter_mut().for_each(|s| *s *= inv);
+        if self.aggregation.keeps_rows() {
+            robust::aggregate(
+                self.aggregation,
+                &self.rows,
+                merged,
+                &mut sum,
+                &mut self.robust_scratch,
+            );
+        } else {
+            let inv = 1.0 / self.pending as f32;
+            sum.iter_mut().for_each(|s| *s *= inv);
+        }
         self.update(&sum, 1.0);
         sum.iter_mut().for_each(|s| *s = 0.0);
         self.sum = sum;

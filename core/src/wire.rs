@@ -369,6 +369,9 @@ pub enum ErrorCode {
     OutOfBounds = 16,
     /// A push whose request id is not above the connection's last push: a replay (not fatal).
     Replayed = 17,
+    /// A push refused by the run's robust aggregation (`--aggregation consensus`): its
+    /// direction disagrees with the recent consensus of accepted pushes (not fatal).
+    Disagrees = 18,
     /// The worker is quarantined (a push failed a spot check, or it kept sending refused
     /// frames): its connections are closed and its Hellos refused (fatal).
     Quarantined = 19,
@@ -379,7 +382,11 @@ impl ErrorCode {
     pub fn is_fatal(self) -> bool {
         !matches!(
             self,
-            ErrorCode::TooStale | ErrorCode::Busy | ErrorCode::OutOfBounds | ErrorCode::Replayed
+            ErrorCode::TooStale
+                | ErrorCode::Busy
+                | ErrorCode::OutOfBounds
+                | ErrorCode::Replayed
+                | ErrorCode::Disagrees
         )
     }
 
@@ -404,6 +411,7 @@ impl ErrorCode {
             Unauthorized,
             OutOfBounds,
             Replayed,
+            Disagrees,
             Quarantined,
         ]
         .into_iter()
@@ -431,6 +439,7 @@ impl ErrorCode {
             Unauthorized => "unauthorized",
             OutOfBounds => "out_of_bounds",
             Replayed => "replayed",
+            Disagrees => "disagrees",
             Quarantined => "quarantined",
         }
     }

@@ -33,6 +33,7 @@ fn apply(c: &mut Criterion) {
             push_encoding: crowdgrad_core::codec::Encoding::F32,
             pseudo_gradients: false,
             guard: crowdgrad_core::session::PushGuard::default(),
+            aggregation: crowdgrad_core::robust::Aggregation::Mean,
         };
         let shard = Shard::start(0, KeyRange { start: 0, end: N }, vec![0.1; N], opts);
         let grad = vec![1e-3f32; N];

@@ -13,6 +13,7 @@ use crowdgrad_core::data::NormalizeChoice;
 use crowdgrad_core::local::{LocalConfig, LocalSteps};
 use crowdgrad_core::model::ModelSpec;
 use crowdgrad_core::optim::{OptimizerConfig, Rule};
+use crowdgrad_core::robust::Aggregation;
 use crowdgrad_core::shard::{Consistency, StalenessPolicy};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -26,13 +27,13 @@ pub struct TrainingArgs {
     /// `conv:32x5x5,pool:2,dense:128` (README.md, "Models", has the grammar).
     #[arg(long, default_value = "mlp:128")]
     pub model: String,
-    /// The shards' optimizer: sgd, momentum, nesterov, adagrad, rmsprop, adam [default: adagrad;
     /// Per-channel normalisation every worker applies to its batches and the evaluator to the
     /// test set: `none` (pixel / 255), `MEAN/STD` on the /255 scale with comma lists per
     /// channel (e.g. `0.1307/0.3081`), or `auto` (the training set's own statistics, computed
     /// at start and stated in the run spec).
     #[arg(long, default_value = "none")]
     pub normalize: String,
+    /// The shards' optimizer: sgd, momentum, nesterov, adagrad, rmsprop, adam [default: adagrad;
     /// with local steps, the outer optimizer: in sync:K DiLoCo's nesterov at lr 0.7, momentum
     /// 0.9; in async and ssp sgd at lr 1.0 (each pseudo-gradient is applied at 1/workers)].
     #[arg(long)]
@@ -71,6 +72,14 @@ pub struct TrainingArgs {
     /// (lr / staleness), `dc:LAMBDA` (DC-ASGD delay compensation).
     #[arg(long, default_value = "accept")]
     pub staleness: String,
+    /// How shards combine pushes (issue 10): `mean`; in sync:K over the K pushes of a round
+    /// `median`, `trimmed_mean:B` (drop the floor(B x K) largest and smallest of each
+    /// coordinate), `krum:F` (needs K >= 2F + 3) or `multikrum:F,M`; in async and ssp
+    /// `consensus[:E]` (Zeno++-style: refuse, answered `disagrees`, a push whose cosine c with
+    /// the recent pushes' direction and norm ratio r to their median score c r - 0.01 r^2 below
+    /// -E, default 0.5). Per shard, on the shard's slice.
+    #[arg(long, default_value = "mean")]
+    pub aggregation: String,
     /// Seconds without a frame after which a worker drops out of the SSP clock.
     #[arg(long, default_value_t = 5.0)]
     pub heartbeat_timeout: f64,
@@ -173,6 +182,8 @@ fn encoding_flag(flag: &str, v: &str, allowed: &[Encoding]) -> Result<Encoding> 
 pub struct Training {
     /// Model text (resolved against the dataset when it is loaded).
     pub model: String,
+    /// `--normalize` (resolved against the dataset when it is loaded).
+    pub normalize: NormalizeChoice,
     /// The shards' optimizer.
     pub optimizer: OptimizerConfig,
     /// Examples per gradient.
@@ -181,12 +192,12 @@ pub struct Training {
     pub seed: u64,
     /// Number of shards.
     pub shards: usize,
-    /// `--normalize` (resolved against the dataset when it is loaded).
-    pub normalize: NormalizeChoice,
     /// Consistency mode.
     pub consistency: Consistency,
     /// Staleness policy for async/SSP pushes.
     pub staleness: StalenessPolicy,
+    /// How shards combine pushes.
+    pub aggregation: Aggregation,
     /// SSP heartbeat timeout, seconds.
     pub heartbeat_timeout: f64,
     /// sync:K straggler timeout, seconds.
@@ -281,14 +292,19 @@ impl TrainingArgs {
                 return bad(format!("{flag} {v} must be between 0.01 and 3600 seconds"));
             }
         }
+        let consistency = Consistency::parse(&self.consistency)?;
+        let aggregation = Aggregation::parse(&self.aggregation)?;
+        aggregation.validate(consistency)?;
         Ok(Training {
             model: self.model.clone(),
+            normalize,
             optimizer,
             batch_size: self.batch_size,
             seed: self.seed,
             shards,
-            consistency: Consistency::parse(&self.consistency)?,
+            consistency,
             staleness: StalenessPolicy::parse(&self.staleness)?,
+            aggregation,
             heartbeat_timeout: self.heartbeat_timeout,
             sync_timeout: self.sync_timeout,
             exchange,
@@ -296,7 +312,6 @@ impl TrainingArgs {
     }
 }
 
-            normalize,
 /// `--shards` of `crowdgrad serve` when not given.
 pub const SERVE_SHARDS: usize = 2;
 
@@ -389,6 +404,8 @@ pub struct ServeConfig {
     pub shards: usize,
     /// Model architecture text (resolved against the dataset when loaded).
     pub model: String,
+    /// `--normalize` (resolved against the training set when loaded).
+    pub normalize: NormalizeChoice,
     /// Shards' optimizer.
     pub optimizer: OptimizerConfig,
     /// Examples per gradient.
@@ -403,11 +420,11 @@ pub struct ServeConfig {
     pub consistency: Consistency,
     /// Staleness policy for async/SSP pushes.
     pub staleness: StalenessPolicy,
+    /// How shards combine pushes.
+    pub aggregation: Aggregation,
     /// SSP heartbeat timeout.
     pub heartbeat_timeout: Duration,
     /// sync:K straggler timeout.
-    /// `--normalize` (resolved against the training set when loaded).
-    pub normalize: NormalizeChoice,
     pub sync_timeout: Duration,
     /// Local steps, overlap and encodings.
     pub exchange: Exchange,
@@ -583,6 +600,7 @@ impl ServeArgs {
             addr: self.addr,
             shards: t.shards,
             model: t.model,
+            normalize: t.normalize,
             optimizer: t.optimizer,
             batch_size: t.batch_size,
             seed: t.seed,
@@ -590,6 +608,7 @@ impl ServeArgs {
             partitions: self.partitions,
             consistency: t.consistency,
             staleness: t.staleness,
+            aggregation: t.aggregation,
             heartbeat_timeout: Duration::from_secs_f64(t.heartbeat_timeout),
             sync_timeout: Duration::from_secs_f64(t.sync_timeout),
             exchange: t.exchange,
@@ -633,6 +652,7 @@ impl ServeConfig {
             push_encoding: self.exchange.push_encoding,
             pseudo_gradients: self.exchange.local.steps.pseudo_gradients(),
             guard: self.exchange.guard(self.batch_size),
+            aggregation: self.aggregation,
         }
     }
 
@@ -697,6 +717,9 @@ mod tests {
             &["--heartbeat-timeout", "0"],
             &["--consistency", "bsp"],
             &["--staleness", "fast"],
+            &["--aggregation", "median"],
+            &["--aggregation", "consensus", "--consistency", "sync:4"],
+            &["--aggregation", "krum:2", "--consistency", "sync:6"],
             &["--optimizer", "sgd", "--momentum", "0.9"],
         ] {
             assert!(parse(bad).unwrap().check().is_err(), "{bad:?}");

@@ -373,6 +373,7 @@ mod tests {
             sync_timeout: Duration::from_secs(1),
             pseudo_gradients: false,
             guard: crowdgrad_core::session::PushGuard::default(),
+            aggregation: crowdgrad_core::robust::Aggregation::Mean,
             pull_encoding: crowdgrad_core::codec::Encoding::F32,
             push_encoding: crowdgrad_core::codec::Encoding::F32,
         };

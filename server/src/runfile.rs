@@ -70,6 +70,7 @@ pub const KEYS: &[Key] = &[
     key("training.seed", "seed", Kind::Int),
     key("training.consistency", "consistency", Kind::Str),
     key("training.staleness", "staleness", Kind::Str),
+    key("training.aggregation", "aggregation", Kind::Str),
     key(
         "training.heartbeat_timeout",
         "heartbeat_timeout",
@@ -198,14 +199,13 @@ fn flag_values(k: &Key, value: &toml::Value, file: &Path) -> Result<Vec<String>>
             vec![out.join(",")]
         }
         (Kind::List, _) => return wrong("an array of strings"),
-        (Kind::Str, _) => return wrong("a string"),
         (Kind::Model, V::String(s)) => vec![s.clone()],
         (Kind::Model, V::Array(a)) => vec![model_layers(k, a, file)?],
         (Kind::Model, _) => return wrong("a model text or an array of layers"),
+        (Kind::Str, _) => return wrong("a string"),
     })
 }
 
-/// Reads `file` and returns the (key, flag values) pairs it sets.
 /// The model text of a layer array: each item a layer text (`"dense:128"`, `"flatten"`) or
 /// a table of one layer (`{ conv = "32x5x5/p2" }`, `{ pool = 2 }`, `{ dropout = 0.5 }`).
 fn model_layers(k: &Key, layers: &[toml::Value], file: &Path) -> Result<String> {
@@ -245,6 +245,7 @@ fn model_layers(k: &Key, layers: &[toml::Value], file: &Path) -> Result<String> 
     Ok(out.join(","))
 }
 
+/// Reads `file` and returns the (key, flag values) pairs it sets.
 ///
 /// # Errors
 /// An unreadable file, bad TOML, an unknown section or key, or a value of the wrong type,
@@ -505,7 +506,6 @@ mod tests {
         assert_eq!(r.to_json()["training"]["lr"], 0.1);
     }
 
-    #[test]
     /// Issue 12: a model written as a table of layers in the run file.
     #[test]
     fn a_model_is_a_list_of_layers_in_the_file() {
@@ -554,6 +554,7 @@ mod tests {
         assert!(e.contains("--model") && e.contains("conv:x"), "{e}");
     }
 
+    #[test]
     fn bad_files_are_refused_naming_the_key() {
         for (text, says) in [
             (

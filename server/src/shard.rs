@@ -96,6 +96,8 @@ pub struct ShardOptions {
     pub pseudo_gradients: bool,
     /// Bounds every push must keep.
     pub guard: crowdgrad_core::session::PushGuard,
+    /// How pushes are combined (`--aggregation`).
+    pub aggregation: crowdgrad_core::robust::Aggregation,
 }
 
 impl ShardOptions {
@@ -113,6 +115,7 @@ impl ShardOptions {
             reports: true,
             pseudo_gradients: self.pseudo_gradients,
             guard: self.guard,
+            aggregation: self.aggregation,
         }
     }
 }
@@ -123,7 +126,8 @@ impl Shard {
     /// # Panics
     /// If `initial` does not have `range.len()` values (a startup bug, not input).
     pub fn start(id: u32, range: KeyRange, initial: Vec<f32>, opts: ShardOptions) -> Self {
-        let core = ShardCore::new(initial, opts.optimizer, opts.staleness, opts.consistency);
+        let core = ShardCore::new(initial, opts.optimizer, opts.staleness, opts.consistency)
+            .with_aggregation(opts.aggregation);
         Self::with_core(id, range, core, opts).expect("shard values match their range")
     }
 
@@ -138,7 +142,8 @@ impl Shard {
         saved: ShardExport,
         opts: ShardOptions,
     ) -> crate::Result<Self> {
-        let core = ShardCore::restore(saved, opts.optimizer, opts.staleness, opts.consistency)?;
+        let core = ShardCore::restore(saved, opts.optimizer, opts.staleness, opts.consistency)?
+            .with_aggregation(opts.aggregation);
         Self::with_core(id, range, core, opts)
     }
 

@@ -120,6 +120,7 @@ impl Loopback {
                         max_samples: u32::MAX,
                         ..PushGuard::default()
                     },
+                    aggregation: crowdgrad_core::robust::Aggregation::Mean,
                 };
                 let state = setup.state(i as u32, *r, init[r.start..r.end].to_vec())?;
                 Ok((state, ShardSession::new(setup.config(i as u32, *r))))

@@ -287,6 +287,7 @@ fn a_worker_with_local_steps_negotiates_bf16_pulls_and_int8_pushes() {
                     max_samples: u32::MAX,
                     ..PushGuard::default()
                 },
+                aggregation: crowdgrad_core::robust::Aggregation::Mean,
             };
             let state = setup
                 .state(i as u32, *r, init[r.start..r.end].to_vec())

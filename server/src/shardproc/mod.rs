@@ -283,6 +283,7 @@ pub async fn run(
         push_encoding: t.exchange.push_encoding,
         pseudo_gradients: t.exchange.local.steps.pseudo_gradients(),
         guard: t.exchange.guard(t.batch_size),
+        aggregation: t.aggregation,
     };
     let shard = match restored {
         Some((name, c)) => {

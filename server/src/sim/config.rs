@@ -75,13 +75,17 @@ pub struct SimArgs {
     /// Fraction of faulty workers.
     #[arg(long, default_value_t = 0.0)]
     pub faulty: f64,
-    /// What faulty workers push: `nan` (one NaN per push), `noise` (Gaussian noise with the
-    /// gradient's norm) or `scale:F` (the gradient times F).
+    /// What faulty workers do: `nan` / `inf` (one NaN / infinity per push), `noise` (Gaussian
+    /// noise with the gradient's norm), `scale:F` (the gradient times F), `signflip:S` (times
+    /// -S), `replay` (every push repeats the worker's first one), `wrong_shard` (pushes
+    /// addressed to the next shard), `shuffled_labels` (honest gradients of the worker's data
+    /// with its labels permuted) or `collude:S` (all faulty workers send the same vector:
+    /// -S x the gradient of the first of them to push from that version).
     #[arg(long, default_value = "nan")]
     pub fault: String,
     /// Run one simulation per value: PARAM=V1,V2,... with PARAM one of consistency (or mode),
     /// workers, ssp, staleness, lr, faulty, fault, dropout-every, dropout-kind, delay-ms,
-    /// step-ms, batch-size.
+    /// step-ms, batch-size, aggregation.
     /// Separate values with `;` when they contain commas (staleness=accept;drop:8,scale).
     #[arg(long)]
     pub sweep: Option<String>,
@@ -140,33 +144,84 @@ impl SpeedDist {
     }
 }
 
-/// What a faulty worker does to each of its pushes.
+/// What a faulty worker does (`--fault`; the engine's `faults` module carries it out).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Fault {
     /// Puts one NaN in the push: the shard must reject it (and closes the connection, as the
     /// server does for a non-finite payload).
     Nan,
+    /// Puts one infinity (either sign) in the push: refused like a NaN.
+    Inf,
     /// Replaces the gradient by Gaussian noise of the same L2 norm.
     Noise,
     /// Multiplies the gradient by a factor.
     Scale(f32),
+    /// Sign flip with a scale: the gradient times -S (an ascent step, S times as long).
+    SignFlip(f32),
+    /// Stale replay: every push after the worker's first one to a shard carries that first
+    /// push's values again (with a fresh request id and base version, so only its content is
+    /// stale).
+    Replay,
+    /// Addresses every push to the next shard (`wrong_shard`, fatal: the connection closes).
+    WrongShard,
+    /// Trains on its partition with the labels shuffled: honest-looking gradients of the wrong
+    /// task (norm and values in range; the kind only spot checks catch).
+    ShuffledLabels,
+    /// Colluding workers: every faulty worker sends the same vector to a shard, -S times the
+    /// gradient of the first of them to push from that shard version (kept until one pushes
+    /// from a newer version). In sync:K all of a round's colluders send one vector.
+    Collude(f32),
 }
 
 impl Fault {
-    /// Parses `nan`, `noise` or `scale:F`.
+    /// Parses `nan`, `inf`, `noise`, `scale:F`, `signflip:S`, `replay`, `wrong_shard`,
+    /// `shuffled_labels` or `collude:S` (`signflip` and `collude` alone: S = 1).
     ///
     /// # Errors
-    /// [`Error::Config`] on anything else.
+    /// [`Error::Config`] on anything else or a factor that is not finite (S must be > 0).
     pub fn parse(text: &str) -> Result<Self> {
-        match text.trim() {
-            "nan" => Ok(Fault::Nan),
-            "noise" => Ok(Fault::Noise),
-            t => match t.strip_prefix("scale:").map(str::parse::<f32>) {
-                Some(Ok(f)) if f.is_finite() => Ok(Fault::Scale(f)),
-                _ => Err(Error::Config(format!(
-                    "unknown --fault {t:?}: use nan, noise or scale:F"
-                ))),
-            },
+        let t = text.trim();
+        let bad = || {
+            Error::Config(format!(
+                "unknown --fault {t:?}: use nan, inf, noise, scale:F, signflip:S, replay, wrong_shard, shuffled_labels or collude:S (S > 0)"
+            ))
+        };
+        let factor = |s: Option<&str>, positive: bool| match s.map(str::parse::<f32>) {
+            None => Ok(1.0),
+            Some(Ok(f)) if f.is_finite() && (!positive || f > 0.0) => Ok(f),
+            _ => Err(bad()),
+        };
+        let (name, arg) = match t.split_once(':') {
+            Some((n, a)) => (n, Some(a)),
+            None => (t, None),
+        };
+        match (name, arg) {
+            ("nan", None) => Ok(Fault::Nan),
+            ("inf", None) => Ok(Fault::Inf),
+            ("noise", None) => Ok(Fault::Noise),
+            ("replay", None) => Ok(Fault::Replay),
+            ("wrong_shard", None) => Ok(Fault::WrongShard),
+            ("shuffled_labels", None) => Ok(Fault::ShuffledLabels),
+            ("scale", Some(_)) => Ok(Fault::Scale(factor(arg, false)?)),
+            ("signflip", _) => Ok(Fault::SignFlip(factor(arg, true)?)),
+            ("collude", _) => Ok(Fault::Collude(factor(arg, true)?)),
+            _ => Err(bad()),
+        }
+    }
+}
+
+impl std::fmt::Display for Fault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Fault::Nan => write!(f, "nan"),
+            Fault::Inf => write!(f, "inf"),
+            Fault::Noise => write!(f, "noise"),
+            Fault::Scale(x) => write!(f, "scale:{x}"),
+            Fault::SignFlip(x) => write!(f, "signflip:{x}"),
+            Fault::Replay => write!(f, "replay"),
+            Fault::WrongShard => write!(f, "wrong_shard"),
+            Fault::ShuffledLabels => write!(f, "shuffled_labels"),
+            Fault::Collude(x) => write!(f, "collude:{x}"),
         }
     }
 }
@@ -203,6 +258,8 @@ pub struct SimConfig {
     pub consistency: Consistency,
     /// Staleness policy for async/SSP pushes.
     pub staleness: StalenessPolicy,
+    /// How shards combine pushes (`--aggregation`).
+    pub aggregation: crowdgrad_core::robust::Aggregation,
     /// Seed of everything.
     pub seed: u64,
     /// Budget in training examples.
@@ -297,6 +354,7 @@ impl SimArgs {
             batch_size: t.batch_size,
             consistency: t.consistency,
             staleness: t.staleness,
+            aggregation: t.aggregation,
             seed: t.seed,
             samples,
             sim_seconds: self.sim_seconds,
@@ -429,6 +487,9 @@ impl SimConfig {
         if param != "staleness" {
             parts.push(format!("staleness {}", self.staleness));
         }
+        if param != "aggregation" && self.aggregation != Default::default() {
+            parts.push(format!("aggregation {}", self.aggregation));
+        }
         if param != "lr" {
             parts.push(format!("lr {}", self.optimizer.lr));
         }
@@ -443,9 +504,7 @@ impl SimConfig {
             };
             let kind = match (param, self.fault) {
                 ("fault", _) => String::new(),
-                (_, Fault::Nan) => " (nan)".into(),
-                (_, Fault::Noise) => " (noise)".into(),
-                (_, Fault::Scale(f)) => format!(" (scale:{f})"),
+                (_, f) => format!(" ({f})"),
             };
             parts.push(format!("{share}faulty{kind}"));
         }

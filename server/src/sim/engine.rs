@@ -34,7 +34,7 @@ mod faults;
 mod participants;
 mod shard_side;
 
-use faults::{corrupt, exponential, mean_one_lognormal, stream};
+use faults::{exponential, mean_one_lognormal, stream, Faults};
 
 /// Simulated nanoseconds.
 type Time = u64;
@@ -234,6 +234,7 @@ impl<'a> Engine<'a> {
                     reports: false,
                     pseudo_gradients: cfg.exchange.local.steps.pseudo_gradients(),
                     guard: cfg.exchange.guard(cfg.batch_size),
+                    aggregation: cfg.aggregation,
                 };
                 let state = setup.state(i as u32, *r, initial[r.start..r.end].to_vec())?;
                 Ok(SimShard {
@@ -299,6 +300,7 @@ impl<'a> Engine<'a> {
                 }
             })
             .collect();
+        let faults = Faults::new(cfg, &parts, &faulty)?;
         let stall = 120.0f64.max(20.0 * (cfg.step_time + cfg.away + 4.0 * cfg.delay));
         Ok(Self {
             test_subset: {
@@ -318,6 +320,7 @@ impl<'a> Engine<'a> {
             model,
             spec,
             parts,
+            faults,
             shards,
             people,
             queue: BinaryHeap::new(),

@@ -3,7 +3,7 @@
 use super::*;
 
 /// Names of the parameters `--sweep` accepts.
-pub const SWEEP_PARAMS: [&str; 13] = [
+pub const SWEEP_PARAMS: [&str; 14] = [
     "consistency",
     "mode",
     "workers",
@@ -17,6 +17,7 @@ pub const SWEEP_PARAMS: [&str; 13] = [
     "delay-ms",
     "step-ms",
     "batch-size",
+    "aggregation",
 ];
 
 /// Expands `--sweep PARAM=V1,V2,...` over `base`: one `(label, config)` per value, in order.
@@ -67,6 +68,7 @@ pub fn sweep_configs(base: &SimArgs, spec: &str) -> Result<Vec<(String, SimConfi
                 a.dropout_every = Some(v.parse().map_err(|_| num("number of seconds"))?)
             }
             "delay-ms" => a.delay_ms = v.parse().map_err(|_| num("delay"))?,
+            "aggregation" => a.training.aggregation = v.into(),
             "step-ms" => a.step_ms = v.parse().map_err(|_| num("step time"))?,
             _ => a.training.batch_size = v.parse().map_err(|_| num("batch size"))?,
         }

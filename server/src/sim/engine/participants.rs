@@ -45,7 +45,7 @@ impl Engine<'_> {
         let id = self.next_worker_id;
         self.next_worker_id += 1;
         let person = &self.people[p];
-        let part = &self.parts[person.partition];
+        let part = self.faults.data(p).unwrap_or(&self.parts[person.partition]);
         let join = JoinResponse {
             protocol: PROTOCOL_VERSION,
             worker_id: id,
@@ -218,7 +218,9 @@ impl Engine<'_> {
                 return;
             };
             let frame = if person.faulty {
-                let (f, corrupted) = corrupt(out.frame, fault, &mut person.fault_rng);
+                let (f, corrupted) =
+                    self.faults
+                        .corrupt(p, out.frame, fault, &mut person.fault_rng);
                 self.totals.faulty_pushes += u64::from(corrupted);
                 f
             } else {
