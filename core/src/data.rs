@@ -954,26 +954,6 @@ mod tests {
             assert!(Normalize::parse(bad).is_err(), "{bad}");
         }
         assert_eq!(Normalize::parse("none").unwrap(), Normalize::default());
-        let n = Normalize::parse("0.1307/0.3081").unwrap();
-        assert_eq!(Normalize::parse(&n.to_string()).unwrap(), n);
-        let stats = Normalize::of(&d);
-        assert!((stats.mean[0] - 20.0 / 255.0).abs() < 1e-6);
-        assert!((stats.std[1] - 50.0 / 255.0).abs() < 1e-6);
-    }
-
-    #[test]
-    fn sampler_visits_everything_each_epoch() {
-        let mut s = BatchSampler::new(10, 3);
-        let mut seen = vec![0u32; 10];
-        let mut b = [0u32; 5];
-        for _ in 0..4 {
-            s.next_batch(&mut b);
-            b.iter().for_each(|&i| seen[i as usize] += 1);
-        }
-        assert_eq!(seen, vec![2; 10]);
-        assert_eq!(s.epochs, 1);
-    }
-}
         assert_eq!(
             NormalizeChoice::parse("none").unwrap(),
             NormalizeChoice::None
@@ -994,3 +974,23 @@ mod tests {
         for t in ["none", "auto", "0.5/0.25"] {
             assert_eq!(NormalizeChoice::parse(t).unwrap().to_string(), t);
         }
+        let n = Normalize::parse("0.1307/0.3081").unwrap();
+        assert_eq!(Normalize::parse(&n.to_string()).unwrap(), n);
+        let stats = Normalize::of(&d);
+        assert!((stats.mean[0] - 20.0 / 255.0).abs() < 1e-6);
+        assert!((stats.std[1] - 50.0 / 255.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn sampler_visits_everything_each_epoch() {
+        let mut s = BatchSampler::new(10, 3);
+        let mut seen = vec![0u32; 10];
+        let mut b = [0u32; 5];
+        for _ in 0..4 {
+            s.next_batch(&mut b);
+            b.iter().for_each(|&i| seen[i as usize] += 1);
+        }
+        assert_eq!(seen, vec![2; 10]);
+        assert_eq!(s.epochs, 1);
+    }
+}

@@ -339,6 +339,7 @@ mod tests {
                 test_len: 5,
             },
             local: crate::local::LocalConfig::default(),
+            normalize: Normalize::default(),
         }
     }
 
@@ -394,6 +395,5 @@ mod tests {
         let mut bad = json;
         bad["consistency"] = "sync:0".into();
         assert!(serde_json::from_value::<RunSpec>(bad).is_err());
-            normalize: Normalize::default(),
     }
 }

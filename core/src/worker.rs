@@ -247,7 +247,7 @@ impl Worker {
     /// [`Error::Config`] when the run spec is inconsistent or the data does not fit the model.
     pub fn new(
         join: JoinResponse,
-        data: Dataset,
+        mut data: Dataset,
         client: ClientKind,
         max_steps: Option<u64>,
     ) -> Result<Self> {
@@ -274,6 +274,8 @@ impl Worker {
                 model.spec().classes
             )));
         }
+        // Every worker preprocesses as the run says (the evaluator does the same to the test set).
+        data.set_normalize(&join.run.normalize)?;
         let batch = join.run.batch_size;
         let n = model.param_len();
         let largest = slicer.ranges().iter().map(|r| r.len()).max().unwrap_or(0);
@@ -304,8 +306,6 @@ impl Worker {
                 .map(|r| ErrorFeedback::new(r.len()))
                 .collect(),
             round: None,
-        // Every worker preprocesses as the run says (the evaluator does the same to the test set).
-        data.set_normalize(&join.run.normalize)?;
             outbox: VecDeque::new(),
             next_request: 1,
             frame_limit: HEADER_LEN + MAX_META_LEN + 4 * largest,
@@ -878,6 +878,7 @@ mod tests {
                     test_len: 0,
                 },
                 local: crate::local::LocalConfig::default(),
+                normalize: Default::default(),
             })
             .unwrap(),
             partition: PartitionInfo {
@@ -914,6 +915,25 @@ mod tests {
             max_steps,
         )
         .unwrap()
+    }
+
+    /// Issue 12: the worker preprocesses its batches as the run spec's normalisation says.
+    #[test]
+    fn worker_normalises_its_batches_as_the_run_says() {
+        let mut j = join("async", 1);
+        j.run.normalize = crate::data::Normalize::parse("0.5/0.25").unwrap();
+        let w = Worker::new(j, data(), ClientKind::Native, None).unwrap();
+        let mut x = Array2::zeros((1, 4));
+        let mut y = [0u8];
+        w.data.fill_batch(&[1], &mut x.view_mut(), &mut y);
+        // Example 1 holds the pixels 40, 50, 60, 70.
+        for (v, p) in x.iter().zip([40.0f32, 50.0, 60.0, 70.0]) {
+            assert!((v - (p / 255.0 - 0.5) / 0.25).abs() < 1e-6, "{v} for {p}");
+        }
+        // A normalisation for 3 channels does not fit 1-channel images.
+        let mut j = join("async", 1);
+        j.run.normalize = crate::data::Normalize::parse("0.1,0.2,0.3/1").unwrap();
+        assert!(Worker::new(j, data(), ClientKind::Native, None).is_err());
     }
 
     fn range(w: &Worker, shard: usize) -> KeyRange {
@@ -972,7 +992,6 @@ mod tests {
                         }
                     }
                     other => panic!("a worker sent {other:?}"),
-                normalize: Default::default(),
                 }
             })
             .collect()
@@ -1012,25 +1031,6 @@ mod tests {
     fn ack_frame(shard: usize, request_id: u32, version: u64, staleness: u32) -> Vec<u8> {
         wire::encode(&Message::Ack {
             request_id,
-    /// Issue 12: the worker preprocesses its batches as the run spec's normalisation says.
-    #[test]
-    fn worker_normalises_its_batches_as_the_run_says() {
-        let mut j = join("async", 1);
-        j.run.normalize = crate::data::Normalize::parse("0.5/0.25").unwrap();
-        let w = Worker::new(j, data(), ClientKind::Native, None).unwrap();
-        let mut x = Array2::zeros((1, 4));
-        let mut y = [0u8];
-        w.data.fill_batch(&[1], &mut x.view_mut(), &mut y);
-        // Example 1 holds the pixels 40, 50, 60, 70.
-        for (v, p) in x.iter().zip([40.0f32, 50.0, 60.0, 70.0]) {
-            assert!((v - (p / 255.0 - 0.5) / 0.25).abs() < 1e-6, "{v} for {p}");
-        }
-        // A normalisation for 3 channels does not fit 1-channel images.
-        let mut j = join("async", 1);
-        j.run.normalize = crate::data::Normalize::parse("0.1,0.2,0.3/1").unwrap();
-        assert!(Worker::new(j, data(), ClientKind::Native, None).is_err());
-    }
-
             shard: shard as u32,
             version,
             staleness,

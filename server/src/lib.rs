@@ -85,13 +85,13 @@ pub async fn run(
         shards: cfg.shards,
         dataset: DataInfo::of(cfg.dataset.clone(), &data.train, &data.test),
         local: cfg.exchange.local,
-    })?;
-    // Continue the newest valid checkpoint, if any (crate::checkpoint); its run id stays, so
         normalize: cfg.normalize.resolve(&data.train)?,
-    // workers that rejoin see the same run.
+    })?;
     // The evaluator sees the test set as the workers see their batches.
     let mut data = data;
     data.test.set_normalize(&spec.normalize)?;
+    // Continue the newest valid checkpoint, if any (crate::checkpoint); its run id stays, so
+    // workers that rejoin see the same run.
     let (checkpoints, mut restored) = match &cfg.checkpoint {
         Some(c) => {
             let (ck, r) = checkpoint::resume(c, &spec).await?;
