@@ -615,7 +615,11 @@ fn decode_int8(bytes: &[u8], block: usize, out: &mut [f32]) -> Result<()> {
     }
     // The encoder clamps codes to [-127, 127]; -128 (0x80) would make 128 · MAX_INT8_SCALE,
     // which overflows to -infinity. Refused like a bad scale (found by fuzz/ `payload`).
-    if let Some(i) = codes.iter().position(|&q| q == 0x80) {
+    // A branch-free fold (vectorises: one compare per 16 codes); the index is searched only
+    // once one is found. `position` alone went byte by byte and tripled the decode's time.
+    let bad = codes.iter().fold(0u8, |acc, &q| acc | u8::from(q == 0x80));
+    if bad != 0 {
+        let i = codes.iter().position(|&q| q == 0x80).unwrap_or(0);
         return Err(Error::Malformed(format!(
             "int8 value {i} has code -128; codes are in [-127, 127]"
         )));
