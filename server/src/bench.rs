@@ -5,7 +5,10 @@
 //! - `roundtrip`: push + pull round trip over one loopback WebSocket for a shard of a given size.
 //! - `link` ([`link`]): training over plain loopback and a shaped link (issue 8): samples/s,
 //!   bytes per sample, times to 95% / 97%, compute utilisation, per exchange configuration.
+//! - `checkpoint` ([`checkpoint`]): checkpoint time and size for the MLP and a 10M-parameter
+//!   model, and samples/s with `--checkpoint-every 1` against none (issue 9).
 
+pub mod checkpoint;
 pub mod link;
 
 use crate::config::ServeConfig;

@@ -169,6 +169,9 @@ enum BenchCmd {
     /// Training over plain loopback and a link shaped in a private network namespace (needs
     /// root): samples/s, bytes per sample, time to 95%/97%, compute utilisation (issue 8).
     Link(Box<crowdgrad::bench::link::LinkArgs>),
+    /// Checkpoint time and size for the MLP and a 10M-parameter model, and training samples/s
+    /// with `--checkpoint-every 1` against none (issue 9).
+    Checkpoint(Box<crowdgrad::bench::checkpoint::CheckpointArgs>),
     /// Push + pull round trip over loopback for shards of these sizes.
     Roundtrip {
         /// Parameter counts.
@@ -412,6 +415,9 @@ fn main() -> anyhow::Result<()> {
         Cmd::Bench {
             command: BenchCmd::Link(args),
         } => crowdgrad::bench::link::cli(&args)?,
+        Cmd::Bench {
+            command: BenchCmd::Checkpoint(args),
+        } => crowdgrad::bench::checkpoint::cli(&args)?,
         Cmd::Bench {
             command:
                 BenchCmd::Roundtrip {
