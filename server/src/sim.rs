@@ -247,7 +247,27 @@ mod tests {
         let runs = sweep_configs(&a, "workers=1,4").unwrap();
         assert_eq!(runs[1].1.partitions, 4, "one partition per worker");
         assert_eq!(slug("staleness=drop:8,scale"), "staleness=drop_8_scale");
+        // Issue 8: local steps and encodings are sweepable too.
+        let runs = sweep_configs(&a, "local-steps=1,32,auto").unwrap();
+        assert!(!runs[0].1.exchange.local.steps.pseudo_gradients());
+        assert_eq!(runs[1].1.exchange.local.steps.to_string(), "32");
+        assert_eq!(
+            runs[1].1.optimizer.lr, 1.0,
+            "the outer lr of async local steps"
+        );
+        assert!(runs[0].1.describe_except("local-steps").contains("pushes"));
+        let runs = sweep_configs(&a, "push-encoding=f32,bf16,int8_block").unwrap();
+        assert_eq!(runs[2].1.exchange.push_encoding.name(), "int8_block");
+        let runs = sweep_configs(&a, "inner-lr=0.001,0.003").unwrap();
+        assert_eq!(runs[1].1.exchange.local.inner.lr, 0.003);
+        let runs = sweep_configs(&a, "overlap=on,off").unwrap();
+        assert!(runs[0].1.exchange.local.overlap && !runs[1].1.exchange.local.overlap);
         for bad in [
+            "overlap=yes",
+            "push-encoding=int4",
+            "pull-encoding=int8_block",
+            "local-steps=0",
+            "inner-lr=x",
             "mode",
             "speed=1,2",
             "workers=1,x",

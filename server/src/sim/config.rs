@@ -85,7 +85,8 @@ pub struct SimArgs {
     pub fault: String,
     /// Run one simulation per value: PARAM=V1,V2,... with PARAM one of consistency (or mode),
     /// workers, ssp, staleness, lr, faulty, fault, dropout-every, dropout-kind, delay-ms,
-    /// step-ms, batch-size, aggregation.
+    /// step-ms, batch-size, aggregation, local-steps, inner-lr, pull-encoding, push-encoding,
+    /// overlap.
     /// Separate values with `;` when they contain commas (staleness=accept;drop:8,scale).
     #[arg(long)]
     pub sweep: Option<String>,
@@ -495,6 +496,22 @@ impl SimConfig {
         }
         if param != "batch-size" {
             parts.push(format!("batch {}", self.batch_size));
+        }
+        let x = &self.exchange;
+        if param != "local-steps" && x.local.steps.pseudo_gradients() {
+            parts.push(format!("local steps {}", x.local.steps));
+        }
+        if param != "inner-lr" && x.local.steps.pseudo_gradients() {
+            parts.push(format!("inner lr {}", x.local.inner.lr));
+        }
+        if param != "pull-encoding" {
+            parts.push(format!("pulls {}", x.pull_encoding.name()));
+        }
+        if param != "push-encoding" {
+            parts.push(format!("pushes {}", x.push_encoding.name()));
+        }
+        if param != "overlap" && x.local.overlap {
+            parts.push("overlap".into());
         }
         if self.faulty > 0.0 || param == "fault" {
             let share = if param == "faulty" {

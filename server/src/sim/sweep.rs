@@ -3,7 +3,7 @@
 use super::*;
 
 /// Names of the parameters `--sweep` accepts.
-pub const SWEEP_PARAMS: [&str; 14] = [
+pub const SWEEP_PARAMS: [&str; 19] = [
     "consistency",
     "mode",
     "workers",
@@ -18,6 +18,11 @@ pub const SWEEP_PARAMS: [&str; 14] = [
     "step-ms",
     "batch-size",
     "aggregation",
+    "local-steps",
+    "inner-lr",
+    "pull-encoding",
+    "push-encoding",
+    "overlap",
 ];
 
 /// Expands `--sweep PARAM=V1,V2,...` over `base`: one `(label, config)` per value, in order.
@@ -70,6 +75,12 @@ pub fn sweep_configs(base: &SimArgs, spec: &str) -> Result<Vec<(String, SimConfi
             "delay-ms" => a.delay_ms = v.parse().map_err(|_| num("delay"))?,
             "aggregation" => a.training.aggregation = v.into(),
             "step-ms" => a.step_ms = v.parse().map_err(|_| num("step time"))?,
+            "local-steps" => a.training.local_steps = v.into(),
+            "inner-lr" => a.training.inner_lr = Some(v.parse().map_err(|_| num("learning rate"))?),
+            "pull-encoding" => a.training.pull_encoding = v.into(),
+            "push-encoding" => a.training.push_encoding = v.into(),
+            "overlap" if v == "on" || v == "off" => a.training.overlap = v.into(),
+            "overlap" => return Err(num("overlap (use on or off)")),
             _ => a.training.batch_size = v.parse().map_err(|_| num("batch size"))?,
         }
         let cfg = a
