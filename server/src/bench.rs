@@ -5,10 +5,14 @@
 //! - `roundtrip`: push + pull round trip over one loopback WebSocket for a shard of a given size.
 //! - `link` ([`link`]): training over plain loopback and a shaped link (issue 8): samples/s,
 //!   bytes per sample, times to 95% / 97%, compute utilisation, per exchange configuration.
+//! - `churn` and `flood` ([`churn`]): 1,000 WebSocket connections joining and leaving (status
+//!   latency, server RSS and fds before, at peak, after), and honest workers' samples/s with
+//!   default limits vs none, with and without a flooding attacker (issue 10).
 //! - `checkpoint` ([`checkpoint`]): checkpoint time and size for the MLP and a 10M-parameter
 //!   model, and samples/s with `--checkpoint-every 1` against none (issue 9).
 
 pub mod checkpoint;
+pub mod churn;
 pub mod link;
 
 use crate::config::ServeConfig;

@@ -169,6 +169,12 @@ enum BenchCmd {
     /// Training over plain loopback and a link shaped in a private network namespace (needs
     /// root): samples/s, bytes per sample, time to 95%/97%, compute utilisation (issue 8).
     Link(Box<crowdgrad::bench::link::LinkArgs>),
+    /// 1,000 WebSocket connections joining and leaving one server: status p50/p99, server RSS
+    /// and open fds before, at peak and after each round (issue 10).
+    Churn(Box<crowdgrad::bench::churn::ChurnArgs>),
+    /// Honest workers' samples/s with default limits, none and a tight push rate, without and
+    /// with a flooding attacker from 127.0.0.2 (issue 10).
+    Flood(Box<crowdgrad::bench::churn::FloodArgs>),
     /// Checkpoint time and size for the MLP and a 10M-parameter model, and training samples/s
     /// with `--checkpoint-every 1` against none (issue 9).
     Checkpoint(Box<crowdgrad::bench::checkpoint::CheckpointArgs>),
@@ -415,6 +421,12 @@ fn main() -> anyhow::Result<()> {
         Cmd::Bench {
             command: BenchCmd::Link(args),
         } => crowdgrad::bench::link::cli(&args)?,
+        Cmd::Bench {
+            command: BenchCmd::Churn(args),
+        } => crowdgrad::bench::churn::cli_churn(&args)?,
+        Cmd::Bench {
+            command: BenchCmd::Flood(args),
+        } => crowdgrad::bench::churn::cli_flood(&args)?,
         Cmd::Bench {
             command: BenchCmd::Checkpoint(args),
         } => crowdgrad::bench::checkpoint::cli(&args)?,

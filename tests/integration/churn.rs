@@ -1,0 +1,74 @@
+//! Issue 10, load and churn: 1,000 WebSocket connections (real joins over HTTP, a Hello and
+//! pulls on every shard socket) join and leave a release `crowdgrad serve` process on 127.0.0.1
+//! (`crowdgrad::bench::churn`, the same code as `crowdgrad bench churn`). The server stays
+//! responsive, gives back every file descriptor, and its memory does not grow from one round to
+//! the next; with glibc's mmap threshold fixed it returns to its baseline.
+//!
+//! Memory: with glibc's defaults the first free of a large block (a 200 KB Params frame)
+//! raises its mmap threshold, and later frames of that size come from the heap, which keeps
+//! them after the connections are gone (measured with `crowdgrad bench churn`: 66 MiB before,
+//! ~410 MiB at the peak of 1,000 connections, ~400-445 MiB after each round). That retention is
+//! the allocator's policy, not the server's, and is not bounded round to round tightly enough
+//! to assert. So the server runs with `MALLOC_MMAP_THRESHOLD_` fixed at 128 KiB (large blocks
+//! are mapped and unmapped): then what the server's own code keeps after a round is visible,
+//! and RSS must come back within 32 MiB of the baseline after every round.
+//! Latency: the figure (p99 of `/api/status` during the churn, target 100 ms) is printed and
+//! recorded in docs/benchmarks.md; the test only asserts a bound that cannot flake on a busy CI
+//! machine (1 s).
+
+use crate::stall::crowdgrad_bin;
+use crate::util::mnist_dir;
+use crowdgrad::bench::churn::{churn, Churn, ChurnArgs};
+
+const MIB_SLACK: f64 = 32.0;
+
+fn run(rounds: usize, round_seconds: f64, threshold: Option<usize>) -> Churn {
+    let args = ChurnArgs {
+        connections: 1000,
+        rounds,
+        round_seconds,
+        pull_every: 5.0,
+        malloc_mmap_threshold: threshold,
+        data_dir: mnist_dir(),
+        serve_args: Vec::new(),
+    };
+    let c = churn(&crowdgrad_bin(), &args).expect("the churn runs");
+    println!("{c:#?}");
+    assert_eq!(c.failures, 0, "{:?}", c.failure_reasons);
+    assert_eq!(
+        c.handshakes,
+        rounds * c.connections,
+        "every socket said Hello"
+    );
+    assert!(c.connections >= 1000);
+    // Arrivals end at a third of the round, leaves start at two thirds: all open at once.
+    assert_eq!(c.peak_open, c.connections, "{c:?}");
+    assert!(c.pulls >= 2 * (rounds * c.connections) as u64, "{c:?}");
+    assert_eq!(c.poll_failures, 0, "every status poll was answered");
+    assert!(c.polls > 100, "{c:?}");
+    assert!(
+        c.status_p99_ms < 1000.0,
+        "status p99 {} ms",
+        c.status_p99_ms
+    );
+    for (peak, after) in c.fds_peak.iter().zip(&c.fds_after) {
+        assert!(*peak >= c.fds_base + c.connections, "{c:?}");
+        assert!(*after <= c.fds_base + 2, "fds leaked: {c:?}");
+    }
+    c
+}
+
+#[test]
+fn a_thousand_connections_join_and_leave_twice_and_nothing_leaks() {
+    let c = run(2, 30.0, Some(128 * 1024));
+    assert!(
+        c.rss_peak_mib[0] > c.rss_base_mib + 2.0 * MIB_SLACK,
+        "the connections cost memory at the peak: {c:?}"
+    );
+    for after in &c.rss_after_mib {
+        assert!(
+            *after <= c.rss_base_mib + MIB_SLACK,
+            "RSS did not return to its baseline: {c:?}"
+        );
+    }
+}
