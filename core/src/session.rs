@@ -332,6 +332,13 @@ impl ShardState {
                  fill an aggregate alone; restart from a checkpoint with --consistency {mode}"
             ));
         }
+        // The run's aggregation rule must hold in the new mode too (e.g. Krum's K >= 2f + 3,
+        // or a round rule leaving sync): refused, and nothing changes.
+        self.cfg
+            .setup
+            .aggregation
+            .validate(mode)
+            .map_err(|e| format!("cannot switch a running shard from {from} to {mode}: {e}"))?;
         if let Some(o) = self.core.set_consistency(mode) {
             self.record(&o);
         }
@@ -1452,6 +1459,16 @@ mod tests {
         c.handle_frame(&mut sh, &hello(1, 1), 0.0);
         sh.set_consistency(Consistency::Sync { k: 2 }).unwrap();
         assert_eq!(sh.core().consistency(), Consistency::Sync { k: 2 });
+        // The aggregation rule must fit the new mode: Krum with f = 1 needs K >= 5, and a round
+        // rule has no meaning in async. Refused, and nothing changes.
+        let mut sh = state(Consistency::Sync { k: 5 }, 1);
+        sh.cfg.setup.aggregation = crate::robust::Aggregation::Krum { f: 1 };
+        for to in [Consistency::Sync { k: 4 }, Consistency::Async] {
+            let e = sh.set_consistency(to).unwrap_err();
+            assert!(e.contains("Krum") || e.contains("round rule"), "{to}: {e}");
+            assert_eq!(sh.consistency(), Consistency::Sync { k: 5 });
+        }
+        sh.set_consistency(Consistency::Sync { k: 7 }).unwrap();
     }
 
     #[test]
