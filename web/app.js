@@ -90,6 +90,8 @@ function workerUrl(index, count, key, st) {
     if (st && st.shards && st.shards.length) q.set('shards', String(st.shards.length));
     if (pageQuery.get('batch')) q.set('batch', pageQuery.get('batch'));
   }
+  // `/?simd=relaxed` opts into the relaxed-SIMD build (worker.js checks the engine has it).
+  if (pageQuery.get('simd') === 'relaxed') q.set('simd', 'relaxed');
   return new URL(`./worker.js?${q}`, import.meta.url);
 }
 
