@@ -29,7 +29,7 @@
 //
 // Environment: CROWDGRAD_BIN (server binary, default target/release/crowdgrad), CHROMIUM
 // (default /usr/bin/chromium), E2E_TIMEOUT_S (overall bound, default 900), E2E_ONLY=cores (only
-// phase 5).
+// phase 5), identity (only the identity phase) or overlap (only the --overlap on tab).
 
 import { spawn } from 'node:child_process';
 import fs from 'node:fs';
@@ -251,6 +251,11 @@ async function main() {
   figures['wasm bundle (raw / gzip -9)'] = `${kib(fs.statSync(wasmFile).size)} / ${kib(gzipSize(wasmFile))}`;
   figures['JS glue (raw / gzip -9)'] = `${kib(fs.statSync(glueFile).size)} / ${kib(gzipSize(glueFile))}`;
 
+  // E2E_ONLY=overlap: only the issue 8 overlap tab.
+  if (process.env.E2E_ONLY === 'overlap') {
+    await overlapTab();
+    return;
+  }
   // E2E_ONLY=identity: only the issue 9 identity phase.
   if (process.env.E2E_ONLY === 'identity') {
     await identityTab();
@@ -526,6 +531,7 @@ async function main() {
   await measureFigures();
   await cnnTab();
   await localStepsTab();
+  await overlapTab();
   await identityTab();
   await coresTab();
   await coresFigures();
@@ -826,6 +832,42 @@ async function localStepsTab() {
   } finally {
     if (browser) await browser.close();
     await stopChild(server, 'local-steps server');
+    fs.rmSync(dir, { recursive: true, force: true });
+  }
+}
+
+/// Issue 8: a tab with the next pull in flight while it computes (`--overlap on`, gradient
+/// pushes): it must train, and the figures give its computing and waiting per step next to the
+/// default tab's (the figures phase), both against a server on the same 2 cores.
+async function overlapTab() {
+  phase = 'overlap';
+  const port = await freePort();
+  const base = `http://127.0.0.1:${port}`;
+  const server = await startServer(port, 'overlap', ['--overlap', 'on', '--eval-every', '1']);
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-overlap-'));
+  let browser = null;
+  try {
+    browser = await PipeBrowser.launch(dir);
+    await browser.send('Page.navigate', { url: `${base}/` }, browser.session);
+    await waitFor('the overlap page to load', () => browser.evaluate(
+      "document.readyState === 'complete' && !!window.crowdgrad"), 30_000, 100);
+    await browser.evaluate(ONE_CORE_CONTRIBUTE);
+    await waitFor('the overlap tab\'s first push', () => browser.evaluate(
+      'window.crowdgrad.volunteer.firstPushAt && true'), 60_000, 100);
+    await sleep(8_000);
+    const p = JSON.parse(await browser.evaluate('JSON.stringify(window.crowdgrad.volunteer.progress)'));
+    const s = await getStatus(base);
+    const w = s.workers.find((x) => x.client === 'browser' && x.exchange);
+    check('a tab trains with its next pull in flight (--overlap on)',
+      p.state === 'training' && p.pushes_accepted > 0 && !!w,
+      `${p.pushes_accepted} pushes accepted, accuracy ${s.eval ? (100 * s.eval.accuracy).toFixed(1) : '?'}%`);
+    const share = p.step_ms / Math.max(1e-9, p.step_ms + p.wait_ms);
+    figures['one tab, --overlap on (next pull in flight while computing)'] =
+      `${p.samples_per_sec.toFixed(0)} samples/s; per step ${p.step_ms.toFixed(3)} ms computing + `
+      + `${p.wait_ms.toFixed(3)} ms waiting (${(100 * share).toFixed(0)}% computing)`;
+  } finally {
+    if (browser) await browser.close();
+    await stopChild(server, 'overlap server');
     fs.rmSync(dir, { recursive: true, force: true });
   }
 }
