@@ -29,7 +29,8 @@
 //
 // Environment: CROWDGRAD_BIN (server binary, default target/release/crowdgrad), CHROMIUM
 // (default /usr/bin/chromium), E2E_TIMEOUT_S (overall bound, default 900), E2E_ONLY=cores (only
-// phase 5), identity (only the identity phase) or overlap (only the --overlap on tab).
+// phase 5), identity (only the identity phase), overlap (only the --overlap on tab) or remote
+// (only the tab against shard processes).
 
 import { spawn } from 'node:child_process';
 import fs from 'node:fs';
@@ -254,6 +255,11 @@ async function main() {
   // E2E_ONLY=overlap: only the issue 8 overlap tab.
   if (process.env.E2E_ONLY === 'overlap') {
     await overlapTab();
+    return;
+  }
+  // E2E_ONLY=remote: only the issue 9 remote-shard tab.
+  if (process.env.E2E_ONLY === 'remote') {
+    await remoteShardTab();
     return;
   }
   // E2E_ONLY=identity: only the issue 9 identity phase.
@@ -532,6 +538,7 @@ async function main() {
   await cnnTab();
   await localStepsTab();
   await overlapTab();
+  await remoteShardTab();
   await identityTab();
   await coresTab();
   await coresFigures();
@@ -869,6 +876,84 @@ async function overlapTab() {
     if (browser) await browser.close();
     await stopChild(server, 'overlap server');
     fs.rmSync(dir, { recursive: true, force: true });
+  }
+}
+
+/// Issue 9: a tab trains against a coordinator and two shard processes (`crowdgrad shard`);
+/// shard 1 is killed with SIGKILL: the tab keeps training and pushing to shard 0 without a
+/// rejoin, reopens shard 1 alone when it is back (resumed from its own checkpoint), and pushes
+/// to it again.
+async function remoteShardTab() {
+  phase = 'remote-shard';
+  const SECRET = 'e2e-run-secret-0123456789abcdef';
+  const ports = [await freePort(), await freePort()];
+  const ckpt = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-shard-ckpt-'));
+  const startShard = async (i) => {
+    const child = spawnLogged(`shard-${i}`, SERVER, ['shard', '--listen', `127.0.0.1:${ports[i]}`,
+      '--index', String(i), '--shards', '2', '--run-secret', SECRET,
+      '--checkpoint-dir', ckpt, '--checkpoint-every', '1']);
+    await waitFor(`shard ${i} to answer`, async () => {
+      if (child.exitCode !== null) throw new Error(`shard ${i} exited; see ${child.logFile}`);
+      const r = await fetch(`http://127.0.0.1:${ports[i]}/api/shard`, { signal: AbortSignal.timeout(2_000) });
+      return r.ok;
+    }, 60_000, 200);
+    return child;
+  };
+  const shards = [];
+  const port = await freePort();
+  const base = `http://127.0.0.1:${port}`;
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-remote-'));
+  let server = null;
+  let browser = null;
+  const version = (s, i) => Number((s.remote_shards && s.remote_shards[i] && s.remote_shards[i].version) || 0);
+  const progress = async () => JSON.parse(await browser.evaluate('JSON.stringify(window.crowdgrad.volunteer.progress)'));
+  try {
+    shards.push(await startShard(0), await startShard(1));
+    server = await startServer(port, 'remote', ['--shard-urls',
+      `ws://127.0.0.1:${ports[0]},ws://127.0.0.1:${ports[1]}`, '--run-secret', SECRET, '--eval-every', '1']);
+    browser = await PipeBrowser.launch(dir);
+    await browser.send('Page.navigate', { url: `${base}/` }, browser.session);
+    await waitFor('the remote-shard page to load', () => browser.evaluate(
+      "document.readyState === 'complete' && !!window.crowdgrad"), 30_000, 100);
+    await browser.evaluate(ONE_CORE_CONTRIBUTE);
+    await waitFor('the tab to train on both shard processes', async () => {
+      const s = await getStatus(base);
+      return version(s, 0) > 50 && version(s, 1) > 50;
+    }, 60_000, 250);
+    const before = await progress();
+    shards[1].kill('SIGKILL');
+    await shards[1].exited;
+    const down = await waitFor('shard 1 reported down', async () => {
+      const s = await getStatus(base);
+      return s.remote_shards[1].up === false ? s : null;
+    }, 30_000, 250);
+    const moved = await waitFor('shard 0 moving on while shard 1 is down', async () => {
+      const s = await getStatus(base);
+      return version(s, 0) > version(down, 0) + 50 ? s : null;
+    }, 30_000, 250).catch((e) => { log(e.message); return null; });
+    const mid = await progress();
+    check('with shard 1 killed, the tab keeps pushing to shard 0 without a rejoin',
+      moved && mid.state === 'training' && mid.reconnects === before.reconnects && mid.shards_connected === 1,
+      moved ? `shard 0 v${version(down, 0)} -> v${version(moved, 0)}; state ${mid.state}, `
+        + `${mid.shards_connected} shard connected, sessions ${before.reconnects} -> ${mid.reconnects}` : 'shard 0 did not move');
+    shards[1] = await startShard(1);
+    const back = await waitFor('the tab to reopen shard 1 and push to it', async () => {
+      const s = await getStatus(base);
+      const p = await progress();
+      return s.remote_shards[1].ready && p.shards_connected === 2 && version(s, 1) > 0 ? { s, p } : null;
+    }, 60_000, 250).catch((e) => { log(e.message); return null; });
+    if (back) await sleep(2_000);
+    const after = back ? await getStatus(base) : null;
+    const end = await progress();
+    check('the tab reopens shard 1 alone when it is back and pushes to it again',
+      back && version(after, 1) > version(back.s, 1) && end.reconnects === before.reconnects,
+      back ? `shard 1 v${version(back.s, 1)} -> v${version(after, 1)}, sessions ${end.reconnects}` : 'not back');
+  } finally {
+    if (browser) await browser.close();
+    if (server) await stopChild(server, 'remote coordinator');
+    for (const [i, c] of shards.entries()) await stopChild(c, `shard ${i}`);
+    fs.rmSync(dir, { recursive: true, force: true });
+    fs.rmSync(ckpt, { recursive: true, force: true });
   }
 }
 

@@ -1,7 +1,10 @@
 //! The driver task: join, fetch data, connect, then feed the core worker socket events, send
-//! its frames and call `step()` whenever it is ready, within the CPU limit. Any failure ends the
-//! session; [`run`] then rejoins from scratch after core's reconnect [`Backoff`] (the policy
-//! the native worker and the simulator use too), carrying the counters over with `carry_stats`.
+//! its frames and call `step()` whenever it is ready, within the CPU limit. A shard whose socket
+//! closes is reopened alone with backoff while the worker trains on the others (core's
+//! `Worker::disconnected`, docs/protocol.md "One shard lost"), as the native worker does. Any
+//! other failure, or every shard lost at once, ends the session; [`run`] then rejoins from
+//! scratch after core's reconnect [`Backoff`] (the policy the native worker and the simulator
+//! use too), carrying the counters over with `carry_stats`.
 
 use super::net::Scope;
 use super::socket::{ShardSocket, SocketEventKind};
@@ -126,6 +129,12 @@ struct Link {
     id: u64,
     sockets: Vec<Option<ShardSocket>>,
     open: Vec<bool>,
+    /// The shards' WebSocket URLs (a lost one is reopened alone).
+    urls: Vec<String>,
+    /// Per shard: when a lost socket is opened again (page clock, ms), if it is down.
+    retry_at: Vec<Option<f64>>,
+    /// Per shard: the delays between those attempts.
+    backoff: Vec<Backoff>,
 }
 
 impl Link {
@@ -159,6 +168,38 @@ impl Link {
         Ok(())
     }
 
+    /// Shard `shard`'s socket closed: the core worker trains on the others and the socket is
+    /// reopened after a backoff delay. False when no shard is left (the session is over).
+    fn lose(&mut self, worker: &mut Worker, shard: usize, now: f64) -> bool {
+        self.sockets[shard] = None;
+        self.open[shard] = false;
+        worker.disconnected(shard);
+        if self.sockets.iter().all(Option::is_none) {
+            return false;
+        }
+        self.retry_at[shard] = Some(now + self.backoff[shard].next_delay() * 1000.0);
+        true
+    }
+
+    /// Reopens the lost sockets whose delay has passed; returns the next deadline, if any.
+    fn retry(&mut self, sh: &Rc<Shared>, now: f64) -> Option<f64> {
+        for i in 0..self.sockets.len() {
+            match self.retry_at[i] {
+                Some(t) if t <= now => match ShardSocket::open(&self.urls[i], i, self.id, sh) {
+                    Ok(sock) => {
+                        self.sockets[i] = Some(sock);
+                        self.retry_at[i] = None;
+                    }
+                    Err(_) => {
+                        self.retry_at[i] = Some(now + self.backoff[i].next_delay() * 1000.0);
+                    }
+                },
+                _ => {}
+            }
+        }
+        self.retry_at.iter().flatten().copied().reduce(f64::min)
+    }
+
     /// Closes every socket and tells the core worker (which counts lost pushes).
     fn close(&mut self, worker: &mut Worker, reason: &str) {
         for (shard, s) in self.sockets.iter_mut().enumerate() {
@@ -167,6 +208,7 @@ impl Link {
             }
             worker.disconnected(shard);
             self.open[shard] = false;
+            self.retry_at[shard] = None;
         }
     }
 }
@@ -364,9 +406,12 @@ impl Driver {
         self.sh.events.borrow_mut().clear();
         let shards = &worker.join_info().run.shards;
         let mut sockets = Vec::with_capacity(shards.len());
-        for (i, s) in shards.iter().enumerate() {
-            let url = ws_url(&self.sh.base, &s.path);
-            match ShardSocket::open(&url, i, id, &self.sh) {
+        let urls: Vec<String> = shards
+            .iter()
+            .map(|s| ws_url(&self.sh.base, &s.path))
+            .collect();
+        for (i, url) in urls.iter().enumerate() {
+            match ShardSocket::open(url, i, id, &self.sh) {
                 Ok(sock) => sockets.push(Some(sock)),
                 Err(e) => {
                     sockets.into_iter().flatten().for_each(|s| s.close("error"));
@@ -381,10 +426,17 @@ impl Driver {
             p.shards_connected = 0;
         }
         self.report(Some(worker), true);
+        // Tabs that lost the same shard must not retry together: seed the jitter per tab.
+        let seed = (js_sys::Math::random() * 9_007_199_254_740_992.0) as u64;
         Ok(Link {
             id,
             sockets,
             open: vec![false; n],
+            urls,
+            retry_at: vec![None; n],
+            backoff: (0..n as u64)
+                .map(|i| Backoff::new(seed.wrapping_add(i)))
+                .collect(),
         })
     }
 
@@ -405,6 +457,7 @@ impl Driver {
                 match ev.kind {
                     SocketEventKind::Open => {
                         link.open[ev.shard] = true;
+                        link.backoff[ev.shard].reset();
                         worker.connected(ev.shard);
                         self.sh.progress.borrow_mut().shards_connected = link.connected();
                     }
@@ -414,17 +467,18 @@ impl Driver {
                         worker.receive(ev.shard, &bytes)?;
                     }
                     SocketEventKind::Close { code, reason } => {
-                        link.sockets[ev.shard] = None;
-                        link.open[ev.shard] = false;
-                        worker.disconnected(ev.shard);
-                        return Err(Error::Closed {
-                            shard: ev.shard,
-                            code,
-                            reason,
-                        });
+                        if !link.lose(worker, ev.shard, self.scope().now()) {
+                            return Err(Error::Closed {
+                                shard: ev.shard,
+                                code,
+                                reason,
+                            });
+                        }
+                        self.sh.progress.borrow_mut().shards_connected = link.connected();
                     }
                 }
             }
+            let next_retry = link.retry(&self.sh, self.scope().now());
             link.flush(worker)?;
 
             // 2. What the page asked for.
@@ -499,7 +553,10 @@ impl Driver {
                 )));
             }
             self.report(Some(worker), false);
-            self.sh.wake.wait(&self.sh.scope, REPORT_EVERY_MS).await;
+            let wait = next_retry.map_or(REPORT_EVERY_MS, |t| {
+                (t - self.scope().now()).clamp(1.0, REPORT_EVERY_MS)
+            });
+            self.sh.wake.wait(&self.sh.scope, wait).await;
         }
     }
 }
