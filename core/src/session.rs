@@ -88,8 +88,11 @@ pub struct PushGuard {
     /// accumulator grows by at most `max_abs²` (1e8) per push, far from f32's 3.4e38.
     pub max_abs: f32,
     /// A push's L2 norm per step (norm / (samples / batch), so local rounds of any H compare)
-    /// may be at most this many times the median of the last [`NORM_WINDOW`] accepted ones;
-    /// 0 turns it off. Checked once [`NORM_WARMUP`] pushes were accepted.
+    /// may be at most this many times the median over the last [`NORM_WINDOW`] workers to push
+    /// of each one's latest norm, refused pushes included (a median over workers, not pushes:
+    /// a worker pushing faster than the others still counts once, so it cannot drag the
+    /// reference down and get honest pushes refused, not even honest workers that arrive after
+    /// it); 0 turns it off. Checked once [`NORM_WARMUP`] pushes were accepted.
     pub norm_factor: f32,
     /// Largest sample count a push may claim: batch × the most local steps.
     pub max_samples: u32,
@@ -140,7 +143,7 @@ fn max_abs_and_square_sum(values: &[f32]) -> (f32, f64) {
 /// Lanes of [`max_abs_and_square_sum`].
 const GUARD_LANES: usize = 8;
 
-/// Accepted pushes whose norms the median is taken over.
+/// Workers whose latest accepted norms the median is taken over.
 pub const NORM_WINDOW: usize = 64;
 /// Accepted pushes before the norm bound applies.
 pub const NORM_WARMUP: usize = 16;
@@ -234,8 +237,13 @@ pub struct ShardState {
     epoch: u64,
     /// The gradient of the push being applied, validated before it reaches `core`.
     scratch: Vec<f32>,
-    /// Per-step norms of the last accepted pushes (for [`PushGuard::norm_factor`]).
-    norms: std::collections::VecDeque<f32>,
+    /// Per worker (the last [`NORM_WINDOW`] to push): its latest per-step norm, refused
+    /// pushes included, and the push count then (for [`PushGuard::norm_factor`]).
+    norms: Vec<(u64, f32, u64)>,
+    /// Pushes whose norm was noted.
+    offered: u64,
+    /// Pushes accepted so far (the norm bound's warm-up).
+    accepted: u64,
 }
 
 impl ShardState {
@@ -282,7 +290,9 @@ impl ShardState {
             connected: 0,
             updates: BTreeMap::new(),
             epoch: 0,
-            norms: std::collections::VecDeque::new(),
+            norms: Vec::new(),
+            offered: 0,
+            accepted: 0,
         })
     }
 
@@ -451,15 +461,19 @@ impl ShardState {
                 message: e.to_string(),
             };
         }
-        let norm = match self.guard(samples) {
-            Ok(n) => n,
-            Err(message) => {
-                return Outcome::Rejected {
-                    code: ErrorCode::OutOfBounds,
-                    message,
-                }
-            }
-        };
+        let checked = self.guard(samples).and_then(|norm| {
+            // The worker's norm counts in the reference whether or not this push passes, so
+            // honest workers that arrive after a flooder are not locked out by its median.
+            let verdict = self.norm_check(norm);
+            self.note_norm(worker, norm);
+            verdict.map(|()| norm)
+        });
+        if let Err(message) = checked {
+            return Outcome::Rejected {
+                code: ErrorCode::OutOfBounds,
+                message,
+            };
+        }
         let scale = if self.cfg.setup.pseudo_gradients {
             1.0 / self.connected.max(1) as f32
         } else {
@@ -468,10 +482,7 @@ impl ShardState {
         let outcome = self.core.push_scaled(base_version, &self.scratch, scale);
         self.record(&outcome);
         if matches!(outcome, Outcome::Applied { .. } | Outcome::Buffered { .. }) {
-            if self.norms.len() >= NORM_WINDOW {
-                self.norms.pop_front();
-            }
-            self.norms.push_back(norm);
+            self.accepted += 1;
             self.clock.tick(worker, now);
             self.epoch += 1;
         }
@@ -483,7 +494,44 @@ impl ShardState {
         outcome
     }
 
-    /// Checks the validated gradient in scratch against the guard; returns its per-step norm.
+    /// Records `worker`'s latest per-step norm for the norm bound's median.
+    fn note_norm(&mut self, worker: u64, norm: f32) {
+        self.offered += 1;
+        let seq = self.offered;
+        match self.norms.iter_mut().find(|e| e.0 == worker) {
+            Some(e) => *e = (worker, norm, seq),
+            None => {
+                if self.norms.len() >= NORM_WINDOW {
+                    // The worker heard from least recently makes room.
+                    if let Some(i) = (0..self.norms.len()).min_by_key(|&i| self.norms[i].2) {
+                        self.norms.swap_remove(i);
+                    }
+                }
+                self.norms.push((worker, norm, seq));
+            }
+        }
+    }
+
+    /// The norm bound ([`PushGuard::norm_factor`]) for a push of per-step norm `norm`.
+    fn norm_check(&self, norm: f32) -> Result<(), String> {
+        let g = self.cfg.setup.guard;
+        if g.norm_factor > 0.0 && self.accepted >= NORM_WARMUP as u64 && !self.norms.is_empty() {
+            let mut recent: Vec<f32> = self.norms.iter().map(|e| e.1).collect();
+            recent.sort_by(f32::total_cmp);
+            let median = recent[recent.len() / 2];
+            let bound = g.norm_factor * median;
+            if norm > bound {
+                return Err(format!(
+                    "norm per step {norm:.3e} exceeds {} x the recent median {median:.3e}",
+                    g.norm_factor
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks the validated gradient in scratch against the sample count and magnitude
+    /// bounds; returns its per-step norm.
     fn guard(&self, samples: u32) -> Result<f32, String> {
         let g = self.cfg.setup.guard;
         if samples == 0 || samples > g.max_samples {
@@ -500,20 +548,7 @@ impl ShardState {
             ));
         }
         let steps = (samples as f32 / g.batch.max(1) as f32).max(1.0);
-        let norm = (sq.sqrt() as f32) / steps;
-        if g.norm_factor > 0.0 && self.norms.len() >= NORM_WARMUP {
-            let mut recent: Vec<f32> = self.norms.iter().copied().collect();
-            recent.sort_by(f32::total_cmp);
-            let median = recent[recent.len() / 2];
-            let bound = g.norm_factor * median;
-            if norm > bound {
-                return Err(format!(
-                    "norm per step {norm:.3e} exceeds {} x the recent median {median:.3e}",
-                    g.norm_factor
-                ));
-            }
-        }
-        Ok(norm)
+        Ok((sq.sqrt() as f32) / steps)
     }
 
     /// Whether `worker`'s pull for `min_version` may be answered now; if not, the time by which
@@ -1568,5 +1603,55 @@ mod tests {
         // An honest push still goes through.
         push(&mut s, &mut sh, &[0.02, -0.01], 32);
         assert_eq!(sh.version(), v + 1);
+    }
+
+    /// Issue 10 (found by `bench flood`): a worker flooding tiny pushes used to fill the norm
+    /// window, so the median dropped and every honest push looked 10x too large. The median is
+    /// over workers now, refused pushes included: the flooder counts once, even when it was
+    /// there first.
+    #[test]
+    fn a_flood_of_tiny_pushes_does_not_get_honest_pushes_refused() {
+        let mut sh = state(Consistency::Async, 2);
+        sh.cfg.setup.guard = PushGuard {
+            max_samples: 32,
+            batch: 32,
+            ..PushGuard::default()
+        };
+        let mut honest = ShardSession::new(*sh.config());
+        let mut other = ShardSession::new(*sh.config());
+        let mut flood = ShardSession::new(*sh.config());
+        honest.handle_frame(&mut sh, &hello(1, 7), 0.0);
+        other.handle_frame(&mut sh, &hello(1, 8), 0.0);
+        flood.handle_frame(&mut sh, &hello(1, 9), 0.0);
+        let mut rid = 1;
+        let mut push = |s: &mut ShardSession, sh: &mut ShardState, g: &[f32]| {
+            rid += 1;
+            let v = sh.version();
+            s.handle_frame(sh, &wire::encode_push(rid, 1, v, 32, g), 0.0);
+        };
+        // The flooder comes first and alone: 200 tiny pushes are the whole history.
+        for _ in 0..200 {
+            push(&mut flood, &mut sh, &[1e-4, 1e-4]);
+        }
+        // An honest worker's first push is judged against the flooder alone and refused; it
+        // counts in the reference all the same, so from its second push on it is accepted.
+        let v = sh.version();
+        push(&mut honest, &mut sh, &[0.5, -0.5]);
+        assert_eq!(sh.version(), v, "judged against the flooder alone");
+        push(&mut other, &mut sh, &[0.4, -0.6]);
+        for _ in 0..100 {
+            push(&mut flood, &mut sh, &[1e-4, 1e-4]);
+        }
+        sent(&mut honest);
+        for _ in 0..5 {
+            let v = sh.version();
+            push(&mut honest, &mut sh, &[0.5, -0.4]);
+            assert_eq!(sh.version(), v + 1, "{:?}", sent(&mut honest));
+            push(&mut flood, &mut sh, &[1e-4, 1e-4]);
+        }
+        // The bound itself still holds against the honest workers' norms.
+        let v = sh.version();
+        push(&mut flood, &mut sh, &[50.0, 50.0]);
+        assert_eq!(sh.version(), v, "a push 100x the honest norm is refused");
     }
 }
