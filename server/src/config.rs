@@ -591,6 +591,14 @@ impl ServeArgs {
             }
             s => s.map(crate::credential::Secret::new),
         };
+        if !self.shard_urls.is_empty() && checkpoint.is_some() {
+            // The coordinator holds no parameters then, and its checkpoints (run spec and
+            // ledger) are not written for that case yet: refused rather than half-working.
+            return bad(
+                "--checkpoint-dir with --shard-urls: each shard process checkpoints itself                  (crowdgrad shard --checkpoint-dir); the coordinator does not checkpoint (its                  contribution ledger is not persisted in this mode)"
+                    .into(),
+            );
+        }
         if !self.shard_urls.is_empty() && run_secret.is_none() {
             return bad(
                 "--shard-urls needs --run-secret (or CROWDGRAD_RUN_SECRET), the same as the shard processes'"
@@ -725,5 +733,19 @@ mod tests {
         ] {
             assert!(parse(bad).unwrap().check().is_err(), "{bad:?}");
         }
+        // A coordinator of shard processes does not checkpoint: refused, saying where to.
+        let remote = [
+            "--shard-urls",
+            "ws://a:1,ws://b:2",
+            "--run-secret",
+            "0123456789abcdef0",
+        ];
+        assert!(parse(&remote).unwrap().check().is_ok());
+        let e = parse(&[&remote[..], &["--checkpoint-dir", "ck"]].concat())
+            .unwrap()
+            .check()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("crowdgrad shard --checkpoint-dir"), "{e}");
     }
 }
