@@ -89,7 +89,8 @@ pub struct PushGuard {
     pub max_abs: f32,
     /// A push's L2 norm per step (norm / (samples / batch), so local rounds of any H compare)
     /// may be at most this many times the median over the last [`NORM_WINDOW`] workers to push
-    /// of each one's latest norm, refused pushes included (a median over workers, not pushes:
+    /// of each one's median of its last [`NORM_HISTORY`] norms, refused pushes included (a
+    /// median over workers, not pushes:
     /// a worker pushing faster than the others still counts once, so it cannot drag the
     /// reference down and get honest pushes refused, not even honest workers that arrive after
     /// it); 0 turns it off. Checked once [`NORM_WARMUP`] pushes were accepted.
@@ -140,11 +141,31 @@ fn max_abs_and_square_sum(values: &[f32]) -> (f32, f64) {
     )
 }
 
+/// The upper median of `v` (reordered); `v` is not empty.
+fn median_of(v: &mut [f32]) -> f32 {
+    let k = v.len() / 2;
+    *v.select_nth_unstable_by(k, f32::total_cmp).1
+}
+
 /// Lanes of [`max_abs_and_square_sum`].
 const GUARD_LANES: usize = 8;
 
-/// Workers whose latest accepted norms the median is taken over.
+/// Workers whose norms the norm bound's median is taken over (the most recent to push).
 pub const NORM_WINDOW: usize = 64;
+/// Each worker's recent norms its own median is taken over.
+pub const NORM_HISTORY: usize = 64;
+
+/// One worker's recent per-step norms and their median (for [`PushGuard::norm_factor`]).
+#[derive(Debug, Clone)]
+struct WorkerNorms {
+    worker: u64,
+    /// When it last pushed (the shard's push count then): the stalest makes room.
+    seq: u64,
+    /// Its last [`NORM_HISTORY`] norms, a ring.
+    ring: Vec<f32>,
+    next: usize,
+    median: f32,
+}
 /// Accepted pushes before the norm bound applies.
 pub const NORM_WARMUP: usize = 16;
 
@@ -237,9 +258,11 @@ pub struct ShardState {
     epoch: u64,
     /// The gradient of the push being applied, validated before it reaches `core`.
     scratch: Vec<f32>,
-    /// Per worker (the last [`NORM_WINDOW`] to push): its latest per-step norm, refused
-    /// pushes included, and the push count then (for [`PushGuard::norm_factor`]).
-    norms: Vec<(u64, f32, u64)>,
+    /// Per worker (the last [`NORM_WINDOW`] to push): its recent per-step norms, refused
+    /// pushes included, and their median (for [`PushGuard::norm_factor`]).
+    norms: Vec<WorkerNorms>,
+    /// Scratch for the medians (no allocation per push once grown).
+    norm_scratch: Vec<f32>,
     /// Pushes whose norm was noted.
     offered: u64,
     /// Pushes accepted so far (the norm bound's warm-up).
@@ -291,6 +314,7 @@ impl ShardState {
             updates: BTreeMap::new(),
             epoch: 0,
             norms: Vec::new(),
+            norm_scratch: Vec::new(),
             offered: 0,
             accepted: 0,
         })
@@ -498,27 +522,44 @@ impl ShardState {
     fn note_norm(&mut self, worker: u64, norm: f32) {
         self.offered += 1;
         let seq = self.offered;
-        match self.norms.iter_mut().find(|e| e.0 == worker) {
-            Some(e) => *e = (worker, norm, seq),
+        let i = match self.norms.iter().position(|e| e.worker == worker) {
+            Some(i) => i,
             None => {
                 if self.norms.len() >= NORM_WINDOW {
                     // The worker heard from least recently makes room.
-                    if let Some(i) = (0..self.norms.len()).min_by_key(|&i| self.norms[i].2) {
+                    if let Some(i) = (0..self.norms.len()).min_by_key(|&i| self.norms[i].seq) {
                         self.norms.swap_remove(i);
                     }
                 }
-                self.norms.push((worker, norm, seq));
+                self.norms.push(WorkerNorms {
+                    worker,
+                    seq,
+                    ring: Vec::with_capacity(NORM_HISTORY),
+                    next: 0,
+                    median: norm,
+                });
+                self.norms.len() - 1
             }
+        };
+        let e = &mut self.norms[i];
+        e.seq = seq;
+        if e.ring.len() < NORM_HISTORY {
+            e.ring.push(norm);
+        } else {
+            e.ring[e.next] = norm;
         }
+        e.next = (e.next + 1) % NORM_HISTORY;
+        self.norm_scratch.clear();
+        self.norm_scratch.extend_from_slice(&e.ring);
+        e.median = median_of(&mut self.norm_scratch);
     }
 
     /// The norm bound ([`PushGuard::norm_factor`]) for a push of per-step norm `norm`.
     fn norm_check(&self, norm: f32) -> Result<(), String> {
         let g = self.cfg.setup.guard;
         if g.norm_factor > 0.0 && self.accepted >= NORM_WARMUP as u64 && !self.norms.is_empty() {
-            let mut recent: Vec<f32> = self.norms.iter().map(|e| e.1).collect();
-            recent.sort_by(f32::total_cmp);
-            let median = recent[recent.len() / 2];
+            let mut medians: Vec<f32> = self.norms.iter().map(|e| e.median).collect();
+            let median = median_of(&mut medians);
             let bound = g.norm_factor * median;
             if norm > bound {
                 return Err(format!(

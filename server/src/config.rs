@@ -119,8 +119,9 @@ pub struct TrainingArgs {
     #[arg(long, default_value_t = 1e4)]
     pub max_push_value: f32,
     /// Shards refuse a push whose norm per step is more than this many times the median over
-    /// the last 64 workers to push of each one's latest norm, refused ones included (after 16
-    /// accepted pushes; over workers, so a flooding worker counts once); 0 = off.
+    /// the last 64 workers to push of each one's median of its last 64 norms, refused ones
+    /// included (after 16 accepted pushes; over workers, so a flooding worker counts once);
+    /// 0 = off.
     #[arg(long, default_value_t = 10.0)]
     pub norm_bound: f32,
 }

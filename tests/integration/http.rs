@@ -83,27 +83,37 @@ async fn data_partitions_are_gzipped_for_clients_that_ask() {
     let url = running.url();
     let a = join(&url).await;
     let target = format!("{url}{}", a.partition.images);
-    let (encoding, compressed) = tokio::task::spawn_blocking(move || {
-        let mut r = ureq::get(&target)
-            .header("accept-encoding", "gzip")
-            .call()
-            .expect("request");
-        let enc = r
-            .headers()
-            .get("content-encoding")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned);
-        (
-            enc,
-            r.body_mut()
-                .with_config()
-                .limit(1 << 30)
-                .read_to_vec()
-                .expect("body"),
-        )
-    })
-    .await
-    .expect("join");
+    // A raw HTTP/1.0 request: an HTTP client library would decompress the body and drop the
+    // header this checks. HTTP/1.0 gets a close-delimited body (no chunking to undo).
+    let (encoding, compressed) = {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let addr = target
+            .strip_prefix("http://")
+            .and_then(|t| t.split_once('/'))
+            .map(|(a, _)| a.to_string())
+            .expect("http URL");
+        let path = &target[target.find(&addr).expect("addr") + addr.len()..];
+        let mut tcp = tokio::net::TcpStream::connect(&addr)
+            .await
+            .expect("connect");
+        let req = format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\nAccept-Encoding: gzip\r\n\r\n");
+        tcp.write_all(req.as_bytes()).await.expect("request");
+        let mut raw = Vec::new();
+        tokio::time::timeout(Duration::from_secs(30), tcp.read_to_end(&mut raw))
+            .await
+            .expect("in time")
+            .expect("response");
+        let split = raw
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .expect("end of headers");
+        let head = String::from_utf8_lossy(&raw[..split]).to_ascii_lowercase();
+        let enc = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-encoding:"))
+            .map(|v| v.trim().to_string());
+        (enc, raw[split + 4..].to_vec())
+    };
     assert_eq!(encoding.as_deref(), Some("gzip"));
     let (_, plain) = get(format!("{url}{}", a.partition.images)).await;
     assert!(

@@ -232,6 +232,9 @@ async fn real_run(aggregation: Aggregation, faulty: usize, steps: u64) -> f64 {
             let mut o = WorkOptions::new(&url);
             o.steps = Some(steps);
             o.name = Some(format!("honest-{i}"));
+            // Paced, so the run outlasts the faulty worker's start: unpaced, 3 workers finish
+            // their steps in well under a second on a quiet machine, before it joins.
+            o.step_delay = Duration::from_millis(10);
             WorkerThread::spawn(o)
         })
         .collect();
