@@ -72,12 +72,12 @@ pub struct Checkpoint {
     pub created_unix_ms: u64,
 }
 
-fn bad(m: impl Into<String>) -> Error {
+pub(crate) fn bad(m: impl Into<String>) -> Error {
     Error::Checkpoint(m.into())
 }
 
 /// Little-endian bytes of `v` (borrowed where the machine is little-endian).
-fn le_bytes(v: &[f32]) -> Cow<'_, [u8]> {
+pub(crate) fn le_bytes(v: &[f32]) -> Cow<'_, [u8]> {
     if cfg!(target_endian = "little") {
         Cow::Borrowed(bytemuck::cast_slice(v))
     } else {
@@ -92,9 +92,10 @@ fn f32s(bytes: &[u8]) -> Vec<f32> {
         .collect()
 }
 
-struct F32<'a> {
-    shape: Vec<usize>,
-    data: Cow<'a, [u8]>,
+/// A little-endian f32 tensor for `safetensors::serialize`.
+pub(crate) struct F32<'a> {
+    pub shape: Vec<usize>,
+    pub data: Cow<'a, [u8]>,
 }
 
 impl safetensors::View for F32<'_> {
@@ -112,7 +113,60 @@ impl safetensors::View for F32<'_> {
     }
 }
 
-fn checksum<'a>(
+/// The checks every checkpoint file gets before its tensors are read: a readable safetensors
+/// file of `format` at `version` whose checksum matches, holding a valid run spec. Returns its
+/// tensors, metadata and run spec.
+///
+/// # Errors
+/// [`Error::Checkpoint`] saying what is wrong (truncated, another format, checksum mismatch...).
+#[allow(clippy::type_complexity)]
+pub(crate) fn open<'a>(
+    bytes: &'a [u8],
+    format: &str,
+    version: &str,
+) -> Result<(
+    Vec<(String, TensorView<'a>)>,
+    HashMap<String, String>,
+    RunSpec,
+)> {
+    let st = SafeTensors::deserialize(bytes).map_err(|e| {
+        bad(format!(
+            "not a readable safetensors file ({} bytes; truncated?): {e}",
+            bytes.len()
+        ))
+    })?;
+    let (_, header) =
+        SafeTensors::read_metadata(bytes).map_err(|e| bad(format!("unreadable header: {e}")))?;
+    let meta = header.metadata().clone().unwrap_or_default();
+    let get = |k: &str| {
+        meta.get(k)
+            .ok_or_else(|| bad(format!("metadata has no {k:?}")))
+    };
+    if get("format")? != format {
+        return Err(bad(format!(
+            "format is {:?}, not {format:?}",
+            get("format")?
+        )));
+    }
+    if get("format_version")? != version {
+        return Err(bad(format!(
+            "format version {} (this build reads {version})",
+            get("format_version")?
+        )));
+    }
+    let tensors = st.tensors();
+    let sum = checksum(tensors.iter().map(|(n, t)| (n.as_str(), t.data())), &meta);
+    if &sum != get("checksum")? {
+        return Err(bad("checksum mismatch: the file is corrupt"));
+    }
+    let spec: RunSpec =
+        serde_json::from_str(get("run")?).map_err(|e| bad(format!("bad run spec: {e}")))?;
+    spec.validate()?;
+    Ok((tensors, meta, spec))
+}
+
+/// SHA-256 over the tensors (by name) and the metadata but `checksum`, as `sha256:HEX`.
+pub(crate) fn checksum<'a>(
     tensors: impl IntoIterator<Item = (&'a str, &'a [u8])>,
     meta: &HashMap<String, String>,
 ) -> String {
@@ -313,39 +367,11 @@ impl Checkpoint {
     /// [`Error::Checkpoint`] saying what is wrong (truncated, checksum mismatch, a missing
     /// tensor...).
     pub fn decode(bytes: &[u8]) -> Result<Self> {
-        let st = SafeTensors::deserialize(bytes).map_err(|e| {
-            bad(format!(
-                "not a readable safetensors file ({} bytes; truncated?): {e}",
-                bytes.len()
-            ))
-        })?;
-        let (_, header) = SafeTensors::read_metadata(bytes)
-            .map_err(|e| bad(format!("unreadable header: {e}")))?;
-        let meta = header.metadata().clone().unwrap_or_default();
+        let (tensors, meta, spec) = open(bytes, FORMAT, FORMAT_VERSION)?;
         let get = |k: &str| {
             meta.get(k)
                 .ok_or_else(|| bad(format!("metadata has no {k:?}")))
         };
-        if get("format")? != FORMAT {
-            return Err(bad(format!(
-                "format is {:?}, not {FORMAT:?}",
-                get("format")?
-            )));
-        }
-        if get("format_version")? != FORMAT_VERSION {
-            return Err(bad(format!(
-                "format version {} (this build reads {FORMAT_VERSION})",
-                get("format_version")?
-            )));
-        }
-        let tensors = st.tensors();
-        let sum = checksum(tensors.iter().map(|(n, t)| (n.as_str(), t.data())), &meta);
-        if &sum != get("checksum")? {
-            return Err(bad("checksum mismatch: the file is corrupt"));
-        }
-        let spec: RunSpec =
-            serde_json::from_str(get("run")?).map_err(|e| bad(format!("bad run spec: {e}")))?;
-        spec.validate()?;
         let shards: Vec<ShardMeta> = serde_json::from_str(get("shards")?)
             .map_err(|e| bad(format!("bad shard list: {e}")))?;
         if shards.iter().map(|s| s.range).collect::<Vec<_>>() != spec.ranges() {

@@ -18,7 +18,7 @@
 //! warning, one of another model, optimizer rule, shard layout or index stops the start with
 //! an error naming the difference ([`crate::checkpoint::check_compatible`]).
 
-use crate::checkpoint::format::ShardMeta;
+use crate::checkpoint::format::{bad, checksum, le_bytes, open, ShardMeta, F32};
 use crate::checkpoint::store::{self, Entry, Store};
 use crate::error::{Error, Result};
 use crate::shard::Shard;
@@ -27,10 +27,8 @@ use crowdgrad_core::optim::OptState;
 use crowdgrad_core::partition::KeyRange;
 use crowdgrad_core::shard::ShardExport;
 use crowdgrad_core::spec::RunSpec;
-use safetensors::tensor::{Dtype, SafeTensors};
-use sha2::{Digest, Sha256};
-use std::borrow::Cow;
-use std::collections::{BTreeMap, HashMap};
+use safetensors::tensor::Dtype;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -71,61 +69,6 @@ pub struct ShardCheckpoint {
     pub slots: Vec<Vec<f32>>,
     /// When it was taken, ms since the Unix epoch.
     pub created_unix_ms: u64,
-}
-
-fn bad(m: impl Into<String>) -> Error {
-    Error::Checkpoint(m.into())
-}
-
-fn le(v: &[f32]) -> Cow<'_, [u8]> {
-    if cfg!(target_endian = "little") {
-        Cow::Borrowed(bytemuck::cast_slice(v))
-    } else {
-        Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect())
-    }
-}
-
-fn checksum<'a>(
-    tensors: impl IntoIterator<Item = (&'a str, &'a [u8])>,
-    meta: &HashMap<String, String>,
-) -> String {
-    let mut h = Sha256::new();
-    let sorted: BTreeMap<&str, &[u8]> = tensors.into_iter().collect();
-    for (name, data) in sorted {
-        h.update(name.as_bytes());
-        h.update([0]);
-        h.update(data);
-    }
-    let sorted: BTreeMap<&String, &String> =
-        meta.iter().filter(|(k, _)| *k != "checksum").collect();
-    for (k, v) in sorted {
-        h.update(k.as_bytes());
-        h.update([0]);
-        h.update(v.as_bytes());
-        h.update([0]);
-    }
-    let sum: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
-    format!("sha256:{sum}")
-}
-
-struct F32<'a> {
-    shape: Vec<usize>,
-    data: Cow<'a, [u8]>,
-}
-
-impl safetensors::View for F32<'_> {
-    fn dtype(&self) -> Dtype {
-        Dtype::F32
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Borrowed(&self.data)
-    }
-    fn data_len(&self) -> usize {
-        self.data.len()
-    }
 }
 
 fn json<T: serde::Serialize>(v: &T) -> Result<String> {
@@ -207,7 +150,7 @@ impl ShardCheckpoint {
             "values".to_string(),
             F32 {
                 shape: vec![n],
-                data: le(&self.values),
+                data: le_bytes(&self.values),
             },
         )];
         for (name, s) in names.iter().zip(&self.slots) {
@@ -215,7 +158,7 @@ impl ShardCheckpoint {
                 name.to_string(),
                 F32 {
                     shape: vec![n],
-                    data: le(s),
+                    data: le_bytes(s),
                 },
             ));
         }
@@ -230,39 +173,11 @@ impl ShardCheckpoint {
     /// # Errors
     /// [`Error::Checkpoint`] saying what is wrong.
     pub fn decode(bytes: &[u8]) -> Result<Self> {
-        let st = SafeTensors::deserialize(bytes).map_err(|e| {
-            bad(format!(
-                "not a readable safetensors file ({} bytes; truncated?): {e}",
-                bytes.len()
-            ))
-        })?;
-        let (_, header) = SafeTensors::read_metadata(bytes)
-            .map_err(|e| bad(format!("unreadable header: {e}")))?;
-        let meta = header.metadata().clone().unwrap_or_default();
+        let (tensors, meta, spec) = open(bytes, FORMAT, FORMAT_VERSION)?;
         let get = |k: &str| {
             meta.get(k)
                 .ok_or_else(|| bad(format!("metadata has no {k:?}")))
         };
-        if get("format")? != FORMAT {
-            return Err(bad(format!(
-                "format is {:?}, not {FORMAT:?}",
-                get("format")?
-            )));
-        }
-        if get("format_version")? != FORMAT_VERSION {
-            return Err(bad(format!(
-                "format version {} (this build reads {FORMAT_VERSION})",
-                get("format_version")?
-            )));
-        }
-        let tensors = st.tensors();
-        let sum = checksum(tensors.iter().map(|(n, t)| (n.as_str(), t.data())), &meta);
-        if &sum != get("checksum")? {
-            return Err(bad("checksum mismatch: the file is corrupt"));
-        }
-        let spec: RunSpec =
-            serde_json::from_str(get("run")?).map_err(|e| bad(format!("bad run spec: {e}")))?;
-        spec.validate()?;
         let shard: ShardMeta =
             serde_json::from_str(get("shard")?).map_err(|e| bad(format!("bad shard: {e}")))?;
         if spec.ranges().get(shard.id as usize) != Some(&shard.range) {
