@@ -484,7 +484,23 @@ async fn shuffled_labels_stay_far_outside_the_tolerances_while_the_model_trains(
     )
     .await;
     assert!(a.closed_by.is_none(), "{a:?}");
-    let s = status(&url).await;
+    // The honest worker may still be starting when the attacker's rounds are done: wait (a
+    // bounded time) for its checks to be in the status too.
+    let attacker = a.worker_id;
+    let s = wait_for(
+        &url,
+        Duration::from_secs(60),
+        "checks of the honest worker",
+        |s| {
+            s["spot_checks"]["recent"].as_array().is_some_and(|r| {
+                r.iter()
+                    .filter(|f| f["worker"].as_u64() != Some(attacker))
+                    .count()
+                    >= 10
+            })
+        },
+    )
+    .await;
     h.kill();
     let recent = s["spot_checks"]["recent"]
         .as_array()
