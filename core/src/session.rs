@@ -45,7 +45,10 @@
 //!    connected but silent): backup-worker semantics, never a deadlock.
 //!
 //! A gradient buffered from a worker that then left stays in the aggregate: it was computed
-//! from the current version and is as good as the others.
+//! from the current version and is as good as the others. A worker the driver expels
+//! ([`ShardSession::expel`]: it was quarantined) is different: its buffered gradients are taken
+//! out of the round first ([`ShardState::drop_pending`], which needs
+//! [`ShardState::set_droppable`]), and only then does rule 2 look at what is left.
 
 use crate::codec::Encoding;
 use crate::error::Error;
@@ -168,6 +171,27 @@ struct WorkerNorms {
 }
 /// Accepted pushes before the norm bound applies.
 pub const NORM_WARMUP: usize = 16;
+
+/// Most bytes one shard's `sync:K` round may hold when it keeps its pushes apart (K rows of
+/// the shard's length: the robust round rules, [`ShardState::set_droppable`]).
+pub const MAX_ROUND_BYTES: u64 = 4 << 30;
+
+/// Checks that a round of `mode` keeping its pushes apart (`rows`) fits [`MAX_ROUND_BYTES`].
+fn round_memory(id: u32, mode: Consistency, len: usize, rows: bool) -> crate::Result<()> {
+    let Consistency::Sync { k } = mode else {
+        return Ok(());
+    };
+    let bytes = (k as u64).saturating_mul(len as u64).saturating_mul(4);
+    if rows && bytes > MAX_ROUND_BYTES {
+        return Err(Error::Config(format!(
+            "shard {id}: a sync:{k} round keeps its {k} pushes of {len} values apart ({} MiB, \
+             more than {} MiB); lower K or use more shards",
+            bytes >> 20,
+            MAX_ROUND_BYTES >> 20
+        )));
+    }
+    Ok(())
+}
 
 /// How a run's shards are set up: everything of [`ShardConfig`] but the shard's id and range,
 /// and the update rules. One place turns it into a shard, for the server, the simulator, the
@@ -301,6 +325,7 @@ impl ShardState {
             )));
         }
         cfg.setup.aggregation.validate(cfg.setup.consistency)?;
+        round_memory(cfg.id, cfg.setup.consistency, core.len(), core.keeps_rows())?;
         let bound = match cfg.setup.consistency {
             Consistency::Ssp { bound } => bound,
             _ => u64::MAX / 2,
@@ -373,6 +398,8 @@ impl ShardState {
             .aggregation
             .validate(mode)
             .map_err(|e| format!("cannot switch a running shard from {from} to {mode}: {e}"))?;
+        round_memory(self.cfg.id, mode, self.core.len(), self.core.keeps_rows())
+            .map_err(|e| format!("cannot switch a running shard from {from} to {mode}: {e}"))?;
         if let Some(o) = self.core.set_consistency(mode) {
             self.record(&o);
         }
@@ -385,6 +412,36 @@ impl ShardState {
         self.cfg.setup.consistency = mode;
         self.epoch += 1;
         Ok(())
+    }
+
+    /// In `sync:K`, keeps each round's pushes apart so that a quarantined worker's can be
+    /// dropped before the round is applied ([`ShardState::drop_pending`],
+    /// [`ShardCore::set_droppable`]). A driver whose workers can be quarantined turns it on.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when K rows of this shard would exceed [`MAX_ROUND_BYTES`]; nothing
+    /// changes.
+    pub fn set_droppable(&mut self, droppable: bool) -> crate::Result<()> {
+        round_memory(
+            self.cfg.id,
+            self.cfg.setup.consistency,
+            self.core.len(),
+            droppable || self.core.keeps_rows(),
+        )?;
+        self.core.set_droppable(droppable);
+        Ok(())
+    }
+
+    /// Takes `worker`'s pushes out of the pending `sync:K` round, so they are never applied
+    /// (its worker was quarantined), and returns how many. A round holding no push of it, a
+    /// round kept as a running sum ([`ShardState::set_droppable`] off), and async/SSP (where
+    /// pushes are applied on receipt) give 0 and change nothing.
+    pub fn drop_pending(&mut self, worker: u64) -> usize {
+        let n = self.core.drop_pending(worker);
+        if n > 0 {
+            self.epoch += 1;
+        }
+        n
     }
 
     /// Operator controls: the learning rate from the next update on ([`ShardCore::set_lr`]).
@@ -503,7 +560,9 @@ impl ShardState {
         } else {
             1.0
         };
-        let outcome = self.core.push_scaled(base_version, &self.scratch, scale);
+        let outcome = self
+            .core
+            .push_from(worker, base_version, &self.scratch, scale);
         self.record(&outcome);
         if matches!(outcome, Outcome::Applied { .. } | Outcome::Buffered { .. }) {
             self.accepted += 1;
@@ -762,6 +821,14 @@ pub enum Record {
         /// Why.
         code: ErrorCode,
     },
+    /// The worker was expelled ([`ShardSession::expel`]) and its pushes still pending in the
+    /// `sync:K` round were dropped from it, never applied.
+    Dropped {
+        /// The worker.
+        worker: u64,
+        /// Pushes dropped.
+        pushes: usize,
+    },
 }
 
 /// What a session asks its driver to do, in order.
@@ -922,6 +989,14 @@ impl ShardSession {
             return;
         }
         let worker = self.worker;
+        if let Some(w) = worker {
+            // Before the close: leaving may apply the round, and its pushes must not be in it.
+            let pushes = shard.with(|s| s.drop_pending(w));
+            if pushes > 0 {
+                self.actions
+                    .push_back(Action::Record(Record::Dropped { worker: w, pushes }));
+            }
+        }
         self.actions
             .push_back(Action::Record(Record::Rejected { worker, code }));
         self.send(wire::encode_error(0, self.cfg.id, code, message.clone()));
@@ -1459,6 +1534,86 @@ mod tests {
         assert_eq!(sh.version(), 1, "two buffered, two connected: flush");
         assert_eq!(**sh.values(), vec![-2.0]);
         assert_eq!(sh.updates().get(&2), Some(&1));
+    }
+
+    /// Issue 10: a worker caught cheating has its pending pushes dropped. In sync:3 with three
+    /// workers, the cheat's push and an honest one are buffered; expelling the cheat takes its
+    /// push out before its leaving could apply the round, and the round applies the honest
+    /// pushes only. Without droppable rounds (a running sum) nothing can be taken out.
+    #[test]
+    fn an_expelled_workers_pending_sync_pushes_are_dropped_from_the_round() {
+        let mut sh = state(Consistency::Sync { k: 3 }, 1);
+        sh.set_droppable(true).unwrap();
+        let mut s: Vec<ShardSession> = (0..3).map(|_| ShardSession::new(*sh.config())).collect();
+        for (i, x) in s.iter_mut().enumerate() {
+            x.handle_frame(&mut sh, &hello(1, i as u64 + 1), 0.0);
+        }
+        s[0].handle_frame(&mut sh, &wire::encode_push(2, 1, 0, 8, &[1000.0]), 0.0);
+        s[1].handle_frame(&mut sh, &wire::encode_push(2, 1, 0, 8, &[2.0]), 0.0);
+        assert_eq!(sh.core().pending(), 2);
+        for x in s.iter_mut() {
+            sent(x);
+        }
+        s[0].expel(
+            &mut sh,
+            ErrorCode::Quarantined,
+            "failed a spot check".into(),
+        );
+        let mut dropped = Vec::new();
+        let mut frames = Vec::new();
+        while let Some(a) = s[0].poll_action() {
+            match a {
+                Action::Record(Record::Dropped { worker, pushes }) => {
+                    dropped.push((worker, pushes))
+                }
+                Action::Send(f) => frames.push(f),
+                _ => {}
+            }
+        }
+        assert_eq!(dropped, [(1, 1)]);
+        assert_eq!(frames.len(), 1, "the quarantined error frame");
+        assert_eq!(
+            (sh.version(), sh.core().pending(), sh.connected()),
+            (0, 1, 2),
+            "the honest push waits for the third"
+        );
+        s[2].handle_frame(&mut sh, &wire::encode_push(2, 1, 0, 8, &[4.0]), 0.0);
+        assert_eq!(sh.version(), 1);
+        assert_eq!(**sh.values(), vec![-3.0], "the mean of 2 and 4 only");
+        assert_eq!(sh.updates().get(&2), Some(&1));
+
+        // Leaving alone (no expel) keeps a push: it was honest as far as anyone knows.
+        let mut sh = state(Consistency::Sync { k: 3 }, 1);
+        sh.set_droppable(true).unwrap();
+        let mut s: Vec<ShardSession> = (0..3).map(|_| ShardSession::new(*sh.config())).collect();
+        for (i, x) in s.iter_mut().enumerate() {
+            x.handle_frame(&mut sh, &hello(1, i as u64 + 1), 0.0);
+        }
+        s[0].handle_frame(&mut sh, &wire::encode_push(2, 1, 0, 8, &[6.0]), 0.0);
+        s[0].handle_close(&mut sh);
+        assert_eq!(sh.core().pending(), 1);
+        // Two buffered, two connected: the round (6 and 2) is applied.
+        s[1].handle_frame(&mut sh, &wire::encode_push(2, 1, 0, 8, &[2.0]), 0.0);
+        assert_eq!(**sh.values(), vec![-4.0]);
+
+        // A running-sum round cannot be split: nothing is dropped, and it says so.
+        let mut sh = state(Consistency::Sync { k: 2 }, 1);
+        let mut s: Vec<ShardSession> = (0..2).map(|_| ShardSession::new(*sh.config())).collect();
+        for (i, x) in s.iter_mut().enumerate() {
+            x.handle_frame(&mut sh, &hello(1, i as u64 + 9), 0.0);
+        }
+        s[0].handle_frame(&mut sh, &wire::encode_push(2, 1, 0, 8, &[1.0]), 0.0);
+        assert_eq!(sh.drop_pending(9), 0);
+        assert_eq!(sh.core().pending(), 1);
+    }
+
+    #[test]
+    fn a_round_too_large_to_keep_apart_is_refused() {
+        let mut sh = state(Consistency::Sync { k: 65_536 }, 1 << 16);
+        let e = sh.set_droppable(true).unwrap_err().to_string();
+        assert!(e.contains("lower K"), "{e}");
+        assert!(!sh.core().keeps_rows(), "nothing changed");
+        sh.set_droppable(false).unwrap();
     }
 
     #[test]

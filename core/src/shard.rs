@@ -177,6 +177,10 @@ pub struct StalenessPolicy {
 /// How many past versions a shard keeps for delay compensation.
 pub const DC_HISTORY: usize = 64;
 
+/// The owner of a push whose sender the caller did not name ([`ShardCore::push_scaled`]): it
+/// is never dropped from a round.
+pub const ANONYMOUS: u64 = u64::MAX;
+
 impl StalenessPolicy {
     /// Parses `accept`, or a comma list of `drop:N`, `scale` (relative to the mean
     /// staleness), `scale:abs` (lr / staleness), `dc:LAMBDA`.
@@ -311,8 +315,16 @@ pub struct ShardCore {
     paused: bool,
     /// How pushes are combined (issue 10).
     aggregation: Aggregation,
-    /// Sync with a round rule: the round's pushes, one after the other (`pending` of them).
+    /// Sync with a round rule (or [`ShardCore::set_droppable`]): the round's pushes, one
+    /// after the other (`pending` of them).
     rows: Vec<f32>,
+    /// Sync: who sent each of the round's pushes ([`ANONYMOUS`] when the caller did not say).
+    owners: Vec<u64>,
+    /// Sync: keep each round's pushes apart (in `rows`) even for the plain mean, so one
+    /// worker's can be dropped before the round is applied ([`ShardCore::drop_pending`]).
+    droppable: bool,
+    /// Sync: the current round keeps its pushes in `rows` (decided at its first push).
+    round_rows: bool,
     robust_scratch: robust::Scratch,
     /// Async/SSP with `consensus`: the recent accepted directions.
     consensus: Consensus,
@@ -348,9 +360,51 @@ impl ShardCore {
             paused: false,
             aggregation: Aggregation::Mean,
             rows: Vec::new(),
+            owners: Vec::new(),
+            droppable: false,
+            round_rows: false,
             robust_scratch: robust::Scratch::default(),
             consensus: Consensus::default(),
         }
+    }
+
+    /// In `sync:K`, keeps each round's pushes apart (K rows of the shard's length instead of
+    /// one running sum) from the next round on, so that [`ShardCore::drop_pending`] can take a
+    /// worker's pushes out of a round before it is applied. Drivers turn it on when a worker
+    /// can be quarantined (issue 10: a worker caught cheating has its pending pushes dropped).
+    /// The robust round rules keep rows anyway. Nothing changes in async/SSP.
+    pub fn set_droppable(&mut self, droppable: bool) {
+        self.droppable = droppable;
+    }
+
+    /// Whether rounds keep their pushes apart ([`ShardCore::set_droppable`], or a round rule).
+    pub fn keeps_rows(&self) -> bool {
+        self.droppable || self.aggregation.keeps_rows()
+    }
+
+    /// Sync: takes `owner`'s pushes out of the pending round (they are never applied) and
+    /// returns how many. Only a round that keeps its pushes apart can be split; otherwise
+    /// (and outside sync) nothing changes and 0 is returned.
+    pub fn drop_pending(&mut self, owner: u64) -> usize {
+        if self.pending == 0 || !self.round_rows || owner == ANONYMOUS {
+            return 0;
+        }
+        let len = self.values.len();
+        let mut kept = 0;
+        for i in 0..self.pending {
+            if self.owners[i] == owner {
+                continue;
+            }
+            if kept != i {
+                self.rows.copy_within(i * len..(i + 1) * len, kept * len);
+                self.owners[kept] = self.owners[i];
+            }
+            kept += 1;
+        }
+        let dropped = self.pending - kept;
+        self.pending = kept;
+        self.owners.truncate(kept);
+        dropped
     }
 
     /// The same shard combining pushes by `aggregation` (the plain mean without it). A rule
@@ -526,6 +580,21 @@ impl ShardCore {
     /// # Panics
     /// If `grad` has the wrong length (callers validate input first).
     pub fn push_scaled(&mut self, base_version: u64, grad: &[f32], scale: f32) -> Outcome {
+        self.push_from(ANONYMOUS, base_version, grad, scale)
+    }
+
+    /// [`ShardCore::push_scaled`] from `owner` (a worker id): in `sync:K` the round remembers
+    /// who sent each push, for [`ShardCore::drop_pending`].
+    ///
+    /// # Panics
+    /// If `grad` has the wrong length (callers validate input first).
+    pub fn push_from(
+        &mut self,
+        owner: u64,
+        base_version: u64,
+        grad: &[f32],
+        scale: f32,
+    ) -> Outcome {
         assert_eq!(grad.len(), self.values.len(), "validated gradient length");
         if self.paused {
             return Outcome::Rejected {
@@ -554,7 +623,11 @@ impl ShardCore {
                         ),
                     };
                 }
-                if self.aggregation.keeps_rows() {
+                if self.pending == 0 {
+                    self.round_rows = self.keeps_rows();
+                    self.owners.clear();
+                }
+                if self.round_rows {
                     // Grows to K rows in the first round, then is reused.
                     let len = grad.len();
                     let at = self.pending * len;
@@ -567,6 +640,7 @@ impl ShardCore {
                         *s += g;
                     }
                 }
+                self.owners.push(owner);
                 self.pending += 1;
                 if self.pending >= k {
                     return self.apply_mean();
@@ -658,7 +732,7 @@ impl ShardCore {
     fn apply_mean(&mut self) -> Outcome {
         let merged = self.pending;
         let mut sum = std::mem::take(&mut self.sum);
-        if self.aggregation.keeps_rows() {
+        if self.round_rows {
             robust::aggregate(
                 self.aggregation,
                 &self.rows,
@@ -674,6 +748,7 @@ impl ShardCore {
         sum.iter_mut().for_each(|s| *s = 0.0);
         self.sum = sum;
         self.pending = 0;
+        self.owners.clear();
         Outcome::Applied {
             version: self.version,
             staleness: 0,

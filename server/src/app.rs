@@ -168,6 +168,7 @@ fn remote_counters(status: Option<&serde_json::Value>) -> Counters {
     c.pushes_applied = n("pushes_applied");
     c.pushes_buffered = n("pushes_buffered");
     c.pushes_rejected = n("pushes_rejected");
+    c.pushes_dropped = n("pushes_dropped");
     c.frames_rejected = n("frames_rejected");
     c.samples = n("samples");
     c.staleness_max = n("staleness_max");

@@ -82,8 +82,10 @@ pub async fn serve<Si, St>(
     let mut heard = opened;
     // Frames taken in a row without waiting (and without flushing the replies).
     let mut batched = 0usize;
-    // The reputation's quarantine epoch last seen: the worker is re-checked when it moves.
+    // The reputation's quarantine epoch last seen: the worker is re-checked when it moves,
+    // and a move wakes the waits below.
     let mut quarantine_epoch = u64::MAX;
+    let mut quarantines = shard.defence().map(|d| d.reputation.subscribe());
     loop {
         if !perform(&mut session, &mut tx, &shard, &registry).await {
             session.handle_close(&mut access);
@@ -92,6 +94,18 @@ pub async fn serve<Si, St>(
         }
         if session.is_closed() {
             break;
+        }
+        if let (Some(d), Some(worker)) = (shard.defence(), session.worker()) {
+            let e = d.reputation.epoch();
+            if e != quarantine_epoch {
+                quarantine_epoch = e;
+                if let Some(why) = d.reputation.quarantined(worker) {
+                    // Expelling drops its pushes still pending in a sync round.
+                    let m = format!("worker {worker} is quarantined: {why}");
+                    session.expel(&mut access, ErrorCode::Quarantined, m);
+                    continue;
+                }
+            }
         }
         if let Some(deadline) = session.poll_timeout() {
             // What the session sent leaves before the pull waits.
@@ -110,6 +124,8 @@ pub async fn serve<Si, St>(
                 _ = tokio::time::sleep_until(shard.instant(deadline).into()) => {
                     session.handle_timeout(&mut access, shard.now());
                 }
+                // Re-checked at the top of the loop.
+                () = quarantine_moved(&mut quarantines) => {}
             }
             // The worker waited for us: its silence so far does not count.
             heard = Instant::now();
@@ -146,6 +162,7 @@ pub async fn serve<Si, St>(
                     continue;
                 }
                 m = rx.next() => m.unwrap_or(Inbound::Closed),
+                () = quarantine_moved(&mut quarantines) => continue,
                 () = tokio::time::sleep_until(silence_until.into()) => {
                     let limits = conn.as_ref().map(|c| &c.limits);
                     timed_out(&mut tx, &shard, hello_due, &cfg, limits).await;
@@ -162,14 +179,11 @@ pub async fn serve<Si, St>(
             Inbound::Frame(bytes) => {
                 shard.count_bytes(bytes.len(), 0);
                 if let (Some(d), Some(worker)) = (shard.defence(), session.worker()) {
-                    let e = d.reputation.epoch();
-                    if e != quarantine_epoch {
-                        quarantine_epoch = e;
-                        if let Some(why) = d.reputation.quarantined(worker) {
-                            let m = format!("worker {worker} is quarantined: {why}");
-                            session.expel(&mut access, ErrorCode::Quarantined, m);
-                            continue;
-                        }
+                    // A quarantine since the top of the loop: this frame is not taken.
+                    if d.reputation.epoch() != quarantine_epoch
+                        && d.reputation.quarantined(worker).is_some()
+                    {
+                        continue;
                     }
                 }
                 if let (Some(c), Some(worker), true) = (&conn, session.worker(), is_push(&bytes)) {
@@ -208,6 +222,20 @@ pub async fn serve<Si, St>(
     // The last replies (an error frame before a close), within a second for a peer that
     // stopped reading.
     let _ = tokio::time::timeout(Duration::from_secs(1), tx.flush()).await;
+}
+
+/// Resolves when the reputation's quarantine epoch moves; never without a reputation (or once
+/// it is gone).
+async fn quarantine_moved(rx: &mut Option<watch::Receiver<u64>>) {
+    match rx {
+        Some(r) => {
+            if r.changed().await.is_err() {
+                *rx = None;
+                std::future::pending::<()>().await;
+            }
+        }
+        None => std::future::pending::<()>().await,
+    }
 }
 
 /// Most frames taken one after another without waiting (see [`serve`]).
@@ -344,6 +372,7 @@ fn record(registry: &Registry, shard: u32, r: Record) {
             encodings,
         } => registry.reported(worker, &report, encodings),
         Record::Rejected { worker, code } => registry.frame_rejected(shard, worker, code),
+        Record::Dropped { worker, pushes } => registry.dropped(shard, worker, pushes),
     }
 }
 

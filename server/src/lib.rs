@@ -188,7 +188,7 @@ pub async fn run(
         defence
     };
     for s in &shards {
-        s.set_defence(defence.clone());
+        s.set_defence(defence.clone())?;
     }
     let app = Arc::new(App {
         limits: limits::Limits::new(cfg.limits),

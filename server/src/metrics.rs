@@ -12,6 +12,7 @@
 //! | `crowdgrad_pushes_applied_total` | counter | `shard` |
 //! | `crowdgrad_pushes_rejected_total` | counter | `shard`, `reason` (error code name) |
 //! | `crowdgrad_frames_rejected_total` | counter | `shard`, `reason` |
+//! | `crowdgrad_pushes_dropped_total` | counter | `shard` (sync pushes dropped from their round: the worker was quarantined) |
 //! | `crowdgrad_pulls_total` | counter | `shard` |
 //! | `crowdgrad_samples_total` | counter | |
 //! | `crowdgrad_samples_per_second` | gauge | |
@@ -187,6 +188,12 @@ impl Collector for Scrape {
             "crowdgrad_frames_rejected",
             "Frames other than pushes refused with an error frame, by error code.",
             &by_reason(&|c| &c.frames_rejected_by_reason),
+        )?;
+        counter(
+            &mut enc,
+            "crowdgrad_pushes_dropped",
+            "Sync pushes taken out of their pending round because their worker was quarantined.",
+            &per_shard(&|s| s.counters.pushes_dropped),
         )?;
         counter(
             &mut enc,

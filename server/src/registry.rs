@@ -81,6 +81,9 @@ pub struct Counters {
     pub pushes_buffered: u64,
     /// Pushes rejected (other refused frames are `frames_rejected`).
     pub pushes_rejected: u64,
+    /// Sync mode: buffered pushes taken out of their round before it was applied, because
+    /// their worker was quarantined (they stay counted in `pushes_buffered`).
+    pub pushes_dropped: u64,
     /// Push rejections by error code name.
     pub rejected_by_reason: BTreeMap<&'static str, u64>,
     /// Frames other than pushes refused with an error frame: malformed or oversized frames, text
@@ -517,6 +520,20 @@ impl Registry {
         }
         v.last = Some((wall, report.bytes_up, report.bytes_down));
         w.last_seen = Some(Instant::now());
+    }
+
+    /// `pushes` buffered pushes of `worker` were dropped from `shard`'s pending sync round (it
+    /// was quarantined): counted per shard, per worker and in the totals.
+    pub fn dropped(&self, shard: u32, worker: u64, pushes: usize) {
+        let n = pushes as u64;
+        let mut g = self.lock();
+        if let Some(c) = g.shards.get_mut(shard as usize) {
+            c.pushes_dropped += n;
+        }
+        g.totals.pushes_dropped += n;
+        if let Some(w) = g.workers.get_mut(&worker) {
+            w.counters.pushes_dropped += n;
+        }
     }
 
     /// A frame that is not a push was refused on `shard` with `code` (from `worker`, `None`

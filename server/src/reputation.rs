@@ -123,6 +123,10 @@ pub struct Reputation {
     inner: Mutex<Inner>,
     /// Bumped on every quarantine and lift: handlers re-check their worker only then.
     epoch: AtomicU64,
+    /// The same epoch for handlers waiting on their socket or a parked pull: a quarantine
+    /// wakes them, so a worker is expelled (and its pending sync pushes dropped) at once, not
+    /// at its next frame.
+    changed: tokio::sync::watch::Sender<u64>,
     policy: QuarantinePolicy,
     started: Instant,
 }
@@ -148,6 +152,7 @@ impl Reputation {
         Self {
             inner: Mutex::new(Inner::default()),
             epoch: AtomicU64::new(0),
+            changed: tokio::sync::watch::Sender::new(0),
             policy,
             started: Instant::now(),
         }
@@ -161,6 +166,21 @@ impl Reputation {
     /// The quarantine epoch: changes whenever a worker is quarantined or lifted.
     pub fn epoch(&self) -> u64 {
         self.epoch.load(Ordering::Acquire)
+    }
+
+    /// Whether refused frames quarantine (`--quarantine-rejections` above 0).
+    pub fn quarantines_on_refusals(&self) -> bool {
+        self.policy.rejections > 0
+    }
+
+    /// Wakes when the epoch moves ([`Reputation::epoch`]).
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changed.subscribe()
+    }
+
+    fn bump(&self) {
+        let e = self.epoch.fetch_add(1, Ordering::AcqRel) + 1;
+        self.changed.send_replace(e);
     }
 
     fn entry(g: &mut Inner, worker: u64) -> &mut WorkerReputation {
@@ -227,7 +247,7 @@ impl Reputation {
             }
         }
         drop(g);
-        self.epoch.fetch_add(1, Ordering::AcqRel);
+        self.bump();
         tracing::warn!(worker, "worker quarantined");
         true
     }
@@ -248,7 +268,7 @@ impl Reputation {
         }
         drop(g);
         if was {
-            self.epoch.fetch_add(1, Ordering::AcqRel);
+            self.bump();
         }
         was
     }
@@ -274,7 +294,7 @@ impl Reputation {
         for w in workers {
             self.lift(w);
         }
-        self.epoch.fetch_add(1, Ordering::AcqRel);
+        self.bump();
         true
     }
 

@@ -285,9 +285,16 @@ impl Shard {
     }
 
     /// Report to `defence` from now on: refuse quarantined workers, spot-check sampled
-    /// pushes (set once; later calls are ignored).
-    pub fn set_defence(&self, defence: crate::spotcheck::Defence) {
+    /// pushes (set once; later calls are ignored). When it can quarantine, `sync:K` rounds
+    /// keep their pushes apart so an expelled worker's are dropped before the round applies
+    /// ([`ShardState::set_droppable`]).
+    ///
+    /// # Errors
+    /// When K pushes of this shard kept apart would take too much memory (nothing is set).
+    pub fn set_defence(&self, defence: crate::spotcheck::Defence) -> crowdgrad_core::Result<()> {
+        self.state().set_droppable(defence.can_quarantine())?;
         let _ = self.inner.defence.set(defence);
+        Ok(())
     }
 
     /// Reputation and spot checks, once set.

@@ -449,6 +449,12 @@ pub struct Defence {
 }
 
 impl Defence {
+    /// Whether a worker can be quarantined: by failed spot checks or by refused frames
+    /// (`--quarantine-rejections`).
+    pub fn can_quarantine(&self) -> bool {
+        self.spot.is_some() || self.reputation.quarantines_on_refusals()
+    }
+
     /// The counters `/metrics` shows.
     pub fn scrape(&self) -> DefenceScrape {
         let status = self.reputation.status(0);

@@ -420,6 +420,93 @@ async fn a_noise_worker_is_caught_by_its_first_spot_check() {
     running.stop().await.expect("stops");
 }
 
+/// Issue 10: "a worker caught sending something else is quarantined and its pending pushes are
+/// dropped". In `sync:3` with two bystanders connected (so the round waits), a noise worker's
+/// push is buffered on both shards; its spot check fails, the quarantine wakes its handlers
+/// (parked on the next version's pull), and its pushes leave the pending rounds unapplied:
+/// counted as dropped, and when the bystanders leave nothing is flushed, so the parameters are
+/// the initial ones byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quarantined_workers_pending_sync_pushes_are_dropped() {
+    let mut cfg = spot_config(1.0);
+    cfg.consistency = crowdgrad_core::shard::Consistency::Sync { k: 3 };
+    // Longer than the spot check takes: the round is not forced through meanwhile.
+    cfg.sync_timeout = Duration::from_secs(30);
+    let running = server(cfg).await;
+    let url = running.url();
+    let mut bystanders = Vec::new();
+    let mut initial = Vec::new();
+    for _ in 0..2 {
+        let joined = crate::util::join(&url).await;
+        let mut socks = Vec::new();
+        for shard in 0..2 {
+            let (ws, version) = crate::util::hello(&running, joined.worker_id, shard).await;
+            assert_eq!(version, 0);
+            socks.push(ws);
+        }
+        bystanders.push(socks);
+    }
+    for (shard, ws) in bystanders[0].iter_mut().enumerate() {
+        initial.push(pull_values(ws, shard as u32).await);
+    }
+    let a = attack(&running, "noise-in-sync-round", Fault::Noise, 400).await;
+    assert_eq!(
+        a.closed_by.as_ref().map(|c| c.0),
+        Some(ErrorCode::Quarantined),
+        "{a:?}"
+    );
+    assert_eq!(
+        a.rounds, 1,
+        "one round pushed, then expelled while it waited"
+    );
+    let s = wait_for(&url, Duration::from_secs(10), "the drops", |s| {
+        s["totals"]["pushes_dropped"].as_u64() >= Some(2)
+    })
+    .await;
+    for shard in s["shards"].as_array().expect("shards") {
+        assert_eq!(shard["pushes_dropped"], 1, "{shard}");
+        assert_eq!(shard["pushes_buffered"], 1, "{shard}");
+        assert_eq!(shard["version"], 0, "{shard}");
+    }
+    let (_, metrics) = get(format!("{url}/metrics")).await;
+    let metrics = String::from_utf8(metrics).expect("utf-8");
+    assert!(
+        metrics.contains("crowdgrad_pushes_dropped_total{shard=\"0\"} 1"),
+        "{metrics}"
+    );
+    // The bystanders leave: with the attacker's pushes still in the round, leaving would apply
+    // it (rule 2); with them dropped there is nothing to apply.
+    let mut last = bystanders.pop().expect("two");
+    drop(bystanders);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for (shard, ws) in last.iter_mut().enumerate() {
+        assert_eq!(
+            pull_values(ws, shard as u32).await,
+            initial[shard],
+            "shard {shard} unchanged"
+        );
+    }
+    assert_eq!(status(&url).await["shards"][0]["version"], 0);
+    running.stop().await.expect("stops");
+}
+
+/// Pulls shard `shard`'s current parameters (f32) on `ws`.
+async fn pull_values(ws: &mut crate::util::Ws, shard: u32) -> (u64, Vec<u32>) {
+    let pull = wire::encode(&Frame::Pull {
+        request_id: 9,
+        shard,
+        min_version: 0,
+    });
+    crate::util::send(ws, pull).await;
+    let reply = crate::util::recv(ws).await.expect("params");
+    match wire::decode(&reply, usize::MAX).expect("decodes") {
+        Frame::Params {
+            version, values, ..
+        } => (version, values.iter().map(f32::to_bits).collect()),
+        other => panic!("a pull got {other:?}"),
+    }
+}
+
 /// With spot checks on, a push without a tag is refused (`protocol`, fatal): a worker cannot
 /// opt out of being checked. And with spot checks off, Welcomes do not ask for tags.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

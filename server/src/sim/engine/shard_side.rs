@@ -79,7 +79,10 @@ impl Engine<'_> {
                     });
                 }
             }
-            Record::Joined { .. } | Record::Left { .. } | Record::Reported { .. } => {}
+            Record::Joined { .. }
+            | Record::Left { .. }
+            | Record::Reported { .. }
+            | Record::Dropped { .. } => {}
         }
     }
 }
