@@ -967,10 +967,19 @@ impl ShardSession {
         self.closed = true;
     }
 
-    /// The server shuts down: Bye, then close.
+    /// The server shuts down: a pull still waiting is answered [`ErrorCode::ShuttingDown`]
+    /// (its request fails; frames held behind it are dropped), then Bye, then close.
     pub fn shutdown(&mut self, shard: &mut impl ShardAccess) {
         if self.closed {
             return;
+        }
+        if let Some(w) = self.waiting.take() {
+            self.send(wire::encode_error(
+                w.request_id,
+                self.cfg.id,
+                ErrorCode::ShuttingDown,
+                "server shutting down",
+            ));
         }
         let bye = wire::encode(&Message::Bye {
             shard: self.cfg.id,
@@ -1750,6 +1759,16 @@ mod tests {
         assert_eq!(out[1..], ["error 74 busy".to_string(), "close".into()]);
         b.shutdown(&mut sh);
         assert_eq!(sent(&mut b), ["welcome 1", "bye", "close"]);
+        assert_eq!(sh.connected(), 0);
+        // A pull still waiting for the next version fails with shutting_down before the Bye.
+        let mut c = ShardSession::new(*sh.config());
+        c.handle_frame(&mut sh, &hello(1, 3), 0.0);
+        c.handle_frame(&mut sh, &pull(5, 1), 0.0);
+        c.shutdown(&mut sh);
+        assert_eq!(
+            sent(&mut c),
+            ["welcome 1", "error 5 shutting_down", "bye", "close"]
+        );
         assert_eq!(sh.connected(), 0);
     }
 
