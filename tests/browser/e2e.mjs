@@ -25,7 +25,7 @@
 // the default MLP). That costs the tab ~5x its throughput and, on a loaded machine, backs up
 // the DevTools pipe until the page stops answering. So phases 1-3 run the server with
 // `--model softmax` (15 KB shards), and the figures come from a plain headless Chromium driven
-// over a raw CDP pipe with only the Runtime domain, against the default model.
+// over a raw CDP pipe with only the Runtime domain (cdp.mjs), against the default model.
 //
 // Environment: CROWDGRAD_BIN (server binary, default target/release/crowdgrad), CHROMIUM
 // (default /usr/bin/chromium), E2E_TIMEOUT_S (overall bound, default 900), E2E_ONLY=cores (only
@@ -34,32 +34,26 @@
 
 import { spawn } from 'node:child_process';
 import fs from 'node:fs';
-import net from 'node:net';
 import os from 'node:os';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import zlib from 'node:zlib';
 import { chromium } from 'playwright-core';
+import { CHROMIUM, CHROMIUM_ARGS, PipeBrowser, freePort, sleep, waitFor } from './cdp.mjs';
 
 const ROOT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '../..');
 const TARGET = process.env.CARGO_TARGET_DIR || path.join(ROOT, 'target');
 const SERVER = process.env.CROWDGRAD_BIN || path.join(TARGET, 'release/crowdgrad');
 const STEP_TIME = path.join(TARGET, 'release/examples/step_time');
-const CHROMIUM = process.env.CHROMIUM || '/usr/bin/chromium';
 const WEB = path.join(ROOT, 'web');
 const DATA = path.join(ROOT, 'data/mnist');
 const OUT = path.join(TARGET, 'browser');
 const LIMIT_S = Number(process.env.E2E_TIMEOUT_S || 900);
-const CHROMIUM_ARGS = [
-  '--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
-  '--disable-background-networking', '--disable-component-update', '--disable-sync',
-];
 // Errors the browser itself logs while the server is down on purpose (phase 3).
 const EXPECTED_WHILE_DOWN = /ERR_CONNECTION_REFUSED|ERR_CONNECTION_RESET|ERR_EMPTY_RESPONSE|ERR_INCOMPLETE_CHUNKED_ENCODING|WebSocket connection to .* failed|WebSocket is closed before the connection is established/;
 
 const started = Date.now();
 const since = () => `${((Date.now() - started) / 1000).toFixed(1)}s`;
-const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 const log = (msg) => console.log(`[${since()}] ${msg}`);
 
 // ------------------------------------------------------------------ results and cleanup
@@ -113,33 +107,6 @@ const watchdog = setTimeout(async () => {
 watchdog.unref();
 
 // ------------------------------------------------------------------ helpers
-
-async function waitFor(what, fn, timeoutMs, intervalMs = 250) {
-  const end = Date.now() + timeoutMs;
-  let last = null;
-  while (Date.now() < end) {
-    try {
-      const v = await fn();
-      if (v) return v;
-    } catch (e) {
-      last = e;
-    }
-    await sleep(intervalMs);
-  }
-  throw new Error(`timed out after ${timeoutMs / 1000} s waiting for ${what}${last ? ` (last error: ${last.message})` : ''}`);
-}
-
-function freePort() {
-  return new Promise((resolve, reject) => {
-    const s = net.createServer();
-    s.unref();
-    s.on('error', reject);
-    s.listen(0, '127.0.0.1', () => {
-      const { port } = s.address();
-      s.close(() => resolve(port));
-    });
-  });
-}
 
 /// Registers `child` for cleanup and gives it an `exited` promise.
 function track(child) {
@@ -566,7 +533,7 @@ async function identityTab() {
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-identity-'));
   let browser = null;
   try {
-    browser = await PipeBrowser.launch(dir);
+    browser = await PipeBrowser.launch(dir, PIPE);
     const stored = () => browser.evaluate("localStorage.getItem('crowdgrad.identity')");
     const shownMine = async () => digits(await browser.evaluate("document.getElementById('me-samples').textContent"));
     await openPage(browser, `${base}/`);
@@ -626,76 +593,8 @@ async function identityTab() {
 
 // ------------------------------------------------------------------ phase 4: figures
 
-/// A minimal CDP client over Chromium's --remote-debugging-pipe (fd 3 in, fd 4 out,
-/// NUL-terminated JSON): no port, no Network domain, so nothing mirrors the page's traffic.
-class PipeBrowser {
-  static async launch(dir) {
-    const child = track(spawn(CHROMIUM, [...CHROMIUM_ARGS, `--user-data-dir=${dir}`, '--remote-debugging-pipe', 'about:blank'],
-      { cwd: ROOT, stdio: ['ignore', 'ignore', 'ignore', 'pipe', 'pipe'] }));
-    const b = new PipeBrowser(child);
-    const { targetInfos } = await waitFor('Chromium to open its first page',
-      async () => {
-        const r = await b.send('Target.getTargets');
-        return r.targetInfos.some((t) => t.type === 'page') ? r : null;
-      }, 20_000, 200);
-    const page = targetInfos.find((t) => t.type === 'page');
-    b.session = (await b.send('Target.attachToTarget', { targetId: page.targetId, flatten: true })).sessionId;
-    return b;
-  }
-
-  constructor(child) {
-    this.child = child;
-    this.next = 1;
-    this.pending = new Map();
-    this.buffer = '';
-    // Writes after Chromium exits fail with EPIPE; the pending call times out instead.
-    child.stdio[3].on('error', () => {});
-    child.stdio[4].on('data', (chunk) => {
-      this.buffer += chunk.toString('utf8');
-      let end;
-      while ((end = this.buffer.indexOf('\0')) >= 0) {
-        const msg = JSON.parse(this.buffer.slice(0, end));
-        this.buffer = this.buffer.slice(end + 1);
-        const p = msg.id && this.pending.get(msg.id);
-        if (p) {
-          this.pending.delete(msg.id);
-          if (msg.error) p.reject(new Error(`${p.method}: ${msg.error.message}`));
-          else p.resolve(msg.result);
-        }
-      }
-    });
-  }
-
-  send(method, params = {}, sessionId = undefined) {
-    const id = this.next++;
-    const msg = JSON.stringify({ id, method, params, ...(sessionId ? { sessionId } : {}) });
-    return new Promise((resolve, reject) => {
-      const timer = setTimeout(() => {
-        this.pending.delete(id);
-        reject(new Error(`${method}: no answer in 15 s`));
-      }, 15_000);
-      this.pending.set(id, {
-        method,
-        resolve: (v) => { clearTimeout(timer); resolve(v); },
-        reject: (e) => { clearTimeout(timer); reject(e); },
-      });
-      this.child.stdio[3].write(`${msg}\0`);
-    });
-  }
-
-  async evaluate(expression) {
-    const r = await this.send('Runtime.evaluate', { expression, returnByValue: true }, this.session);
-    if (r.exceptionDetails) throw new Error(r.exceptionDetails.text);
-    return r.result.value;
-  }
-
-  async close() {
-    // Chromium may exit before it answers Browser.close.
-    this.send('Browser.close').catch(() => {});
-    await Promise.race([this.child.exited, sleep(5_000)]);
-    await stopChild(this.child, 'figures browser');
-  }
-}
+// The pipe browsers (cdp.mjs) are this script's children like the servers.
+const PIPE = { track, stop: (child) => stopChild(child, 'figures browser') };
 
 // Clicks Contribute with one Web Worker (the phases below measure one core).
 const ONE_CORE_CONTRIBUTE = "document.getElementById('cores').value = '1'; document.getElementById('contribute').click()";
@@ -711,7 +610,7 @@ async function measureFigures() {
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-figures-'));
   let browser = null;
   try {
-    browser = await PipeBrowser.launch(dir);
+    browser = await PipeBrowser.launch(dir, PIPE);
     await browser.send('Page.navigate', { url: `${base}/` }, browser.session);
     await waitFor('the figures page to load', () => browser.evaluate(
       "document.readyState === 'complete' && !!window.crowdgrad"), 30_000, 100);
@@ -766,7 +665,7 @@ async function cnnTab() {
   try {
     const st = await getStatus(base);
     check('the server runs the CNN', String(st.model).startsWith('conv:16x5x5'), String(st.model));
-    browser = await PipeBrowser.launch(dir);
+    browser = await PipeBrowser.launch(dir, PIPE);
     await browser.send('Page.navigate', { url: `${base}/` }, browser.session);
     await waitFor('the CNN page to load', () => browser.evaluate(
       "document.readyState === 'complete' && !!window.crowdgrad"), 30_000, 100);
@@ -802,7 +701,7 @@ async function localStepsTab() {
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-local-'));
   let browser = null;
   try {
-    browser = await PipeBrowser.launch(dir);
+    browser = await PipeBrowser.launch(dir, PIPE);
     await browser.send('Page.navigate', { url: `${base}/` }, browser.session);
     await waitFor('the local-steps page to load', () => browser.evaluate(
       "document.readyState === 'complete' && !!window.crowdgrad"), 30_000, 100);
@@ -854,7 +753,7 @@ async function overlapTab() {
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-overlap-'));
   let browser = null;
   try {
-    browser = await PipeBrowser.launch(dir);
+    browser = await PipeBrowser.launch(dir, PIPE);
     await browser.send('Page.navigate', { url: `${base}/` }, browser.session);
     await waitFor('the overlap page to load', () => browser.evaluate(
       "document.readyState === 'complete' && !!window.crowdgrad"), 30_000, 100);
@@ -911,7 +810,7 @@ async function remoteShardTab() {
     shards.push(await startShard(0), await startShard(1));
     server = await startServer(port, 'remote', ['--shard-urls',
       `ws://127.0.0.1:${ports[0]},ws://127.0.0.1:${ports[1]}`, '--run-secret', SECRET, '--eval-every', '1']);
-    browser = await PipeBrowser.launch(dir);
+    browser = await PipeBrowser.launch(dir, PIPE);
     await browser.send('Page.navigate', { url: `${base}/` }, browser.session);
     await waitFor('the remote-shard page to load', () => browser.evaluate(
       "document.readyState === 'complete' && !!window.crowdgrad"), 30_000, 100);
@@ -988,7 +887,7 @@ async function coresTab() {
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-cores-'));
   let browser = null;
   try {
-    browser = await PipeBrowser.launch(dir);
+    browser = await PipeBrowser.launch(dir, PIPE);
     await openPage(browser, `${base}/`);
     const offer = JSON.parse(await browser.evaluate(`JSON.stringify({
       n: navigator.hardwareConcurrency,
@@ -1090,7 +989,7 @@ async function coresFigures() {
   const MEASURE_MS = 10_000;
   try {
     const st = await getStatus(base);
-    browser = await PipeBrowser.launch(dir);
+    browser = await PipeBrowser.launch(dir, PIPE);
     const run = async (query, k) => {
       await openPage(browser, `${base}/${query}`);
       // Loopback threads take the run's model and batch from the status: wait for it.

@@ -14,11 +14,11 @@
 
 import { execFileSync, spawn } from 'node:child_process';
 import fs from 'node:fs';
-import net from 'node:net';
 import os from 'node:os';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { chromium } from 'playwright-core';
+import { CHROMIUM, freePort, sleep, waitFor } from './cdp.mjs';
 
 // Only this test's own status requests go to the self-signed server.
 process.env.NODE_TLS_REJECT_UNAUTHORIZED = '0';
@@ -26,12 +26,10 @@ process.env.NODE_TLS_REJECT_UNAUTHORIZED = '0';
 const ROOT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '../..');
 const TARGET = process.env.CARGO_TARGET_DIR || path.join(ROOT, 'target');
 const SERVER = process.env.CROWDGRAD_BIN || path.join(TARGET, 'release/crowdgrad');
-const CHROMIUM = process.env.CHROMIUM || '/usr/bin/chromium';
 const OUT = path.join(TARGET, 'browser');
 const LIMIT_S = Number(process.env.TLS_TIMEOUT_S || 240);
 const TOKEN = 'tls-e2e-Vq3k9';
 
-const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 const results = [];
 const check = (name, ok, detail = '') => {
   results.push(!!ok);
@@ -62,32 +60,6 @@ const watchdog = setTimeout(async () => {
   finish();
 }, LIMIT_S * 1000);
 watchdog.unref();
-
-async function waitFor(what, fn, timeoutMs, intervalMs = 250) {
-  const end = Date.now() + timeoutMs;
-  let last = null;
-  while (Date.now() < end) {
-    try {
-      const v = await fn();
-      if (v) return v;
-    } catch (e) {
-      last = e;
-    }
-    await sleep(intervalMs);
-  }
-  throw new Error(`timed out waiting for ${what}${last ? ` (${last.message})` : ''}`);
-}
-
-function freePort() {
-  return new Promise((resolve, reject) => {
-    const s = net.createServer();
-    s.on('error', reject);
-    s.listen(0, '127.0.0.1', () => {
-      const { port } = s.address();
-      s.close(() => resolve(port));
-    });
-  });
-}
 
 async function status(base) {
   const r = await fetch(`${base}/api/status`, { signal: AbortSignal.timeout(3_000) });
