@@ -12,26 +12,21 @@
 // Needs web/pkg (cargo xtask build-web) and target/release/crowdgrad. `--renice` (root) puts
 // the server and every Chromium thread at nice -15, to measure on a machine busy with other
 // work (Chromium resets its renderers to nice 0, so renicing the script is not enough).
-// Plain headless Chromium over a raw DevTools pipe with only the Runtime domain, as the
-// figures phase of e2e.mjs.
+// Plain headless Chromium over a raw DevTools pipe with only the Runtime domain (cdp.mjs), as
+// the figures phase of e2e.mjs.
 
 import { spawn } from 'node:child_process';
 import fs from 'node:fs';
-import net from 'node:net';
 import os from 'node:os';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
+import { CHROMIUM, PipeBrowser, freePort, sleep, waitFor } from './cdp.mjs';
 
 const ROOT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '../..');
 const TARGET = process.env.CARGO_TARGET_DIR || path.join(ROOT, 'target');
 const SERVER = process.env.CROWDGRAD_BIN || path.join(TARGET, 'release/crowdgrad');
-const CHROMIUM = process.env.CHROMIUM || '/usr/bin/chromium';
 const WEB = path.join(ROOT, 'web');
 const DATA = path.join(ROOT, 'data/mnist');
-const CHROMIUM_ARGS = [
-  '--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
-  '--disable-background-networking', '--disable-component-update', '--disable-sync',
-];
 const argv = process.argv.slice(2);
 const flag = (name, def) => {
   const i = argv.indexOf(name);
@@ -42,7 +37,6 @@ const SECONDS = flag('--seconds', 8);
 const RENICE = argv.includes('--renice');
 const LIMIT_S = Number(process.env.BENCH_TIMEOUT_S || 900);
 
-const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 const log = (msg) => console.error(msg);
 const children = new Set();
 function track(child) {
@@ -57,29 +51,6 @@ async function stopChild(child) {
   if (child.exitCode !== null || child.signalCode !== null) return;
   child.kill('SIGTERM');
   if (!(await Promise.race([child.exited, sleep(10_000).then(() => null)]))) child.kill('SIGKILL');
-}
-
-async function waitFor(what, fn, timeoutMs, intervalMs = 250) {
-  const end = Date.now() + timeoutMs;
-  let last = null;
-  while (Date.now() < end) {
-    try {
-      const v = await fn();
-      if (v) return v;
-    } catch (e) {
-      last = e;
-    }
-    await sleep(intervalMs);
-  }
-  throw new Error(`timed out waiting for ${what}${last ? ` (${last.message})` : ''}`);
-}
-
-function freePort() {
-  return new Promise((resolve, reject) => {
-    const s = net.createServer();
-    s.listen(0, '127.0.0.1', () => { const { port } = s.address(); s.close(() => resolve(port)); });
-    s.on('error', reject);
-  });
 }
 
 /// `pid` and every process below it (Chromium's renderers, its zygotes' children).
@@ -107,76 +78,6 @@ function renice(pids) {
   { stdio: 'ignore' }).on('exit', r));
 }
 
-class PipeBrowser {
-  static async launch(dir) {
-    const child = track(spawn(CHROMIUM, [...CHROMIUM_ARGS, `--user-data-dir=${dir}`, '--remote-debugging-pipe', 'about:blank'],
-      { cwd: ROOT, stdio: ['ignore', 'ignore', 'ignore', 'pipe', 'pipe'] }));
-    const b = new PipeBrowser(child);
-    const { targetInfos } = await waitFor('Chromium to open its first page',
-      async () => {
-        const r = await b.send('Target.getTargets');
-        return r.targetInfos.some((t) => t.type === 'page') ? r : null;
-      }, 20_000, 200);
-    const page = targetInfos.find((t) => t.type === 'page');
-    b.session = (await b.send('Target.attachToTarget', { targetId: page.targetId, flatten: true })).sessionId;
-    return b;
-  }
-
-  constructor(child) {
-    this.child = child;
-    this.next = 1;
-    this.pending = new Map();
-    this.buffer = '';
-    // Writes after Chromium exits fail with EPIPE; the pending call times out instead.
-    child.stdio[3].on('error', () => {});
-    child.stdio[4].on('data', (chunk) => {
-      this.buffer += chunk.toString('utf8');
-      let end;
-      while ((end = this.buffer.indexOf('\0')) >= 0) {
-        const msg = JSON.parse(this.buffer.slice(0, end));
-        this.buffer = this.buffer.slice(end + 1);
-        const p = msg.id && this.pending.get(msg.id);
-        if (p) {
-          this.pending.delete(msg.id);
-          if (msg.error) p.reject(new Error(`${p.method}: ${msg.error.message}`));
-          else p.resolve(msg.result);
-        }
-      }
-    });
-  }
-
-  send(method, params = {}, sessionId = undefined) {
-    const id = this.next++;
-    const msg = JSON.stringify({ id, method, params, ...(sessionId ? { sessionId } : {}) });
-    return new Promise((resolve, reject) => {
-      const timer = setTimeout(() => {
-        this.pending.delete(id);
-        reject(new Error(`${method}: no answer in 15 s`));
-      }, 15_000);
-      this.pending.set(id, {
-        method,
-        resolve: (v) => { clearTimeout(timer); resolve(v); },
-        reject: (e) => { clearTimeout(timer); reject(e); },
-      });
-      this.child.stdio[3].write(`${msg}\0`);
-    });
-  }
-
-  async evaluate(expression) {
-    const r = await this.send('Runtime.evaluate', { expression, returnByValue: true }, this.session);
-    if (r.exceptionDetails) throw new Error(r.exceptionDetails.text);
-    return r.result.value;
-  }
-
-  async close() {
-    // Chromium may exit before it answers Browser.close.
-    this.send('Browser.close').catch(() => {});
-    await Promise.race([this.child.exited, sleep(5_000)]);
-    await stopChild(this.child);
-  }
-}
-
-
 const median = (xs) => { const s = [...xs].sort((a, b) => a - b); return s[Math.floor((s.length - 1) / 2)]; };
 
 async function main() {
@@ -190,7 +91,7 @@ async function main() {
   const st = await waitFor('the server', async () => (await fetch(`${base}/api/status`)).json(), 120_000, 200);
   if (RENICE) await renice(String(server.pid));
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-bench-cores-'));
-  const browser = await PipeBrowser.launch(dir);
+  const browser = await PipeBrowser.launch(dir, { track, stop: stopChild });
   try {
     const n = await browser.evaluate('navigator.hardwareConcurrency');
     const ks = Array.from({ length: n }, (_, i) => i + 1);
