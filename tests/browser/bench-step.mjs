@@ -12,8 +12,8 @@
 // time) and target/sse2/release/examples/step_time (native built with MMTEST_FEATURE=sse2:
 // matrixmultiply limited to its 4-wide SSE2 kernel, the width of wasm SIMD128).
 //
-// Plain headless Chromium over a raw DevTools pipe with only the Runtime domain (as the
-// figures phase of e2e.mjs): nothing mirrors the page's WebSocket traffic. The wasm benchmarks
+// Plain headless Chromium over a raw DevTools pipe with only the Runtime domain (cdp.mjs, as
+// the figures phase of e2e.mjs): nothing mirrors the page's WebSocket traffic. The wasm benchmarks
 // run in a dedicated module Web Worker that imports the same bundle the page uses and calls its
 // `bench_step` / `bench_layers` exports (worker-wasm/src/bench.rs); native runs the same Rust
 // code (examples/step_time.rs). Kernels and native builds are interleaved round by round and
@@ -22,11 +22,11 @@
 
 import { spawn } from 'node:child_process';
 import fs from 'node:fs';
-import net from 'node:net';
 import os from 'node:os';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import zlib from 'node:zlib';
+import { CHROMIUM, PipeBrowser, freePort, sleep, waitFor } from './cdp.mjs';
 
 const ROOT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '../..');
 const TARGET = process.env.CARGO_TARGET_DIR || path.join(ROOT, 'target');
@@ -35,15 +35,10 @@ const NATIVE = {
   avx2: path.join(TARGET, 'release/examples/step_time'),
   sse2: path.join(TARGET, 'sse2/release/examples/step_time'),
 };
-const CHROMIUM = process.env.CHROMIUM || '/usr/bin/chromium';
 const WEB = path.join(ROOT, 'web');
 const DATA = path.join(ROOT, 'data/mnist');
 const OUT = path.join(TARGET, 'browser');
 const LIMIT_S = Number(process.env.BENCH_TIMEOUT_S || 1200);
-const CHROMIUM_ARGS = [
-  '--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
-  '--disable-background-networking', '--disable-component-update', '--disable-sync',
-];
 
 const argv = process.argv.slice(2);
 const flag = (name, def) => {
@@ -60,7 +55,6 @@ const MODELS = [
 
 const started = Date.now();
 const since = () => `${((Date.now() - started) / 1000).toFixed(1)}s`;
-const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 const log = (msg) => console.log(`[${since()}] ${msg}`);
 const median = (v) => {
   const s = [...v].sort((a, b) => a - b);
@@ -103,33 +97,6 @@ async function stopChild(child) {
   }
 }
 
-async function waitFor(what, fn, timeoutMs, intervalMs = 250) {
-  const end = Date.now() + timeoutMs;
-  let last = null;
-  while (Date.now() < end) {
-    try {
-      const v = await fn();
-      if (v) return v;
-    } catch (e) {
-      last = e;
-    }
-    await sleep(intervalMs);
-  }
-  throw new Error(`timed out after ${timeoutMs / 1000} s waiting for ${what}${last ? ` (last error: ${last.message})` : ''}`);
-}
-
-function freePort() {
-  return new Promise((resolve, reject) => {
-    const s = net.createServer();
-    s.unref();
-    s.on('error', reject);
-    s.listen(0, '127.0.0.1', () => {
-      const { port } = s.address();
-      s.close(() => resolve(port));
-    });
-  });
-}
-
 /// Runs `cmd args` to completion (bounded) and returns its stdout.
 function runCapture(cmd, args, timeoutMs = 300_000) {
   return new Promise((resolve, reject) => {
@@ -167,78 +134,6 @@ async function startServer(port) {
     return getStatus(base);
   }, 180_000, 200);
   return { child, base };
-}
-
-/// A minimal CDP client over Chromium's --remote-debugging-pipe (fd 3 in, fd 4 out,
-/// NUL-terminated JSON), as in e2e.mjs: no Network domain.
-class PipeBrowser {
-  static async launch(dir) {
-    const child = track(spawn(CHROMIUM, [...CHROMIUM_ARGS, `--user-data-dir=${dir}`, '--remote-debugging-pipe', 'about:blank'],
-      { cwd: ROOT, stdio: ['ignore', 'ignore', 'ignore', 'pipe', 'pipe'] }));
-    const b = new PipeBrowser(child);
-    const { targetInfos } = await waitFor('Chromium to open its first page', async () => {
-      const r = await b.send('Target.getTargets');
-      return r.targetInfos.some((t) => t.type === 'page') ? r : null;
-    }, 20_000, 200);
-    const page = targetInfos.find((t) => t.type === 'page');
-    b.session = (await b.send('Target.attachToTarget', { targetId: page.targetId, flatten: true })).sessionId;
-    return b;
-  }
-
-  constructor(child) {
-    this.child = child;
-    this.next = 1;
-    this.pending = new Map();
-    this.buffer = '';
-    child.stdio[3].on('error', () => {});
-    child.stdio[4].on('data', (chunk) => {
-      this.buffer += chunk.toString('utf8');
-      let end;
-      while ((end = this.buffer.indexOf('\0')) >= 0) {
-        const msg = JSON.parse(this.buffer.slice(0, end));
-        this.buffer = this.buffer.slice(end + 1);
-        const p = msg.id && this.pending.get(msg.id);
-        if (p) {
-          this.pending.delete(msg.id);
-          if (msg.error) p.reject(new Error(`${p.method}: ${msg.error.message}`));
-          else p.resolve(msg.result);
-        }
-      }
-    });
-  }
-
-  send(method, params = {}, sessionId = undefined, timeoutMs = 15_000) {
-    const id = this.next++;
-    const msg = JSON.stringify({ id, method, params, ...(sessionId ? { sessionId } : {}) });
-    return new Promise((resolve, reject) => {
-      const timer = setTimeout(() => {
-        this.pending.delete(id);
-        reject(new Error(`${method}: no answer in ${timeoutMs / 1000} s`));
-      }, timeoutMs);
-      this.pending.set(id, {
-        method,
-        resolve: (v) => { clearTimeout(timer); resolve(v); },
-        reject: (e) => { clearTimeout(timer); reject(e); },
-      });
-      this.child.stdio[3].write(`${msg}\0`);
-    });
-  }
-
-  async evaluate(expression, timeoutMs = 15_000) {
-    const r = await this.send('Runtime.evaluate',
-      { expression, returnByValue: true, awaitPromise: true }, this.session, timeoutMs);
-    if (r.exceptionDetails) {
-      const d = r.exceptionDetails;
-      throw new Error((d.exception && d.exception.description) || d.text);
-    }
-    return r.result.value;
-  }
-
-  async close() {
-    this.send('Browser.close').catch(() => {});
-    await Promise.race([this.child.exited, sleep(5_000)]);
-    await stopChild(this.child);
-  }
 }
 
 /// Runs `jobs` in a fresh dedicated module Web Worker of the page that loads build `b`: its
@@ -327,7 +222,7 @@ async function main() {
   let info = null;
   const tab = {};
   try {
-    browser = await PipeBrowser.launch(dir);
+    browser = await PipeBrowser.launch(dir, { track, stop: stopChild });
     await browser.send('Page.navigate', { url: `${base}/` }, browser.session);
     await waitFor('the page to load', () => browser.evaluate(
       "document.readyState === 'complete' && !!window.crowdgrad"), 30_000, 100);
