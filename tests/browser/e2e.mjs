@@ -596,8 +596,20 @@ async function identityTab() {
 // The pipe browsers (cdp.mjs) are this script's children like the servers.
 const PIPE = { track, stop: (child) => stopChild(child, 'figures browser') };
 
-// Clicks Contribute with one Web Worker (the phases below measure one core).
-const ONE_CORE_CONTRIBUTE = "document.getElementById('cores').value = '1'; document.getElementById('contribute').click()";
+/// Opens the page at `base` in the pipe browser, waits for it (`the ${what} page to load`) and
+/// clicks Contribute with one Web Worker (the phases below measure one core).
+async function contributeOneCore(browser, base, what) {
+  await browser.send('Page.navigate', { url: `${base}/` }, browser.session);
+  await waitFor(`the ${what} page to load`, () => browser.evaluate(
+    "document.readyState === 'complete' && !!window.crowdgrad"), 30_000, 100);
+  await browser.evaluate("document.getElementById('cores').value = '1'; document.getElementById('contribute').click()");
+}
+
+/// Waits (60 s at most) for the tab's first accepted push.
+async function firstPush(browser, what) {
+  await waitFor(`the ${what} tab's first push`, () => browser.evaluate(
+    'window.crowdgrad.volunteer.firstPushAt && true'), 60_000, 100);
+}
 
 /// One tab alone, nothing instrumenting it, against the server's default model; then the
 /// native step() time for the same model and batch.
@@ -611,10 +623,7 @@ async function measureFigures() {
   let browser = null;
   try {
     browser = await PipeBrowser.launch(dir, PIPE);
-    await browser.send('Page.navigate', { url: `${base}/` }, browser.session);
-    await waitFor('the figures page to load', () => browser.evaluate(
-      "document.readyState === 'complete' && !!window.crowdgrad"), 30_000, 100);
-    await browser.evaluate(ONE_CORE_CONTRIBUTE);
+    await contributeOneCore(browser, base, 'figures');
     const first = await waitFor('the figures tab\'s first push', () => browser.evaluate(
       'window.crowdgrad.volunteer.firstPushAt && JSON.stringify(window.crowdgrad.volunteer)'), 60_000, 100);
     const v = JSON.parse(first);
@@ -666,12 +675,8 @@ async function cnnTab() {
     const st = await getStatus(base);
     check('the server runs the CNN', String(st.model).startsWith('conv:16x5x5'), String(st.model));
     browser = await PipeBrowser.launch(dir, PIPE);
-    await browser.send('Page.navigate', { url: `${base}/` }, browser.session);
-    await waitFor('the CNN page to load', () => browser.evaluate(
-      "document.readyState === 'complete' && !!window.crowdgrad"), 30_000, 100);
-    await browser.evaluate(ONE_CORE_CONTRIBUTE);
-    await waitFor('the CNN tab\'s first push', () => browser.evaluate(
-      'window.crowdgrad.volunteer.firstPushAt && true'), 60_000, 100);
+    await contributeOneCore(browser, base, 'CNN');
+    await firstPush(browser, 'CNN');
     const acc = await waitFor('the CNN to pass 80% test accuracy', async () => {
       const s = await getStatus(base);
       const a = s.eval && s.eval.accuracy;
@@ -702,12 +707,8 @@ async function localStepsTab() {
   let browser = null;
   try {
     browser = await PipeBrowser.launch(dir, PIPE);
-    await browser.send('Page.navigate', { url: `${base}/` }, browser.session);
-    await waitFor('the local-steps page to load', () => browser.evaluate(
-      "document.readyState === 'complete' && !!window.crowdgrad"), 30_000, 100);
-    await browser.evaluate(ONE_CORE_CONTRIBUTE);
-    await waitFor('the local-steps tab\'s first push', () => browser.evaluate(
-      'window.crowdgrad.volunteer.firstPushAt && true'), 60_000, 100);
+    await contributeOneCore(browser, base, 'local-steps');
+    await firstPush(browser, 'local-steps');
     const first = (await getStatus(base)).eval_history[0];
     const tab = await waitFor('the tab\'s exchange view (H, encodings) and 90% test accuracy', async () => {
       const s = await getStatus(base);
@@ -754,12 +755,8 @@ async function overlapTab() {
   let browser = null;
   try {
     browser = await PipeBrowser.launch(dir, PIPE);
-    await browser.send('Page.navigate', { url: `${base}/` }, browser.session);
-    await waitFor('the overlap page to load', () => browser.evaluate(
-      "document.readyState === 'complete' && !!window.crowdgrad"), 30_000, 100);
-    await browser.evaluate(ONE_CORE_CONTRIBUTE);
-    await waitFor('the overlap tab\'s first push', () => browser.evaluate(
-      'window.crowdgrad.volunteer.firstPushAt && true'), 60_000, 100);
+    await contributeOneCore(browser, base, 'overlap');
+    await firstPush(browser, 'overlap');
     await sleep(8_000);
     const p = JSON.parse(await browser.evaluate('JSON.stringify(window.crowdgrad.volunteer.progress)'));
     const s = await getStatus(base);
@@ -811,10 +808,7 @@ async function remoteShardTab() {
     server = await startServer(port, 'remote', ['--shard-urls',
       `ws://127.0.0.1:${ports[0]},ws://127.0.0.1:${ports[1]}`, '--run-secret', SECRET, '--eval-every', '1']);
     browser = await PipeBrowser.launch(dir, PIPE);
-    await browser.send('Page.navigate', { url: `${base}/` }, browser.session);
-    await waitFor('the remote-shard page to load', () => browser.evaluate(
-      "document.readyState === 'complete' && !!window.crowdgrad"), 30_000, 100);
-    await browser.evaluate(ONE_CORE_CONTRIBUTE);
+    await contributeOneCore(browser, base, 'remote-shard');
     await waitFor('the tab to train on both shard processes', async () => {
       const s = await getStatus(base);
       return version(s, 0) > 50 && version(s, 1) > 50;
