@@ -10,6 +10,8 @@
 //! - [`Model`]: the compiled stages, [`Model::loss_and_grad`], [`Model::evaluate`].
 //! - `model/kernels.rs`: im2col / col2im and the pooling loops.
 //! - `model/gemm.rs`: [`Gemm`], the matrix products' kernels and their switch.
+//! - `model/sparse.rs`: the first dense layer on a sparse batch, skipping zero inputs
+//!   ([`SparseInput`], chosen per batch by its density).
 //!
 //! Layout of the flat vector, for the i-th layer with parameters in order: `layer{i}.weight`
 //! (dense `[fan_in, units]`, convolution `[KH, KW, C, filters]`, row-major), then
@@ -18,9 +20,13 @@
 
 mod gemm;
 mod kernels;
+mod sparse;
 mod spec;
 
 pub use gemm::{default_kernel, set_default_kernel, Gemm};
+pub use sparse::{
+    default_sparse_input, set_default_sparse_input, SparseInput, MAX_DENSITY as SPARSE_MAX_DENSITY,
+};
 
 use kernels::{col2im, im2col, pool_backward, pool_forward, ConvGeom, PoolGeom};
 pub use spec::{Layer, ModelSpec, Resolved, Shape, CNN, MAX_ACTIVATIONS, MAX_PARAMS, MAX_PATCHES};
@@ -170,6 +176,14 @@ pub struct Workspace {
     gemm: Gemm,
     /// Its packing buffers.
     scratch: gemm::Scratch,
+    /// When the first dense layer skips zero inputs.
+    sparse: SparseInput,
+    /// The batch's nonzeros when it does.
+    nonzeros: sparse::Nonzeros,
+    /// True when the last training forward pass took the sparse path (its backward does too).
+    first_sparse: bool,
+    /// Forward passes whose first layer took the sparse path (tests, benchmarks).
+    sparse_passes: u64,
 }
 
 impl Workspace {
@@ -186,6 +200,26 @@ impl Workspace {
     /// Floats held by the GEMM's packing buffers (they grow once, on the first products).
     pub fn gemm_scratch_len(&self) -> usize {
         self.scratch.capacity()
+    }
+
+    /// When the first dense layer skips the batch's zero inputs.
+    pub fn sparse_input(&self) -> SparseInput {
+        self.sparse
+    }
+
+    /// Chooses when the first dense layer skips zero inputs from now on.
+    pub fn set_sparse_input(&mut self, choice: SparseInput) {
+        self.sparse = choice;
+    }
+
+    /// Forward passes so far whose first layer took the sparse path.
+    pub fn sparse_passes(&self) -> u64 {
+        self.sparse_passes
+    }
+
+    /// Entries held by the sparse path's buffers (they grow once, on the first batch).
+    pub fn sparse_buffer_len(&self) -> usize {
+        self.nonzeros.capacity()
     }
 }
 
@@ -417,6 +451,10 @@ impl Model {
             train,
             gemm: gemm::default_kernel(),
             scratch: gemm::Scratch::default(),
+            sparse: sparse::default_sparse_input(),
+            nonzeros: sparse::Nonzeros::default(),
+            first_sparse: false,
+            sparse_passes: 0,
         }
     }
 
@@ -537,6 +575,7 @@ impl Model {
         let b = x.nrows();
         let train = ws.train;
         let xs = x.as_slice().unwrap_or(&[]);
+        ws.first_sparse = false;
         for (i, st) in self.stages.iter().enumerate() {
             let (done, rest) = ws.acts.split_at_mut(i);
             let out = &mut rest[0][..b * st.out_len];
@@ -551,7 +590,23 @@ impl Model {
                             .expect("sized")
                     };
                     let w = self.weight(params, t);
-                    gemm::gemm(ws.gemm, &input, &w, 1.0, &mut o, &mut ws.scratch);
+                    // The data batch itself (row-major) may skip its zeros.
+                    let nonzeros =
+                        if i == 0 && ws.sparse != SparseInput::Off && xs.len() == b * fan_in {
+                            Some(sparse::count_nonzeros(xs))
+                        } else {
+                            None
+                        };
+                    if let Some(nnz) = nonzeros.filter(|&n| ws.sparse.takes(n, xs.len())) {
+                        let keep = dropout.is_some() && train;
+                        let wv = w.as_slice().expect("a weight is row-major");
+                        let o = o.as_slice_mut().expect("sized");
+                        sparse::forward(&mut ws.nonzeros, xs, b, fan_in, nnz, wv, fan_out, o, keep);
+                        ws.first_sparse = keep;
+                        ws.sparse_passes += 1;
+                    } else {
+                        gemm::gemm(ws.gemm, &input, &w, 1.0, &mut o, &mut ws.scratch);
+                    }
                 }
                 Op::Conv { t, g } => {
                     let input = stage_input(xs, done, i, b * st.in_len);
@@ -788,7 +843,13 @@ impl Model {
                         ArrayView2::from_shape((b, fan_in), &ws.acts[i - 1][..b * fan_in])
                             .expect("sized")
                     };
-                    gemm::gemm(ws.gemm, &input.t(), &delta, 0.0, &mut gw, &mut ws.scratch);
+                    if i == 0 && ws.first_sparse {
+                        let (d, g) = (delta.as_slice().expect("sized"), gw.as_slice_mut());
+                        let g = g.expect("layout");
+                        sparse::weight_grad(&mut ws.nonzeros, fan_in, d, fan_out, g);
+                    } else {
+                        gemm::gemm(ws.gemm, &input.t(), &delta, 0.0, &mut gw, &mut ws.scratch);
+                    }
                     for (g, col) in gb.iter_mut().zip(delta.axis_iter(Axis(1))) {
                         *g = col.sum();
                     }

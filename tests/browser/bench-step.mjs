@@ -1,7 +1,10 @@
 #!/usr/bin/env node
-// Browser step benchmark (issue 11): the wasm gradient step per GEMM kernel against native in
-// the same run, per-layer shares of the CNN in wasm next to native, one tab's samples/s against
-// a server on this machine and against the in-memory loopback shards, and the bundle size.
+// Browser step benchmark (issue 11): the wasm gradient step per GEMM kernel, with the first
+// dense layer dense (`sparse off`) or skipping the batch's zero inputs (`sparse auto`, the
+// default), against native (both ways) in the same run, per-layer shares of both models in
+// wasm next to native, the MLP's loss_and_grad across batch densities (where the sparse path
+// stops paying), one tab's samples/s against a server on this machine and against the
+// in-memory loopback shards, and the bundle size.
 //
 //   cargo xtask bench-browser        (builds what it needs, then runs this script)
 //   node tests/browser/bench-step.mjs [--rounds 5] [--tab-seconds 10]
@@ -47,6 +50,12 @@ const flag = (name, def) => {
 };
 const ROUNDS = flag('--rounds', 5);
 const TAB_S = flag('--tab-seconds', 10);
+// Sparse-input choices timed per kernel: `off` (dense GEMM) and `auto` (sparse when the batch is
+// at most SPARSE_MAX_DENSITY nonzero: the synthetic batches are ~25%). The CNN's first layer
+// is a convolution, so it runs `auto` only (the same code as `off`).
+const SPARSE = ['off', 'auto'];
+// Nonzero fractions for the density sweep of loss_and_grad (MNIST's pixel / 255: 0.19).
+const DENSITIES = [0.1, 0.19, 0.3, 0.5, 0.7, 1.0];
 // Steps per round: MLP steps take ~0.3-1 ms, CNN steps ~5-20 ms.
 const MODELS = [
   { model: 'mlp:128', batch: 32, shards: 2, steps: 300 },
@@ -149,8 +158,8 @@ async function inWorker(browser, b, jobs, timeoutMs) {
           const out = [];
           for (const j of e.data.jobs) {
             out.push(JSON.parse(j.kind === 'step'
-              ? w.bench_step(j.model, j.batch, j.shards, j.steps, j.kernel)
-              : w.bench_layers(j.model, j.batch, j.steps, j.kernel)));
+              ? w.bench_step(j.model, j.batch, j.shards, j.steps, j.kernel, j.sparse)
+              : w.bench_layers(j.model, j.batch, j.steps, j.kernel, j.sparse, j.density)));
           }
           self.postMessage({ ok: true, info: JSON.parse(w.bench_info()), out });
         } catch (err) {
@@ -176,10 +185,10 @@ async function inWorker(browser, b, jobs, timeoutMs) {
   return r;
 }
 
-async function nativeRun(which, m, layers) {
+async function nativeRun(which, m, layers, sparse = 'auto', density = 0.19) {
   const args = ['--model', m.model, '--batch', String(m.batch), '--shards', String(m.shards),
-    '--steps', String(m.steps * (layers ? 1 : 1))];
-  if (layers) args.push('--layers');
+    '--steps', String(m.steps), '--sparse', sparse];
+  if (layers) args.push('--layers', '--density', String(density));
   const out = await runCapture(NATIVE[which], args);
   const json = out.split('\n').find((l) => l.startsWith('{'));
   if (!json) throw new Error(`no JSON line from ${NATIVE[which]}`);
@@ -213,12 +222,15 @@ async function main() {
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-bench-step-'));
   let browser = null;
   // wasm[build][kernel][model] = [round values]; native[which][model] = [...]
+  // Keys: `build/kernel` (wasm) or `avx2`/`sse2` (native), then `/sparse-choice`.
   const wasm = {};
   const wasmLoop = {};
-  const native = { avx2: {}, sse2: {} };
-  const nativeLoop = { avx2: {}, sse2: {} };
+  const native = {};
+  const nativeLoop = {};
   let layersWasm = {};
   let layersNative = {};
+  // sweep[key][density] = [{ median, sparse_path }...]
+  const sweep = {};
   let info = null;
   const tab = {};
   try {
@@ -231,15 +243,21 @@ async function main() {
       b.info = r.info;
       if (b.only) b.info.kernels = b.info.kernels.filter((k) => b.only.includes(k));
       info = info || r.info;
-      log(`${b.name} build: kernels ${r.info.kernels.join(', ')} (default ${r.info.default}), relaxed ${r.info.relaxed_simd}`);
+      log(`${b.name} build: kernels ${r.info.kernels.join(', ')} (default ${r.info.default}), relaxed ${r.info.relaxed_simd}, `
+        + `sparse ${(r.info.sparse || []).join('/')} (default ${r.info.sparse_default}, max density ${r.info.sparse_max_density})`);
+      if (!r.info.sparse) throw new Error(`${b.name}: this bundle has no sparse-input choice; rebuild it (cargo xtask build-web)`);
     }
     for (let round = 0; round < ROUNDS; round++) {
       for (const b of builds) {
         const jobs = [];
-        for (const k of b.info.kernels) for (const m of MODELS) jobs.push({ kind: 'step', kernel: k, ...m });
+        for (const k of b.info.kernels) {
+          for (const m of MODELS) {
+            for (const sparse of m.model === 'cnn' ? ['auto'] : SPARSE) jobs.push({ kind: 'step', kernel: k, sparse, ...m });
+          }
+        }
         const r = await inWorker(browser, b, jobs, 600_000);
         for (const s of r.out) {
-          const key = `${b.name}/${s.kernel}`;
+          const key = `${b.name}/${s.kernel}/${s.sparse}`;
           ((wasm[key] ||= {})[s.model] ||= []).push(s.step_ms_mean);
           ((wasmLoop[key] ||= {})[s.model] ||= []).push(s.loopback_samples_per_sec);
         }
@@ -247,26 +265,58 @@ async function main() {
       for (const which of ['avx2', 'sse2']) {
         if (which === 'sse2' && !haveSse2) continue;
         for (const m of MODELS) {
-          const n = await nativeRun(which, m, false);
-          (native[which][m.model] ||= []).push(n.native_step_ms_mean);
-          (nativeLoop[which][m.model] ||= []).push(n.loopback_samples_per_sec);
+          for (const sparse of m.model === 'cnn' ? ['auto'] : SPARSE) {
+            const n = await nativeRun(which, m, false, sparse);
+            const key = `${which}/${sparse}`;
+            ((native[key] ||= {})[m.model] ||= []).push(n.native_step_ms_mean);
+            ((nativeLoop[key] ||= {})[m.model] ||= []).push(n.loopback_samples_per_sec);
+          }
+        }
+      }
+      // loss_and_grad of the MLP (default kernel of each build, median of each call) across
+      // densities, sparse auto vs off: where the sparse path stops paying on each side.
+      const mlp = MODELS[0];
+      const sweepJobs = (kernel) => DENSITIES.flatMap((density) => SPARSE.map((sparse) => (
+        { kind: 'layers', kernel, sparse, density, ...mlp, steps: mlp.steps })));
+      for (const b of builds.filter((x) => !x.only)) {
+        const jobs = sweepJobs(b.info.default);
+        const r = await inWorker(browser, b, jobs, 600_000);
+        r.out.forEach((l, i) => {
+          l.density_asked = jobs[i].density;
+          (((sweep[`wasm ${b.name}/${l.kernel}`] ||= {})[`${l.density_asked}/${l.sparse}`]) ||= []).push(l);
+        });
+      }
+      for (const which of ['avx2', 'sse2']) {
+        if (which === 'sse2' && !haveSse2) continue;
+        for (const density of DENSITIES) {
+          for (const sparse of SPARSE) {
+            const l = (await nativeRun(which, mlp, true, sparse, density)).layers;
+            l.density_asked = density;
+            (((sweep[`native ${which}`] ||= {})[`${density}/${sparse}`]) ||= []).push(l);
+          }
         }
       }
       log(`round ${round + 1}/${ROUNDS} done`);
     }
-    // Per-layer times of both models, every kernel of every build, and native.
+    // Per-layer times of both models, every kernel of every build, and native, on a batch of
+    // MNIST's density (0.19); the MLP with the first layer dense and sparse.
     const lj = builds.flatMap((b) => b.info.kernels.map((k) => ({ b, k })));
     for (const m of MODELS) {
       const steps = 3 * m.steps;
+      const choices = m.model === 'cnn' ? ['auto'] : SPARSE;
       layersWasm[m.model] = {};
       layersNative[m.model] = {};
       for (const { b, k } of lj) {
-        const r = await inWorker(browser, b, [{ kind: 'layers', kernel: k, ...m, steps }], 600_000);
-        layersWasm[m.model][`${b.name}/${k}`] = r.out[0];
+        for (const sparse of choices) {
+          const r = await inWorker(browser, b, [{ kind: 'layers', kernel: k, sparse, density: 0.19, ...m, steps }], 600_000);
+          layersWasm[m.model][`${b.name}/${k}/${sparse}`] = r.out[0];
+        }
       }
       for (const which of ['avx2', 'sse2']) {
         if (which === 'sse2' && !haveSse2) continue;
-        layersNative[m.model][which] = (await nativeRun(which, { ...m, steps }, true)).layers;
+        for (const sparse of choices) {
+          layersNative[m.model][`${which}/${sparse}`] = (await nativeRun(which, { ...m, steps }, true, sparse, 0.19)).layers;
+        }
       }
     }
 
@@ -297,37 +347,57 @@ async function main() {
   }
 
   // ------------------------------------------------------------------ report
-  const rows = [];
-  const nat = (which, model) => median(native[which][model] || []);
-  console.log(`\nwasm step() vs native, median of ${ROUNDS} rounds (ms per step, mean over each round's steps):`);
-  console.log('| build / kernel | MLP 784-128-10 | × AVX2 | × SSE2 | CNN | × AVX2 | × SSE2 |');
-  console.log('|---|---|---|---|---|---|---|');
+  const mlpSteps = MODELS[0].steps;
+  // native[`${which}/${sparse}`][model]; the CNN ran with `auto` only (its first layer is a
+  // convolution: the same code as `off`).
+  const nat = (which, sparse, model) => median(((native[`${which}/${model === 'cnn' ? 'auto' : sparse}`] || {})[model]) || []);
+  const natLabel = { avx2: 'AVX2/FMA (run-time detected)', sse2: 'SSE2 only (MMTEST_FEATURE=sse2)' };
+  console.log(`\nwasm step() vs native, median of ${ROUNDS} rounds (ms per step, mean over each round's steps); `
+    + 'sparse off = the first layer as a dense GEMM, auto = skipping the batch\'s zeros when at most '
+    + `${info.sparse_max_density} of it is nonzero (these batches: ~0.25); × compares with native at the same choice, `
+    + '× AVX2 dense with native AVX2 sparse off:');
+  console.log('| build / kernel / sparse | MLP 784-128-10 | × AVX2 | × SSE2 | × AVX2 dense | CNN | × AVX2 | × SSE2 |');
+  console.log('|---|---|---|---|---|---|---|---|');
   for (const which of ['avx2', 'sse2']) {
-    if (!native[which]['mlp:128']) continue;
-    console.log(`| native ${which === 'avx2' ? 'AVX2/FMA (run-time detected)' : 'SSE2 only (MMTEST_FEATURE=sse2)'} | ${fmt(nat(which, 'mlp:128'))} | | | ${fmt(nat(which, 'cnn'))} | | |`);
+    for (const sparse of SPARSE) {
+      if (!native[`${which}/${sparse}`]) continue;
+      console.log(`| native ${natLabel[which]} / ${sparse} | ${fmt(nat(which, sparse, 'mlp:128'))} | | | | ${sparse === 'auto' ? fmt(nat(which, sparse, 'cnn')) : ''} | | |`);
+    }
   }
   for (const [key, per] of Object.entries(wasm)) {
-    const mlp = median(per['mlp:128']);
-    const cnn = median(per.cnn);
-    const x = (v, which, model) => (native[which][model] ? `${(v / nat(which, model)).toFixed(2)}×` : 'n/a');
-    const line = `| wasm ${key} | ${fmt(mlp)} | ${x(mlp, 'avx2', 'mlp:128')} | ${x(mlp, 'sse2', 'mlp:128')} | ${fmt(cnn)} | ${x(cnn, 'avx2', 'cnn')} | ${x(cnn, 'sse2', 'cnn')} |`;
-    console.log(line);
-    rows.push({ key, mlp, cnn });
+    const sparse = key.split('/').pop();
+    const mlp = median(per['mlp:128'] || []);
+    const cnn = median(per.cnn || []);
+    const x = (v, which, s, model) => (Number.isFinite(v) && native[`${which}/${model === 'cnn' ? 'auto' : s}`] ? `${(v / nat(which, s, model)).toFixed(2)}×` : '');
+    console.log(`| wasm ${key} | ${fmt(mlp)} | ${x(mlp, 'avx2', sparse, 'mlp:128')} | ${x(mlp, 'sse2', sparse, 'mlp:128')} | ${x(mlp, 'avx2', 'off', 'mlp:128')} | `
+      + `${Number.isFinite(cnn) ? fmt(cnn) : ''} | ${x(cnn, 'avx2', sparse, 'cnn')} | ${x(cnn, 'sse2', sparse, 'cnn')} |`);
   }
   console.log('\nsamples/s against the in-memory loopback shards (worker and shards on one thread), MLP:');
-  for (const [key, per] of Object.entries(wasmLoop)) console.log(`  wasm ${key}: ${median(per['mlp:128']).toFixed(0)}`);
-  for (const which of ['avx2', 'sse2']) {
-    if (nativeLoop[which]['mlp:128']) console.log(`  native ${which}: ${median(nativeLoop[which]['mlp:128']).toFixed(0)}`);
+  for (const [key, per] of Object.entries(wasmLoop)) if (per['mlp:128']) console.log(`  wasm ${key}: ${median(per['mlp:128']).toFixed(0)}`);
+  for (const [key, per] of Object.entries(nativeLoop)) if (per['mlp:128']) console.log(`  native ${key}: ${median(per['mlp:128']).toFixed(0)}`);
+
+  console.log(`\nMLP loss_and_grad across batch densities (mean ms over ${mlpSteps} calls, median over ${ROUNDS} rounds; `
+    + 'means, because a page\'s performance.now() is coarsened to 100 µs), sparse off vs auto '
+    + `(auto goes sparse at most at the target's max density, wasm ${info.sparse_max_density}; * marks the sparse path):`);
+  console.log(`| where | ${DENSITIES.map((d) => `${d} off | ${d} auto`).join(' | ')} |`);
+  console.log(`|---|${DENSITIES.map(() => '---|---').join('|')}|`);
+  for (const [key, per] of Object.entries(sweep)) {
+    const cells = DENSITIES.flatMap((d) => SPARSE.map((sp) => {
+      const runs = per[`${d}/${sp}`] || [];
+      const v = median(runs.map((l) => l.step_ms));
+      return `${fmt(v)}${runs.some((l) => l.sparse_path) ? '*' : ''}`;
+    }));
+    console.log(`| ${key} | ${cells.join(' | ')} |`);
   }
-  console.log(`\none tab, K = 1 Web Worker (${st.model}, batch ${st.batch_size}, ${st.shards.length} shards, default kernel ${info.default}, after ${TAB_S} s):`);
+  console.log(`\none tab, K = 1 Web Worker (${st.model}, batch ${st.batch_size}, ${st.shards.length} shards, default kernel ${info.default}, sparse input ${info.sparse_default}, after ${TAB_S} s):`);
   for (const [mode, p] of Object.entries(tab)) {
     const where = mode === 'server' ? 'against the server on this machine' : 'page loopback mode (/?loopback=1, in-memory shards)';
     console.log(`  ${where}: ${p.samples_per_sec.toFixed(0)} samples/s; per step ${p.step_ms.toFixed(3)} ms computing + ${(p.wait_ms || 0).toFixed(3)} ms waiting`);
   }
 
   for (const m of MODELS) {
-    console.log(`\n${m.model} per stage: forward + backward ms per step (share of loss_and_grad), batch ${m.batch}; `
-      + 'step() adds the batch copy, clipping and push encoding to loss_and_grad:');
+    console.log(`\n${m.model} per stage: forward + backward ms per step (share of loss_and_grad), batch ${m.batch}, `
+      + 'density 0.19 (MNIST\'s); step() adds the batch copy, clipping and push encoding to loss_and_grad:');
     const ln = layersNative[m.model];
     const lw = layersWasm[m.model];
     const cols = [...Object.keys(ln).map((w) => `native ${w}`), ...Object.keys(lw).map((k) => `wasm ${k}`)];
@@ -341,6 +411,7 @@ async function main() {
     all[0].names.forEach((n, i) => console.log(`| ${n} | ${all.map((l) => cell(l, i)).join(' | ')} |`));
     console.log(`| softmax + loss | ${all.map((l) => cell(l, -1)).join(' | ')} |`);
     console.log(`| **loss_and_grad** | ${all.map((l) => fmt(l.step_ms)).join(' | ')} |`);
+    console.log(`| loss_and_grad, median call | ${all.map((l) => fmt(l.step_ms_median)).join(' | ')} |`);
   }
 
   console.log('\nbundle:');

@@ -1,4 +1,5 @@
-//! Step benchmarks with any GEMM kernel ([`Gemm`]), the same code natively
+//! Step benchmarks with any GEMM kernel ([`Gemm`]) and sparse-input choice ([`SparseInput`]:
+//! whether the first dense layer skips the batch's zeros), the same code natively
 //! (`examples/step_time.rs`) and in a browser's Web Worker (the wasm exports below, driven by
 //! `tests/browser/bench-step.mjs`):
 //!
@@ -7,14 +8,17 @@
 //!   whole loop (the loopback's shard work runs on the same thread, so this is a floor for a
 //!   tab whose server is elsewhere).
 //! - [`layer_bench`]: forward and backward time per stage from
-//!   [`Model::loss_and_grad_timed`].
+//!   [`Model::loss_and_grad_timed`], on a batch of a chosen density (MNIST's `pixel / 255`
+//!   batches are ~19% nonzero, the synthetic ones of `step_bench` ~25%).
 //!
 //! Clocks are passed in (`Instant` natively, `performance.now()` in a browser, which Chromium
 //! coarsens to 100 µs with jitter outside cross-origin isolation: means over hundreds of steps
 //! are still unbiased, single steps are not).
 
 use crate::loopback::{synthetic_run, Loopback};
-use crowdgrad_core::model::{set_default_kernel, Gemm, Model, ModelSpec};
+use crowdgrad_core::model::{
+    set_default_kernel, set_default_sparse_input, Gemm, Model, ModelSpec, SparseInput,
+};
 use crowdgrad_core::optim::{OptimizerConfig, Rule};
 use crowdgrad_core::rng::Rng;
 use crowdgrad_core::wire::ClientKind;
@@ -33,6 +37,10 @@ pub const MAX_STEPS: u64 = 100_000;
 pub struct StepBench {
     /// Kernel name ([`Gemm::name`]).
     pub kernel: String,
+    /// Sparse-input choice ([`SparseInput::name`]).
+    pub sparse: String,
+    /// Nonzero fraction of the synthetic dataset's pixels (its batches' density).
+    pub density: f64,
     /// Model text, e.g. `mlp:128`.
     pub model: String,
     /// Examples per step.
@@ -52,6 +60,12 @@ pub struct StepBench {
 pub struct LayerBench {
     /// Kernel name.
     pub kernel: String,
+    /// Sparse-input choice.
+    pub sparse: String,
+    /// Nonzero fraction of the batch.
+    pub density: f64,
+    /// True when the first layer skipped the zeros.
+    pub sparse_path: bool,
     /// Model text.
     pub model: String,
     /// Examples per step.
@@ -68,6 +82,9 @@ pub struct LayerBench {
     pub loss_ms: f64,
     /// Mean whole `loss_and_grad` milliseconds (sum of the above).
     pub step_ms: f64,
+    /// Median `loss_and_grad` milliseconds, each call timed as a whole (robust to the
+    /// preemption a shared machine adds to the means).
+    pub step_ms_median: f64,
 }
 
 fn check_steps(steps: u64) -> Result<()> {
@@ -79,16 +96,19 @@ fn check_steps(steps: u64) -> Result<()> {
     Ok(())
 }
 
-/// Times `steps` worker steps of `model` (batch `batch`, `shards` shards) with `kernel`.
+/// Times `steps` worker steps of `model` (batch `batch`, `shards` shards) with `kernel` and
+/// `sparse`.
 ///
 /// # Errors
 /// When the model, batch or shard count is invalid, or `steps` is outside `1..=MAX_STEPS`.
+#[allow(clippy::too_many_arguments)]
 pub fn step_bench(
     model: &str,
     batch: usize,
     shards: usize,
     steps: u64,
     kernel: Gemm,
+    sparse: SparseInput,
     now: &mut dyn FnMut() -> f64,
 ) -> Result<StepBench> {
     check_steps(steps)?;
@@ -99,11 +119,17 @@ pub fn step_bench(
         clip_norm: None,
     };
     let (join, data) = synthetic_run(model, shards, optimizer, batch, 2_000, 7)?;
+    let nonzero: usize = (0..data.len())
+        .map(|i| data.pixels(i).iter().filter(|&&p| p != 0).count())
+        .sum();
+    let density = nonzero as f64 / (data.len() * join.run.model.inputs).max(1) as f64;
     let mut ps = Loopback::new(&join, 42)?;
     // The core worker builds its workspace inside: the default kernel picks it.
     set_default_kernel(kernel);
+    set_default_sparse_input(sparse);
     let worker = Worker::new(join, data, ClientKind::Browser, Some(steps + WARMUP));
     set_default_kernel(Gemm::target_default());
+    set_default_sparse_input(SparseInput::Auto);
     let mut worker = worker?;
     for s in 0..shards {
         worker.connected(s);
@@ -141,6 +167,8 @@ pub fn step_bench(
     let median = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
     Ok(StepBench {
         kernel: kernel.name().into(),
+        sparse: sparse.name().into(),
+        density,
         model: model.into(),
         batch,
         steps,
@@ -150,36 +178,55 @@ pub fn step_bench(
     })
 }
 
-/// Times `steps` forward + backward passes of `model` (28x28 inputs, 10 classes, uniform random
-/// pixels) per stage, with `kernel`.
+/// Times `steps` forward + backward passes of `model` (28x28 inputs, 10 classes) per stage,
+/// with `kernel` and `sparse`, on a batch where a fraction `density` of the pixels is nonzero
+/// (uniform in `(0, 1]`, like `pixel / 255`) and the rest exactly zero.
 ///
 /// # Errors
-/// When the model text is invalid, `batch` is 0, or `steps` is outside `1..=MAX_STEPS`.
+/// When the model text is invalid, `batch` is 0, `density` is outside `[0, 1]`, or `steps` is
+/// outside `1..=MAX_STEPS`.
+#[allow(clippy::too_many_arguments)]
 pub fn layer_bench(
     model: &str,
     batch: usize,
     steps: u64,
     kernel: Gemm,
+    sparse: SparseInput,
+    density: f64,
     now: &mut dyn FnMut() -> f64,
 ) -> Result<LayerBench> {
     check_steps(steps)?;
     if batch == 0 {
         return Err(Error::Config("batch must be at least 1".into()));
     }
+    if !(0.0..=1.0).contains(&density) {
+        return Err(Error::Config(format!(
+            "density must be in [0, 1], got {density}"
+        )));
+    }
     let spec = ModelSpec::parse_shaped(model, &[28, 28], 10)?;
     let m = Model::new(spec)?;
     let params = m.init_params(1);
     let mut rng = Rng::new(2);
-    let x = Array2::from_shape_fn((batch, m.spec().inputs), |_| rng.next_f64() as f32);
+    let x = Array2::from_shape_fn((batch, m.spec().inputs), |_| {
+        if rng.next_f64() < density {
+            (1.0 - rng.next_f64()) as f32
+        } else {
+            0.0
+        }
+    });
     let y: Vec<u8> = (0..batch).map(|i| (i % 10) as u8).collect();
     let mut ws = m.workspace(batch);
     ws.set_gemm(kernel);
+    ws.set_sparse_input(sparse);
     let mut grad = vec![0.0; params.len()];
     for s in 0..WARMUP.min(5) {
         m.loss_and_grad_seeded(&params, x.view(), &y, s, &mut grad, &mut ws)?;
     }
     let mut times = m.layer_times();
+    let mut whole = Vec::with_capacity(steps as usize);
     for s in 0..steps {
+        let t0 = now();
         m.loss_and_grad_timed(
             &params,
             x.view(),
@@ -190,14 +237,20 @@ pub fn layer_bench(
             now,
             &mut times,
         )?;
+        whole.push(now() - t0);
     }
+    whole.sort_by(f64::total_cmp);
     let per = |v: &[f64]| -> Vec<f64> { v.iter().map(|t| t * 1e3 / steps as f64).collect() };
     let forward_ms = per(&times.forward);
     let backward_ms = per(&times.backward);
     let loss_ms = times.loss * 1e3 / steps as f64;
     let step_ms = forward_ms.iter().sum::<f64>() + backward_ms.iter().sum::<f64>() + loss_ms;
+    let nonzero = x.iter().filter(|&&v| v != 0.0).count();
     Ok(LayerBench {
         kernel: kernel.name().into(),
+        sparse: sparse.name().into(),
+        density: nonzero as f64 / x.len().max(1) as f64,
+        sparse_path: ws.sparse_passes() > 0,
         model: model.into(),
         batch,
         steps,
@@ -206,6 +259,7 @@ pub fn layer_bench(
         backward_ms,
         loss_ms,
         step_ms,
+        step_ms_median: whole.get(whole.len() / 2).map_or(f64::NAN, |t| t * 1e3),
     })
 }
 
@@ -213,7 +267,7 @@ pub fn layer_bench(
 mod exports {
     //! The wasm-bindgen surface of the benchmarks, for a dedicated Web Worker.
     use super::{layer_bench, step_bench};
-    use crowdgrad_core::model::Gemm;
+    use crowdgrad_core::model::{Gemm, SparseInput};
     use wasm_bindgen::prelude::*;
     use wasm_bindgen::JsCast;
 
@@ -223,6 +277,14 @@ mod exports {
             JsError::new(&format!(
                 "unknown kernel {name:?} (one of {})",
                 names.join(", ")
+            ))
+        })
+    }
+
+    fn sparse(name: &str) -> Result<SparseInput, JsError> {
+        SparseInput::from_name(name).ok_or_else(|| {
+            JsError::new(&format!(
+                "unknown sparse-input choice {name:?} (off, auto or on)"
             ))
         })
     }
@@ -242,23 +304,27 @@ mod exports {
     }
 
     /// The kernels and lanes of this build, as JSON:
-    /// `{"kernels":[..],"default":"..","simd128":true,"relaxed_simd":false}`.
+    /// `{"kernels":[..],"default":"..","sparse":[..],"sparse_default":"auto",
+    /// "sparse_max_density":0.5,"simd128":true,"relaxed_simd":false}`.
     #[wasm_bindgen]
     pub fn bench_info() -> String {
         let (simd128, relaxed) = Gemm::simd_lanes();
         serde_json::json!({
             "kernels": Gemm::ALL.iter().map(|g| g.name()).collect::<Vec<_>>(),
             "default": Gemm::target_default().name(),
+            "sparse": SparseInput::ALL.iter().map(|s| s.name()).collect::<Vec<_>>(),
+            "sparse_default": crowdgrad_core::model::default_sparse_input().name(),
+            "sparse_max_density": crowdgrad_core::model::SPARSE_MAX_DENSITY,
             "simd128": simd128,
             "relaxed_simd": relaxed,
         })
         .to_string()
     }
 
-    /// [`step_bench`] as JSON ([`super::StepBench`]).
+    /// [`step_bench`] as JSON ([`super::StepBench`]); `sparse_name` is `off`, `auto` or `on`.
     ///
     /// # Errors
-    /// An unknown kernel, a bad model or size, or not inside a Web Worker.
+    /// An unknown kernel or choice, a bad model or size, or not inside a Web Worker.
     #[wasm_bindgen]
     pub fn bench_step(
         model: &str,
@@ -266,30 +332,35 @@ mod exports {
         shards: usize,
         steps: u32,
         kernel_name: &str,
+        sparse_name: &str,
     ) -> Result<String, JsError> {
         console_error_panic_hook::set_once();
         let k = kernel(kernel_name)?;
+        let s = sparse(sparse_name)?;
         let mut now = clock()?;
-        let r = step_bench(model, batch, shards, u64::from(steps), k, &mut now)
+        let r = step_bench(model, batch, shards, u64::from(steps), k, s, &mut now)
             .map_err(|e| JsError::new(&e.to_string()))?;
         json(&r)
     }
 
-    /// [`layer_bench`] as JSON ([`super::LayerBench`]).
+    /// [`layer_bench`] as JSON ([`super::LayerBench`]) on a batch of `density` nonzeros.
     ///
     /// # Errors
-    /// An unknown kernel, a bad model or size, or not inside a Web Worker.
+    /// An unknown kernel or choice, a bad model, size or density, or not inside a Web Worker.
     #[wasm_bindgen]
     pub fn bench_layers(
         model: &str,
         batch: usize,
         steps: u32,
         kernel_name: &str,
+        sparse_name: &str,
+        density: f64,
     ) -> Result<String, JsError> {
         console_error_panic_hook::set_once();
         let k = kernel(kernel_name)?;
+        let s = sparse(sparse_name)?;
         let mut now = clock()?;
-        let r = layer_bench(model, batch, u64::from(steps), k, &mut now)
+        let r = layer_bench(model, batch, u64::from(steps), k, s, density, &mut now)
             .map_err(|e| JsError::new(&e.to_string()))?;
         json(&r)
     }
@@ -304,22 +375,49 @@ mod tests {
     fn benches_run_and_refuse_bad_arguments() {
         let origin = Instant::now();
         let mut now = || origin.elapsed().as_secs_f64();
+        let auto = SparseInput::Auto;
         for &k in Gemm::ALL {
-            let s = step_bench("mlp:16", 8, 2, 3, k, &mut now).unwrap();
-            assert_eq!((s.steps, s.kernel.as_str()), (3, k.name()));
-            assert!(s.step_ms_mean > 0.0 && s.loopback_samples_per_sec > 0.0);
-            let l = layer_bench("conv:2x3x3,pool:2,dense:4", 4, 2, k, &mut now).unwrap();
+            for &sp in SparseInput::ALL {
+                let s = step_bench("mlp:16", 8, 2, 3, k, sp, &mut now).unwrap();
+                assert_eq!((s.steps, s.kernel.as_str()), (3, k.name()));
+                assert_eq!(s.sparse, sp.name());
+                assert!(s.step_ms_mean > 0.0 && s.loopback_samples_per_sec > 0.0);
+                // The synthetic MNIST: about a quarter of the pixels are nonzero.
+                assert!((0.2..0.3).contains(&s.density), "{}", s.density);
+            }
+            let l = layer_bench("conv:2x3x3,pool:2,dense:4", 4, 2, k, auto, 0.2, &mut now).unwrap();
             assert_eq!(l.names.len(), 4, "{:?}", l.names);
-            assert!(l.step_ms > 0.0);
+            assert!(l.step_ms > 0.0 && !l.sparse_path);
+            for (sp, density, went) in [
+                (auto, 0.2, true),
+                (auto, 0.9, false),
+                (SparseInput::Off, 0.2, false),
+            ] {
+                let l = layer_bench("mlp:16", 32, 2, k, sp, density, &mut now).unwrap();
+                assert_eq!(l.sparse_path, went, "{sp} at {density}");
+                assert!((l.density - density).abs() < 0.05, "{}", l.density);
+            }
         }
-        assert!(step_bench("mlp:16", 8, 2, 0, Gemm::LoadSplat, &mut now).is_err());
-        assert!(step_bench("mlp:x", 8, 2, 3, Gemm::LoadSplat, &mut now).is_err());
-        assert!(layer_bench("mlp:16", 0, 3, Gemm::LoadSplat, &mut now).is_err());
-        assert!(layer_bench("mlp:16", 4, MAX_STEPS + 1, Gemm::LoadSplat, &mut now).is_err());
-        // The default kernel is back to the target's after a bench.
+        assert!(step_bench("mlp:16", 8, 2, 0, Gemm::LoadSplat, auto, &mut now).is_err());
+        assert!(step_bench("mlp:x", 8, 2, 3, Gemm::LoadSplat, auto, &mut now).is_err());
+        assert!(layer_bench("mlp:16", 0, 3, Gemm::LoadSplat, auto, 0.2, &mut now).is_err());
+        assert!(layer_bench(
+            "mlp:16",
+            4,
+            MAX_STEPS + 1,
+            Gemm::LoadSplat,
+            auto,
+            0.2,
+            &mut now
+        )
+        .is_err());
+        assert!(layer_bench("mlp:16", 4, 3, Gemm::LoadSplat, auto, 1.5, &mut now).is_err());
+        assert!(layer_bench("mlp:16", 4, 3, Gemm::LoadSplat, auto, f64::NAN, &mut now).is_err());
+        // The defaults are back to the target's after a bench.
         assert_eq!(
             crowdgrad_core::model::default_kernel(),
             Gemm::target_default()
         );
+        assert_eq!(crowdgrad_core::model::default_sparse_input(), auto);
     }
 }

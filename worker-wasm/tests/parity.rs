@@ -28,9 +28,19 @@
 //! load-splat on `v128` lanes (and, in the relaxed-SIMD build the xtask tests too,
 //! `f32x4.relaxed_madd`) against native `matrixmultiply` with AVX2/FMA. `compute` itself uses
 //! the target's default kernel, load-splat on wasm.
+//!
+//! The sparse first layer (issue 11: the MLP's first dense layer skips the batch's zero
+//! inputs, [`SparseInput`]) is compared the same way: every kernel with it `off` (dense GEMM),
+//! `auto` (the default: sparse at most half nonzero) and `on` gives the fixture's gradients,
+//! which are the native dense ones. The batch is MNIST-like (~25% nonzero: `auto` goes
+//! sparse, checked), and the same images normalised with `--normalize 0.1307/0.3081` (no zero
+//! left: `auto` must take the dense GEMM, checked; `on` computes the sparse product of a full
+//! batch). The CNNs' first layer is a convolution: no choice changes them (checked).
 
-use crowdgrad_core::data::{BatchSampler, Dataset};
-use crowdgrad_core::model::{default_kernel, Gemm, Model, ModelSpec};
+use crowdgrad_core::data::{BatchSampler, Dataset, Normalize};
+use crowdgrad_core::model::{
+    default_kernel, default_sparse_input, Gemm, Model, ModelSpec, SparseInput, SPARSE_MAX_DENSITY,
+};
 use crowdgrad_core::optim::{self, OptState, OptimizerConfig, Rule};
 use crowdgrad_core::rng::Rng;
 use crowdgrad_core::wire::{self, ClientKind, Message};
@@ -115,8 +125,8 @@ fn compute() -> Fingerprint {
     fp.put_exact("init.mlp128.len", p0.len().to_string());
     fp.put_exact("init.mlp128.bits", fnv_f32(&p0));
 
-    let (x, y) = mnist_batch(&mut fp);
-    gradients(&mut fp, default_kernel(), &x, &y);
+    let batch = mnist_batch(&mut fp);
+    gradients(&mut fp, default_kernel(), default_sparse_input(), &batch);
 
     // The optimizer: element-wise IEEE arithmetic, so bit-exact.
     for name in ["sgd", "momentum", "adagrad", "rmsprop", "adam"] {
@@ -142,11 +152,20 @@ fn compute() -> Fingerprint {
     fp
 }
 
-/// The MNIST-shaped batch the gradients are taken on, from IDX parsing and the sampler; their
-/// digests go into `fp`.
-fn mnist_batch(fp: &mut Fingerprint) -> (Array2<f32>, Vec<u8>) {
+/// The batches gradients are taken on.
+struct Batch {
+    /// `pixel / 255`: mostly exact zeros, like MNIST.
+    x: Array2<f32>,
+    /// The same images with `--normalize 0.1307/0.3081`: no zero left.
+    normalized: Array2<f32>,
+    y: Vec<u8>,
+}
+
+/// The MNIST-shaped batch the gradients are taken on, from IDX parsing and the sampler, plain
+/// and normalised; their digests go into `fp`.
+fn mnist_batch(fp: &mut Fingerprint) -> Batch {
     let (img, lab) = synthetic_idx(96, 5);
-    let data = Dataset::from_idx(&img, &lab).expect("valid IDX");
+    let mut data = Dataset::from_idx(&img, &lab).expect("valid IDX");
     let mut sampler = BatchSampler::new(data.len(), 11);
     let mut idx = vec![0u32; 32];
     let mut all_idx = Vec::new();
@@ -166,30 +185,64 @@ fn mnist_batch(fp: &mut Fingerprint) -> (Array2<f32>, Vec<u8>) {
         fnv_f32(x.as_slice().expect("standard layout")),
     );
     fp.put_exact("data.batch_y", fnv(y.iter().copied()));
-    (x, y)
+    data.set_normalize(&Normalize::parse("0.1307/0.3081").expect("normalize"))
+        .expect("one channel");
+    let mut normalized = Array2::zeros((32, 784));
+    data.fill_batch(&idx, &mut normalized.view_mut(), &mut y);
+    fp.put_exact(
+        "data.batch_x_normalized",
+        fnv_f32(normalized.as_slice().expect("standard layout")),
+    );
+    Batch { x, normalized, y }
 }
 
-/// Losses and gradients of every model on the batch `x`, `y`, computed with `kernel`.
-fn gradients(fp: &mut Fingerprint, kernel: Gemm, x: &Array2<f32>, y: &[u8]) {
+/// Nonzero fraction of a batch.
+fn density(x: &Array2<f32>) -> f64 {
+    x.iter().filter(|&&v| v != 0.0).count() as f64 / x.len() as f64
+}
+
+/// Losses and gradients of every model on `batch`, computed with `kernel` and `sparse`.
+fn gradients(fp: &mut Fingerprint, kernel: Gemm, sparse: SparseInput, batch: &Batch) {
+    let (x, y) = (&batch.x, &batch.y[..]);
     let mlp = Model::new(ModelSpec::parse("mlp:128", 784, 10).expect("spec")).expect("model");
     let p0 = mlp.init_params(7);
-    // Loss and gradient of the MNIST MLP on that batch.
-    let mut grad = vec![0.0f32; p0.len()];
-    let mut ws = mlp.workspace(32);
-    ws.set_gemm(kernel);
-    let stats = mlp
-        .loss_and_grad(&p0, x.view(), y, &mut grad, &mut ws)
-        .expect("fits");
-    fp.put_approx("mlp128.loss", [stats.mean_loss()]);
-    fp.put_approx("mlp128.grad.l2_sum", [l2(&grad), sum(&grad)]);
-    // A spread of individual entries: first and last layer, weights and biases.
-    let picks: Vec<f64> = [
-        0usize, 1, 5000, 77_777, 100_351, 100_480, 100_481, 101_759, 101_769,
-    ]
-    .iter()
-    .map(|&i| f64::from(grad[i]))
-    .collect();
-    fp.put_approx("mlp128.grad.picks", picks);
+    // Loss and gradient of the MNIST MLP on that batch, plain and normalised.
+    for (key, x, dense) in [
+        ("mlp128", x, false),
+        ("mlp128.normalized", &batch.normalized, true),
+    ] {
+        let mut grad = vec![0.0f32; p0.len()];
+        let mut ws = mlp.workspace(32);
+        ws.set_gemm(kernel);
+        ws.set_sparse_input(sparse);
+        let stats = mlp
+            .loss_and_grad(&p0, x.view(), y, &mut grad, &mut ws)
+            .expect("fits");
+        // The path each choice must take on this batch.
+        let d = density(x);
+        assert!(if dense { d > 0.99 } else { d < 0.3 }, "{key}: density {d}");
+        let want_sparse = match sparse {
+            SparseInput::Off => false,
+            SparseInput::On => true,
+            SparseInput::Auto => d <= SPARSE_MAX_DENSITY,
+        };
+        assert_eq!(
+            ws.sparse_passes() > 0,
+            want_sparse,
+            "{key} {kernel} sparse {sparse}: density {}",
+            density(x)
+        );
+        fp.put_approx(&format!("{key}.loss"), [stats.mean_loss()]);
+        fp.put_approx(&format!("{key}.grad.l2_sum"), [l2(&grad), sum(&grad)]);
+        // A spread of individual entries: first and last layer, weights and biases.
+        let picks: Vec<f64> = [
+            0usize, 1, 5000, 77_777, 100_351, 100_480, 100_481, 101_759, 101_769,
+        ]
+        .iter()
+        .map(|&i| f64::from(grad[i]))
+        .collect();
+        fp.put_approx(&format!("{key}.grad.picks"), picks);
+    }
 
     // A tiny model, every gradient entry.
     let tiny = Model::new(ModelSpec::parse("mlp:8", 16, 4).expect("spec")).expect("model");
@@ -200,6 +253,7 @@ fn gradients(fp: &mut Fingerprint, kernel: Gemm, x: &Array2<f32>, y: &[u8]) {
     let mut tg = vec![0.0f32; tp.len()];
     let mut tws = tiny.workspace(8);
     tws.set_gemm(kernel);
+    tws.set_sparse_input(sparse);
     let ts = tiny
         .loss_and_grad(&tp, tx.view(), &ty, &mut tg, &mut tws)
         .expect("fits");
@@ -207,13 +261,13 @@ fn gradients(fp: &mut Fingerprint, kernel: Gemm, x: &Array2<f32>, y: &[u8]) {
     fp.put_approx("tiny.loss", [ts.mean_loss()]);
     fp.put_approx("tiny.grad", tg.iter().map(|&g| f64::from(g)));
 
-    cnn(fp, kernel, x, y);
+    cnn(fp, kernel, sparse, x, y);
 }
 
 /// The default CNN (`cnn`: im2col convolutions, max-pooling, dense layers) and a small model
 /// with every other layer kind (padding, stride, average pooling, dropout), on the MNIST-shaped
 /// batch `x`, `y`: initial weights exactly, loss and gradients within tolerance.
-fn cnn(fp: &mut Fingerprint, kernel: Gemm, x: &Array2<f32>, y: &[u8]) {
+fn cnn(fp: &mut Fingerprint, kernel: Gemm, sparse: SparseInput, x: &Array2<f32>, y: &[u8]) {
     let cnn =
         Model::new(ModelSpec::parse_shaped("cnn", &[28, 28], 10).expect("spec")).expect("model");
     let p0 = cnn.init_params(7);
@@ -222,9 +276,11 @@ fn cnn(fp: &mut Fingerprint, kernel: Gemm, x: &Array2<f32>, y: &[u8]) {
     let mut grad = vec![0.0f32; p0.len()];
     let mut ws = cnn.workspace(32);
     ws.set_gemm(kernel);
+    ws.set_sparse_input(sparse);
     let stats = cnn
         .loss_and_grad(&p0, x.view(), y, &mut grad, &mut ws)
         .expect("fits");
+    assert_eq!(ws.sparse_passes(), 0, "a convolution first: never sparse");
     fp.put_approx("cnn.loss", [stats.mean_loss()]);
     fp.put_approx("cnn.grad.l2_sum", [l2(&grad), sum(&grad)]);
     // One entry of every tensor: the first, and one in the middle.
@@ -250,6 +306,7 @@ fn cnn(fp: &mut Fingerprint, kernel: Gemm, x: &Array2<f32>, y: &[u8]) {
     let mut sg = vec![0.0f32; sp.len()];
     let mut sws = small.workspace(32);
     sws.set_gemm(kernel);
+    sws.set_sparse_input(sparse);
     let ss = small
         .loss_and_grad_seeded(&sp, x.view(), y, 99, &mut sg, &mut sws)
         .expect("fits");
@@ -421,12 +478,12 @@ fn compare_flags_differences() {
     assert_eq!(failures.len(), 2, "{failures:?}");
 }
 
-/// The gradients of every model with `kernel`, compared with the fixture's (native default
-/// kernel) values of the same keys.
-fn kernel_report(kernel: Gemm) -> Report {
+/// The gradients of every model with `kernel` and `sparse`, compared with the fixture's (native
+/// matrixmultiply, dense first layer) values of the same keys.
+fn kernel_report(kernel: Gemm, sparse: SparseInput) -> Report {
     let mut fp = Fingerprint::default();
-    let (x, y) = mnist_batch(&mut fp);
-    gradients(&mut fp, kernel, &x, &y);
+    let batch = mnist_batch(&mut fp);
+    gradients(&mut fp, kernel, sparse, &batch);
     let mut want = fixture();
     want.exact.retain(|k, _| fp.exact.contains_key(k));
     want.approx.retain(|k, _| fp.approx.contains_key(k));
@@ -442,13 +499,15 @@ fn kernel_report(kernel: Gemm) -> Report {
 #[test]
 fn every_kernel_matches_native_fixture() {
     for &kernel in Gemm::ALL {
-        let report = kernel_report(kernel);
-        println!("native {kernel} vs fixture: {report}");
-        assert!(
-            report.failures.is_empty(),
-            "{kernel}: {}",
-            report.failures.join("\n")
-        );
+        for &sparse in SparseInput::ALL {
+            let report = kernel_report(kernel, sparse);
+            println!("native {kernel}, sparse input {sparse} vs fixture: {report}");
+            assert!(
+                report.failures.is_empty(),
+                "{kernel} sparse {sparse}: {}",
+                report.failures.join("\n")
+            );
+        }
     }
 }
 
@@ -457,15 +516,17 @@ fn every_kernel_matches_native_fixture() {
 fn wasm_every_kernel_matches_native_fixture() {
     let (simd128, relaxed) = Gemm::simd_lanes();
     for &kernel in Gemm::ALL {
-        let report = kernel_report(kernel);
-        wasm_bindgen_test::console_log!(
-            "wasm {kernel} (simd128 {simd128}, relaxed-simd {relaxed}) vs native fixture: {report}"
-        );
-        assert!(
-            report.failures.is_empty(),
-            "{kernel}: {}",
-            report.failures.join("\n")
-        );
+        for &sparse in SparseInput::ALL {
+            let report = kernel_report(kernel, sparse);
+            wasm_bindgen_test::console_log!(
+                "wasm {kernel}, sparse input {sparse} (simd128 {simd128}, relaxed-simd {relaxed}) vs native fixture: {report}"
+            );
+            assert!(
+                report.failures.is_empty(),
+                "{kernel} sparse {sparse}: {}",
+                report.failures.join("\n")
+            );
+        }
     }
 }
 

@@ -127,10 +127,11 @@ const MC: usize = 32;
 /// Depth of one pass: each output sums `KC` products in a register, then adds them to C
 /// (like `matrixmultiply`'s `kc`), which bounds the packing buffers and keeps long sums (an
 /// im2col weight gradient sums over every position of every example) as accurate as its.
-const KC: usize = 256;
+/// The sparse first layer (`model/sparse.rs`) cuts its sums the same way.
+pub(super) const KC: usize = 256;
 
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
-mod lanes {
+pub(super) mod lanes {
     //! `v128` lanes. The intrinsics are safe functions here: the crate is built with
     //! `simd128` (and optionally `relaxed-simd`) enabled.
     use core::arch::wasm32::*;
@@ -179,7 +180,7 @@ mod lanes {
 }
 
 #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
-mod lanes {
+pub(super) mod lanes {
     //! Portable lanes: the same kernel as on wasm32, for native tests.
     pub type F4 = [f32; 4];
 
