@@ -23,6 +23,8 @@
 //! - [`local`]: [`local::LocalSteps`] (inner steps per push) and the controller that picks
 //!   them ([`local::Controller`]).
 //! - [`rng`]: the deterministic PRNG everything seeds from.
+//! - [`fault`]: faulty workers for experiments ([`fault::Fault`], [`fault::Faults`]), one
+//!   implementation for the simulator and `crowdgrad work --fault`.
 //! - [`robust`]: robust aggregation for untrusted volunteers ([`robust::Aggregation`]:
 //!   coordinate-wise median, trimmed mean, (Multi-)Krum in `sync:K`; the consensus filter in
 //!   async).
@@ -32,6 +34,7 @@ pub mod codec;
 pub mod data;
 pub mod error;
 pub mod eval;
+pub mod fault;
 pub mod local;
 pub mod model;
 pub mod optim;
