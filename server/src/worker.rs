@@ -23,6 +23,8 @@
 use crate::error::{Error, Result};
 use crowdgrad_core::backoff::{self, Backoff};
 use crowdgrad_core::data::Dataset;
+use crowdgrad_core::fault::{self, Collusion, Fault, Faults};
+use crowdgrad_core::rng::Rng;
 use crowdgrad_core::spec::{JoinRequest, JoinResponse, Threads, MAX_THREADS};
 use crowdgrad_core::wire::{self, Bye, ClientKind, Message as Frame};
 use crowdgrad_core::worker::{Worker, WorkerStats};
@@ -66,6 +68,12 @@ pub struct WorkOptions {
     /// Worker loops to run in parallel (1 to [`MAX_THREADS`]), as threads of one volunteer;
     /// `steps` and `duration` apply to each.
     pub threads: usize,
+    /// Play a faulty worker (`--fault`, for experiments on robust rules and spot checks): its
+    /// pushes are rewritten by core's [`Faults`] (colluders agree through the run's seed,
+    /// [`Collusion::Seeded`]), or, for [`Fault::ShuffledLabels`], it trains on its partition
+    /// with the labels permuted. Nothing in the join or the Hello says so: the server has to
+    /// find out by itself. Applies to every thread.
+    pub fault: Option<Fault>,
 }
 
 /// How long the worker waits for the network before it gives the session up and reconnects.
@@ -110,6 +118,7 @@ impl WorkOptions {
             ca: None,
             timeouts: Timeouts::default(),
             threads: 1,
+            fault: None,
         }
     }
 }
@@ -310,10 +319,11 @@ async fn join(
         401 | 403 => Err(JoinError::Refused(format!(
             "join refused ({status}): {}{}",
             text(),
-            if net.token.is_some() {
-                " (is --join-token right?)"
-            } else {
-                " (this run needs --join-token)"
+            // 403 is also a quarantined identity: the token hint is only for 401.
+            match (status, net.token.is_some()) {
+                (403, _) => "",
+                (_, true) => " (is --join-token right?)",
+                (_, false) => " (this run needs --join-token)",
             }
         ))),
         _ => Err(JoinError::Retry(Error::Http(format!(
@@ -772,6 +782,14 @@ async fn session(
         },
         _ = &mut shutdown => return Ok(End::Done),
     };
+    let data = match opts.fault {
+        // The same permutation for a worker id and run seed (a rerun is reproducible).
+        Some(Fault::ShuffledLabels) => fault::shuffle_labels(
+            &data,
+            &mut Rng::new(joined.run.seed ^ joined.worker_id.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+        )?,
+        _ => data,
+    };
     let mut worker = Worker::new(joined, data, ClientKind::Native, opts.steps)?;
     worker.carry_stats(stats.clone());
     let end = drive(
@@ -781,6 +799,7 @@ async fn session(
         deadline,
         opts.step_delay,
         opts.max_backoff,
+        opts.fault,
         progress,
         started,
         shutdown,
@@ -805,6 +824,7 @@ async fn drive(
     deadline: Option<Instant>,
     step_delay: Duration,
     max_backoff: Duration,
+    fault: Option<Fault>,
     progress: &mut Progress,
     started: Instant,
     mut shutdown: std::pin::Pin<&mut impl Future<Output = ()>>,
@@ -824,6 +844,16 @@ async fn drive(
         })
         .collect();
     let id = worker.join_info().worker_id;
+    // A faulty worker's push rewriting (`--fault`; shuffled labels are in its data already):
+    // one participant, this session's shards, noise drawn from a seed of its own.
+    let mut faulty = fault.filter(|f| *f != Fault::ShuffledLabels).map(|f| {
+        let seed = worker.join_info().run.seed;
+        (
+            f,
+            Faults::new(Collusion::Seeded(seed), 1, shards.len()),
+            Rng::new(jitter_seed()),
+        )
+    });
     // Connect to every shard concurrently, within the connect deadline, unless told to stop.
     let conns = futures_util::future::join_all(shards.iter().map(|u| connect_shard(net, u)));
     let conns = tokio::select! {
@@ -906,7 +936,11 @@ async fn drive(
             // A link that stopped taking bytes must not hold the worker (nor its stop).
             let reply = net.timeouts.reply;
             queued[out.shard] = true;
-            let send = tokio::time::timeout(reply, sink.feed(Message::Binary(out.frame.into())));
+            let frame = match faulty.as_mut() {
+                Some((f, faults, rng)) => faults.corrupt(0, out.frame, *f, rng).0,
+                None => out.frame,
+            };
+            let send = tokio::time::timeout(reply, sink.feed(Message::Binary(frame.into())));
             let sent = tokio::select! {
                 r = send => r,
                 _ = &mut shutdown => return End::Done,
