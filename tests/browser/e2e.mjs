@@ -296,7 +296,14 @@ async function main() {
   figures['time from native start to test accuracy > 0.90'] =
     `${((Date.now() - trainStart) / 1000).toFixed(1)} s (accuracy ${st.eval.accuracy.toFixed(4)} after ${st.eval.samples} samples)`;
   check('test accuracy > 0.90 on /api/status', st.eval.accuracy > 0.90, `accuracy ${st.eval.accuracy.toFixed(4)}`);
-  const spotNow = await getStatus(base);
+  // The native worker may have pushed little by the time accuracy passes 0.90: wait (bounded)
+  // until both kinds have a check on record, or one failed.
+  const spotNow = await waitFor('spot checks of browser and native pushes', async () => {
+    const s = await getStatus(base);
+    const settled = !s.spot_checks || s.spot_checks.failed > 0 || s.reputation.quarantined > 0
+      || ['browser', 'native'].every((k) => !spotChecks(s, k).text.startsWith('no checks'));
+    return settled ? s : null;
+  }, 60_000, 250).catch(() => getStatus(base));
   for (const kind of ['browser', 'native']) {
     const sc = spotChecks(spotNow, kind);
     check(`spot checks pass for the honest ${kind} workers (--spot-check 0.5), nobody quarantined`, sc.ok, sc.text);
