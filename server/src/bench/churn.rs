@@ -10,7 +10,9 @@
 //! connection. Meanwhile a thread polls `GET /api/status` every 50 ms and times each reply, and
 //! the server's RSS (`VmRSS`) and open file descriptors (`/proc/PID/fd`) are sampled before the
 //! first round (baseline), at every round's peak and after every round (once the server reports
-//! no worker connected). It prints one Markdown row per figure.
+//! no worker connected, and [`AFTER_WAIT`] = 10 s more). It prints one
+//! Markdown row per figure. `--malloc-mmap-threshold` and `--server-env` start the server with
+//! allocator settings, to compare allocators side by side (docs/benchmarks.md).
 //!
 //! **flood** ([`flood`]): do limits slow well-behaved workers down? `--workers` real
 //! `crowdgrad work` processes train for `--seconds` on a server with its default limits, with
@@ -57,9 +59,16 @@ pub struct ChurnArgs {
     pub pull_every: f64,
     /// Start the server with `MALLOC_MMAP_THRESHOLD_` set to this many bytes: glibc then
     /// serves every larger block (frames, socket buffers) with its own mapping and returns it
-    /// when freed, instead of raising the threshold and keeping freed blocks in its heap.
+    /// when freed, instead of raising the threshold and keeping freed blocks in its heap. An
+    /// experiment knob for a server that allocates with glibc's malloc: the shipped binary's
+    /// allocator is mimalloc, which ignores it.
     #[arg(long)]
     pub malloc_mmap_threshold: Option<usize>,
+    /// More environment for the server process, `KEY=VALUE` (repeatable): allocator
+    /// experiments such as `LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2` or
+    /// `MALLOC_ARENA_MAX=2`, without touching this process's own allocator.
+    #[arg(long = "server-env", value_name = "KEY=VALUE")]
+    pub server_env: Vec<String>,
     /// Data directory of the server.
     #[arg(long, default_value = "data/mnist")]
     pub data_dir: PathBuf,
@@ -547,6 +556,10 @@ fn settle(agent: &ureq::Agent, url: &str, pid: u32, base: usize, slack: usize, w
     }
 }
 
+/// How long after a round the server's RSS is read: an allocator that gives memory back on a
+/// timer (jemalloc's 10 s decay, a periodic trim) is measured after it has done so.
+pub const AFTER_WAIT: Duration = Duration::from_secs(10);
+
 /// Runs the churn benchmark against a `crowdgrad serve` started from `exe`.
 ///
 /// # Errors
@@ -575,11 +588,23 @@ pub fn churn(exe: &Path, args: &ChurnArgs) -> Result<Churn> {
     .map(|s| s.to_string())
     .collect();
     serve.extend(args.serve_args.iter().cloned());
-    let env: Vec<(String, String)> = args
+    let mut env: Vec<(String, String)> = args
         .malloc_mmap_threshold
         .map(|b| ("MALLOC_MMAP_THRESHOLD_".to_string(), b.to_string()))
         .into_iter()
         .collect();
+    for kv in &args.server_env {
+        match kv.split_once('=') {
+            Some((k, v)) if !k.is_empty() && !k.contains('\0') && !v.contains('\0') => {
+                env.push((k.to_string(), v.to_string()));
+            }
+            _ => {
+                return Err(Error::Config(format!(
+                    "--server-env {kv:?} must be KEY=VALUE"
+                )))
+            }
+        }
+    }
     let server = Server::start(exe, &args.data_dir, &serve, &env)?;
     let pid = server.pid();
     let http = agent();
@@ -644,8 +669,7 @@ pub fn churn(exe: &Path, args: &ChurnArgs) -> Result<Churn> {
             2,
             Duration::from_secs(20),
         );
-        // Let the allocator and the server's timers settle.
-        std::thread::sleep(Duration::from_secs(1));
+        std::thread::sleep(AFTER_WAIT);
         rss_after_mib.push(rss_mib(pid));
         fds_after.push(fd_count(pid));
     }
