@@ -104,6 +104,12 @@ enum Cmd {
         /// Seconds to wait for the shards' reply to a pull or push before reconnecting.
         #[arg(long, default_value_t = 30.0)]
         reply_timeout: f64,
+        /// Play a FAULTY worker, for experiments (the same kinds as `sim --fault`): nan, inf,
+        /// noise, scale:F, signflip:S, replay, wrong_shard, shuffled_labels or collude:S
+        /// (every colluding process of a run sends the same vector, of L2 norm S per shard,
+        /// from the run's seed). Applies to every thread.
+        #[arg(long)]
+        fault: Option<String>,
     },
     /// Write the model's named tensors as a safetensors file (for Python's safetensors,
     /// numpy, PyTorch): from the newest valid checkpoint, or from a running server.
@@ -262,8 +268,17 @@ fn main() -> anyhow::Result<()> {
             stall_timeout,
             reply_timeout,
             threads,
+            fault,
         } => {
             let mut opts = WorkOptions::new(server);
+            if let Some(f) = fault {
+                let f =
+                    crowdgrad_core::fault::Fault::parse(&f).map_err(|e| anyhow::anyhow!("{e}"))?;
+                eprintln!(
+                    "WARNING: this is a FAULTY worker (--fault {f}): its pushes are wrong on purpose, for experiments on robust aggregation and spot checks. Never run it against a run you care about."
+                );
+                opts.fault = Some(f);
+            }
             opts.threads = threads.unwrap_or_else(crowdgrad::worker::default_threads);
             let secs = |flag: &str, v: f64| {
                 anyhow::ensure!(

@@ -8,6 +8,7 @@ mod conformance;
 mod consistency;
 mod data;
 mod durability;
+mod faults;
 mod http;
 mod limits;
 mod link;
