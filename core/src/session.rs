@@ -41,7 +41,7 @@
 //!    same reason. While some connected worker has not pushed for this version yet, the shard
 //!    keeps waiting for it. Flushing at once would apply a partial mean and then reject that
 //!    worker's gradient as late, throwing away work the worker is about to deliver;
-//! 3. a pull has waited [`ShardConfig::sync_timeout`] for the next version (a straggler that is
+//! 3. a pull has waited [`ShardSetup::sync_timeout`] for the next version (a straggler that is
 //!    connected but silent): backup-worker semantics, never a deadlock.
 //!
 //! A gradient buffered from a worker that then left stays in the aggregate: it was computed
@@ -430,6 +430,13 @@ impl ShardState {
         )?;
         self.core.set_droppable(droppable);
         Ok(())
+    }
+
+    /// `zeno` ([`crate::robust::Aggregation::Zeno`]): this shard's slice of the gradient of
+    /// the server's validation batch, which pushes are compared with from now on. Drivers
+    /// holding the training data refresh it every [`crate::robust::ZENO_REFRESH`] updates.
+    pub fn set_reference(&mut self, slice: &[f32]) {
+        self.core.set_reference(slice);
     }
 
     /// Takes `worker`'s pushes out of the pending `sync:K` round, so they are never applied

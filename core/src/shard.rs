@@ -377,6 +377,14 @@ impl ShardCore {
         self.droppable = droppable;
     }
 
+    /// `zeno`: this shard's slice of the validation gradient pushes are compared with from
+    /// now on ([`crate::robust::ZenoReference`]). Ignored when its length is not the shard's.
+    pub fn set_reference(&mut self, slice: &[f32]) {
+        if slice.len() == self.values.len() {
+            self.consensus.set_reference(slice);
+        }
+    }
+
     /// Whether rounds keep their pushes apart ([`ShardCore::set_droppable`], or a round rule).
     pub fn keeps_rows(&self) -> bool {
         self.droppable || self.aggregation.keeps_rows()
@@ -659,9 +667,15 @@ impl ShardCore {
                         };
                     }
                 }
-                if let Aggregation::Consensus { margin } = self.aggregation {
+                if let Aggregation::Consensus { margin } | Aggregation::Zeno { margin } =
+                    self.aggregation
+                {
                     // Refused pushes join the consensus too (see `crate::robust`).
-                    let verdict = self.consensus.check(grad, margin);
+                    let verdict = if matches!(self.aggregation, Aggregation::Zeno { .. }) {
+                        self.consensus.check_zeno(grad, margin)
+                    } else {
+                        self.consensus.check(grad, margin)
+                    };
                     self.consensus.observe(grad);
                     if let Err(message) = verdict {
                         return Outcome::Rejected {

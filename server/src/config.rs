@@ -77,7 +77,9 @@ pub struct TrainingArgs {
     /// coordinate), `krum:F` (needs K >= 2F + 3) or `multikrum:F,M`; in async and ssp
     /// `consensus[:E]` (Zeno++-style: refuse, answered `disagrees`, a push whose cosine c with
     /// the recent pushes' direction and norm ratio r to their median score c r - 0.01 r^2 below
-    /// -E, default 0.5). Per shard, on the shard's slice.
+    /// -E, default 0.5), or `zeno[:E]` (Zeno++: the same against the gradient of a
+    /// 128-example validation batch the server computes, c r - 0.1 r^2; in-process shards
+    /// only). Per shard, on the shard's slice.
     #[arg(long, default_value = "mean")]
     pub aggregation: String,
     /// Seconds without a frame after which a worker drops out of the SSP clock.
@@ -597,6 +599,17 @@ impl ServeArgs {
             // ledger) are not written for that case yet: refused rather than half-working.
             return bad(
                 "--checkpoint-dir with --shard-urls: each shard process checkpoints itself                  (crowdgrad shard --checkpoint-dir); the coordinator does not checkpoint (its                  contribution ledger is not persisted in this mode)"
+                    .into(),
+            );
+        }
+        if !self.shard_urls.is_empty()
+            && matches!(
+                t.aggregation,
+                crowdgrad_core::robust::Aggregation::Zeno { .. }
+            )
+        {
+            return bad(
+                "--aggregation zeno needs the shards in this process (not --shard-urls): the validation gradient is computed where the data is; use consensus"
                     .into(),
             );
         }

@@ -37,6 +37,7 @@ pub mod sim;
 pub mod spotcheck;
 pub mod tls;
 pub mod worker;
+pub mod zeno;
 
 pub use error::{Error, Result};
 
@@ -161,6 +162,16 @@ pub async fn run(
     let (stop_tx, stop_rx) = watch::channel(false);
     let registry = registry::Registry::new(cfg.shards, cfg.max_workers);
     let train = Arc::new(data.train);
+    // --aggregation zeno: the validation gradient, computed once before anything is served.
+    let zeno = if matches!(
+        cfg.aggregation,
+        crowdgrad_core::robust::Aggregation::Zeno { .. }
+    ) && !shards.is_empty()
+    {
+        Some(zeno::start(&spec, &train, shards.clone(), stop_rx.clone())?)
+    } else {
+        None
+    };
     let defence = spotcheck::Defence {
         reputation: Arc::new(reputation::Reputation::new(cfg.spot.quarantine)),
         spot: None,
@@ -252,6 +263,9 @@ pub async fn run(
     };
     let _ = tokio::time::timeout(wait, app.tracker.wait()).await;
     let _ = evaluator.await;
+    if let Some(z) = zeno {
+        let _ = tokio::task::spawn_blocking(move || z.join()).await;
+    }
     // Every connection is done, so every acknowledged push is in the shards: the final
     // checkpoint holds them all. A failure here is the run's error (exit code 1).
     let mut served = served;

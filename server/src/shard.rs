@@ -297,6 +297,12 @@ impl Shard {
         Ok(())
     }
 
+    /// `zeno`: this shard's slice of the validation gradient ([`ShardState::set_reference`],
+    /// kept fresh by [`crate::zeno`]).
+    pub fn set_reference(&self, slice: &[f32]) {
+        self.state().set_reference(slice);
+    }
+
     /// Reputation and spot checks, once set.
     pub fn defence(&self) -> Option<&crate::spotcheck::Defence> {
         self.inner.defence.get()

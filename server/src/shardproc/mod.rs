@@ -131,6 +131,14 @@ impl ShardArgs {
     /// [`Error::Config`] naming the bad flag.
     pub fn check(self) -> Result<ShardConfig> {
         let training = self.training.check(1)?;
+        if matches!(
+            training.aggregation,
+            crowdgrad_core::robust::Aggregation::Zeno { .. }
+        ) {
+            return Err(Error::Config(
+                "--aggregation zeno needs the training data next to the shards (crowdgrad serve without --shard-urls); a shard process can use consensus".into(),
+            ));
+        }
         if self.index >= training.shards {
             return Err(Error::Config(format!(
                 "--index {} must be below --of {}",

@@ -22,6 +22,7 @@ use crowdgrad_core::data::{encode_idx, Dataset};
 use crowdgrad_core::model::{Model, ModelSpec};
 use crowdgrad_core::partition::partition;
 use crowdgrad_core::rng::Rng;
+use crowdgrad_core::robust::{Aggregation, ZenoReference, ZENO_REFRESH};
 use crowdgrad_core::session::{Record, ShardSetup};
 use crowdgrad_core::shard::Outcome;
 use crowdgrad_core::spec::{DataInfo, JoinResponse, PartitionInfo, RunParams, RunSpec};
@@ -208,6 +209,9 @@ pub(super) struct Engine<'a> {
     last_step_at: Time,
     stall_after: Time,
     params: Vec<f32>,
+    /// `--aggregation zeno`: the validation batch's gradient, and shard 0's version when the
+    /// shards last got it.
+    zeno: Option<(ZenoReference, u64)>,
 }
 
 impl<'a> Engine<'a> {
@@ -301,6 +305,13 @@ impl<'a> Engine<'a> {
             })
             .collect();
         let faults = Faults::new(cfg, &parts, &faulty)?;
+        let zeno = if matches!(cfg.aggregation, Aggregation::Zeno { .. }) {
+            let mut t = train.clone();
+            t.set_normalize(&spec.normalize)?;
+            Some((ZenoReference::new(Model::new(spec.model.clone())?, &t)?, 0))
+        } else {
+            None
+        };
         let stall = 120.0f64.max(20.0 * (cfg.step_time + cfg.away + 4.0 * cfg.delay));
         Ok(Self {
             test_subset: {
@@ -316,6 +327,7 @@ impl<'a> Engine<'a> {
                 std::borrow::Cow::Owned(t)
             },
             params: Vec::with_capacity(model.param_len()),
+            zeno,
             cfg,
             model,
             spec,
@@ -418,6 +430,7 @@ impl<'a> Engine<'a> {
 
     /// Runs to the budget, drains in-flight messages and evaluates on the full test set.
     pub(super) fn run(mut self, on_row: &mut dyn FnMut(&Row)) -> Result<SimResult> {
+        self.refresh_zeno(true);
         for p in 0..self.people.len() {
             let t = self.token();
             self.people[p].return_token = t;
@@ -517,6 +530,30 @@ impl<'a> Engine<'a> {
 }
 
 impl Engine<'_> {
+    /// `zeno`: gives every shard its slice of the validation batch's gradient at the current
+    /// parameters, at the start and then every [`ZENO_REFRESH`] updates of shard 0 (as the
+    /// server does).
+    pub(super) fn refresh_zeno(&mut self, force: bool) {
+        let Some((reference, last)) = &mut self.zeno else {
+            return;
+        };
+        let version = self.shards[0].driver.state().version();
+        if !force && version < *last + ZENO_REFRESH {
+            return;
+        }
+        *last = version;
+        self.params.clear();
+        for s in &self.shards {
+            self.params.extend_from_slice(s.driver.state().values());
+        }
+        if let Ok(g) = reference.gradient(&self.params) {
+            for s in &mut self.shards {
+                let r = s.driver.state().config().range;
+                s.driver.set_reference(&g[r.start..r.end]);
+            }
+        }
+    }
+
     // ---------------------------------------------------------------- results
 
     fn evaluate(&mut self, full: bool) -> Row {

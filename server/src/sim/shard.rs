@@ -93,6 +93,11 @@ impl ShardDriver {
         &self.host.state
     }
 
+    /// `zeno`: the shard's slice of the validation gradient ([`ShardState::set_reference`]).
+    pub fn set_reference(&mut self, slice: &[f32]) {
+        self.host.state.set_reference(slice);
+    }
+
     /// `worker` joined the run (what `POST /api/join` does on the server).
     pub fn register(&mut self, worker: u64) {
         self.host.known.insert(worker);

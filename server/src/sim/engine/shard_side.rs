@@ -26,6 +26,9 @@ impl Engine<'_> {
         }
         let SimShard { driver, links } = &mut self.shards[shard];
         links.retain(|&c, _| driver.is_open(c));
+        if shard == 0 {
+            self.refresh_zeno(false);
+        }
     }
 
     pub(super) fn count(&mut self, shard: usize, conn: u64, record: Record) {
