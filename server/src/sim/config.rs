@@ -145,87 +145,9 @@ impl SpeedDist {
     }
 }
 
-/// What a faulty worker does (`--fault`; the engine's `faults` module carries it out).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Fault {
-    /// Puts one NaN in the push: the shard must reject it (and closes the connection, as the
-    /// server does for a non-finite payload).
-    Nan,
-    /// Puts one infinity (either sign) in the push: refused like a NaN.
-    Inf,
-    /// Replaces the gradient by Gaussian noise of the same L2 norm.
-    Noise,
-    /// Multiplies the gradient by a factor.
-    Scale(f32),
-    /// Sign flip with a scale: the gradient times -S (an ascent step, S times as long).
-    SignFlip(f32),
-    /// Stale replay: every push after the worker's first one to a shard carries that first
-    /// push's values again (with a fresh request id and base version, so only its content is
-    /// stale).
-    Replay,
-    /// Addresses every push to the next shard (`wrong_shard`, fatal: the connection closes).
-    WrongShard,
-    /// Trains on its partition with the labels shuffled: honest-looking gradients of the wrong
-    /// task (norm and values in range; the kind only spot checks catch).
-    ShuffledLabels,
-    /// Colluding workers: every faulty worker sends the same vector to a shard, -S times the
-    /// gradient of the first of them to push from that shard version (kept until one pushes
-    /// from a newer version). In sync:K all of a round's colluders send one vector.
-    Collude(f32),
-}
-
-impl Fault {
-    /// Parses `nan`, `inf`, `noise`, `scale:F`, `signflip:S`, `replay`, `wrong_shard`,
-    /// `shuffled_labels` or `collude:S` (`signflip` and `collude` alone: S = 1).
-    ///
-    /// # Errors
-    /// [`Error::Config`] on anything else or a factor that is not finite (S must be > 0).
-    pub fn parse(text: &str) -> Result<Self> {
-        let t = text.trim();
-        let bad = || {
-            Error::Config(format!(
-                "unknown --fault {t:?}: use nan, inf, noise, scale:F, signflip:S, replay, wrong_shard, shuffled_labels or collude:S (S > 0)"
-            ))
-        };
-        let factor = |s: Option<&str>, positive: bool| match s.map(str::parse::<f32>) {
-            None => Ok(1.0),
-            Some(Ok(f)) if f.is_finite() && (!positive || f > 0.0) => Ok(f),
-            _ => Err(bad()),
-        };
-        let (name, arg) = match t.split_once(':') {
-            Some((n, a)) => (n, Some(a)),
-            None => (t, None),
-        };
-        match (name, arg) {
-            ("nan", None) => Ok(Fault::Nan),
-            ("inf", None) => Ok(Fault::Inf),
-            ("noise", None) => Ok(Fault::Noise),
-            ("replay", None) => Ok(Fault::Replay),
-            ("wrong_shard", None) => Ok(Fault::WrongShard),
-            ("shuffled_labels", None) => Ok(Fault::ShuffledLabels),
-            ("scale", Some(_)) => Ok(Fault::Scale(factor(arg, false)?)),
-            ("signflip", _) => Ok(Fault::SignFlip(factor(arg, true)?)),
-            ("collude", _) => Ok(Fault::Collude(factor(arg, true)?)),
-            _ => Err(bad()),
-        }
-    }
-}
-
-impl std::fmt::Display for Fault {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Fault::Nan => write!(f, "nan"),
-            Fault::Inf => write!(f, "inf"),
-            Fault::Noise => write!(f, "noise"),
-            Fault::Scale(x) => write!(f, "scale:{x}"),
-            Fault::SignFlip(x) => write!(f, "signflip:{x}"),
-            Fault::Replay => write!(f, "replay"),
-            Fault::WrongShard => write!(f, "wrong_shard"),
-            Fault::ShuffledLabels => write!(f, "shuffled_labels"),
-            Fault::Collude(x) => write!(f, "collude:{x}"),
-        }
-    }
-}
+/// What a faulty worker does (`--fault`): core's [`crowdgrad_core::fault::Fault`], the one
+/// list the simulator and `crowdgrad work --fault` share.
+pub use crowdgrad_core::fault::Fault;
 
 /// How a worker leaves for a while.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -371,7 +293,10 @@ impl SimArgs {
             away: self.away,
             dropout_kind,
             faulty: self.faulty,
-            fault: Fault::parse(&self.fault)?,
+            fault: Fault::parse(&self.fault).map_err(|e| match e {
+                crowdgrad_core::Error::Config(m) => Error::Config(m),
+                e => Error::Core(e),
+            })?,
             heartbeat: t.heartbeat_timeout,
             sync_timeout: t.sync_timeout,
             exchange: t.exchange,

@@ -26,7 +26,7 @@ use crowdgrad_core::robust::{Aggregation, ZenoReference, ZENO_REFRESH};
 use crowdgrad_core::session::{Record, ShardSetup};
 use crowdgrad_core::shard::Outcome;
 use crowdgrad_core::spec::{DataInfo, JoinResponse, PartitionInfo, RunParams, RunSpec};
-use crowdgrad_core::wire::{self, ClientKind, ErrorCode, Message, PROTOCOL_VERSION};
+use crowdgrad_core::wire::{ClientKind, ErrorCode, PROTOCOL_VERSION};
 use crowdgrad_core::worker::{Worker, WorkerStats};
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, BinaryHeap, VecDeque};
