@@ -232,6 +232,7 @@ async function main() {
   // sweep[key][density] = [{ median, sparse_path }...]
   const sweep = {};
   let info = null;
+  let nativeMaxDensity = null;
   const tab = {};
   try {
     browser = await PipeBrowser.launch(dir, { track, stop: stopChild });
@@ -267,6 +268,7 @@ async function main() {
         for (const m of MODELS) {
           for (const sparse of m.model === 'cnn' ? ['auto'] : SPARSE) {
             const n = await nativeRun(which, m, false, sparse);
+            nativeMaxDensity = n.sparse_max_density ?? nativeMaxDensity;
             const key = `${which}/${sparse}`;
             ((native[key] ||= {})[m.model] ||= []).push(n.native_step_ms_mean);
             ((nativeLoop[key] ||= {})[m.model] ||= []).push(n.loopback_samples_per_sec);
@@ -354,7 +356,7 @@ async function main() {
   const natLabel = { avx2: 'AVX2/FMA (run-time detected)', sse2: 'SSE2 only (MMTEST_FEATURE=sse2)' };
   console.log(`\nwasm step() vs native, median of ${ROUNDS} rounds (ms per step, mean over each round's steps); `
     + 'sparse off = the first layer as a dense GEMM, auto = skipping the batch\'s zeros when at most '
-    + `${info.sparse_max_density} of it is nonzero (these batches: ~0.25); × compares with native at the same choice, `
+    + `${info.sparse_max_density} (wasm) / ${nativeMaxDensity} (native) of it is nonzero (these batches: ~0.25); × compares with native at the same choice, `
     + '× AVX2 dense with native AVX2 sparse off:');
   console.log('| build / kernel / sparse | MLP 784-128-10 | × AVX2 | × SSE2 | × AVX2 dense | CNN | × AVX2 | × SSE2 |');
   console.log('|---|---|---|---|---|---|---|---|');
@@ -378,7 +380,7 @@ async function main() {
 
   console.log(`\nMLP loss_and_grad across batch densities (mean ms over ${mlpSteps} calls, median over ${ROUNDS} rounds; `
     + 'means, because a page\'s performance.now() is coarsened to 100 µs), sparse off vs auto '
-    + `(auto goes sparse at most at the target's max density, wasm ${info.sparse_max_density}; * marks the sparse path):`);
+    + `(auto goes sparse at most at the target's max density, wasm ${info.sparse_max_density}, native ${nativeMaxDensity}; * marks the sparse path):`);
   console.log(`| where | ${DENSITIES.map((d) => `${d} off | ${d} auto`).join(' | ')} |`);
   console.log(`|---|${DENSITIES.map(() => '---|---').join('|')}|`);
   for (const [key, per] of Object.entries(sweep)) {

@@ -74,6 +74,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "gemm": gemm.name(),
         "sparse": sparse.name(),
         "density": s.density,
+        "sparse_max_density": crowdgrad_core::model::SPARSE_MAX_DENSITY,
     });
     if layers {
         let l = layer_bench(&model, batch, steps, gemm, sparse, density, &mut now)?;
