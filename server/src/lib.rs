@@ -36,6 +36,7 @@ pub mod shardproc;
 pub mod sim;
 pub mod spotcheck;
 pub mod tls;
+pub mod trim;
 pub mod worker;
 pub mod zeno;
 
@@ -237,6 +238,7 @@ pub async fn run(
     let stop_tx = Arc::new(stop_tx);
     let stopper = stop_tx.clone();
     let evaluator = tokio::spawn(app::evaluator(app.clone()));
+    tokio::spawn(trim::task(app.limits.clone(), app.shutdown.clone()));
     let checkpointer = checkpoints
         .clone()
         .map(|ck| tokio::spawn(checkpoint::task(app.clone(), ck)));
