@@ -1,8 +1,8 @@
 //! Gives the heap memory of closed connections back to the operating system.
 //!
 //! glibc's malloc keeps what a program frees in its arenas: the first free of a large block
-//! raises its dynamic mmap threshold, later blocks of that size (tungstenite's 128 KiB read
-//! and write buffers, ~200 KiB Params frames) come from per-thread heaps, and an arena only
+//! raises its dynamic mmap threshold, later blocks of that size (per-connection WebSocket
+//! read and write buffers, ~200 KiB Params frames) come from per-thread heaps, and an arena only
 //! shrinks from its top. After 1,000 WebSocket connections joined and left, `crowdgrad serve`
 //! kept ~330 MiB of freed memory (66 MiB before, ~400 MiB after: docs/benchmarks.md, "1,000
 //! WebSocket connections joining and leaving"). Retention, not a leak, but a host does not
@@ -12,16 +12,20 @@
 //! [`PERIOD`]. Once it has fallen by at least [`FALL`] since the last trim and then held still
 //! for one period (or has kept falling for [`MAX_WAIT`] periods), it calls `malloc_trim(0)` on a
 //! blocking thread: glibc returns every free page of every arena (`madvise(MADV_DONTNEED)`),
-//! which took a few milliseconds for ~330 MiB here. Nothing happens while the count rises or
-//! holds, so a steady training run never trims; at most one trim per period.
+//! which took 30 ms for ~340 MiB here (one trim per round of the churn). Nothing happens
+//! while the count rises or holds, so a steady training run never trims; at most one trim per
+//! period.
 //!
 //! Why this and not another allocator or glibc tuning: measured side by side in
-//! docs/benchmarks.md. A fixed mmap threshold (`mallopt(M_MMAP_THRESHOLD)`) maps and unmaps
-//! every large frame on the hot path; `M_ARENA_MAX=2` did not give memory back; jemalloc
-//! without its background thread kept half, with it the status p99 rose; the mimalloc crate
-//! kept the memory until its threads allocated again. The trim gave RSS back to within a few
-//! MiB of the baseline, with the lowest status latency, and changes nothing while connections
-//! hold.
+//! docs/benchmarks.md (1,000 connections × 2 rounds; RSS 10 s after each round). glibc as it
+//! was: 67 → ~415 → ~410 MiB. A fixed mmap threshold (`mallopt(M_MMAP_THRESHOLD)` /
+//! `MALLOC_MMAP_THRESHOLD_`): back to 89 MiB, but every large frame is mapped, faulted in and
+//! unmapped on the hot path. `MALLOC_ARENA_MAX=2`: kept it (372-426 MiB). jemalloc: kept
+//! 128-158 MiB without its background thread, 75-78 MiB with it (a bigger baseline, a C build
+//! and a thread of its own). mimalloc: 78 MiB as Debian's 2.0.9; the `mimalloc` crate (2.3)
+//! built in kept 426 MiB after one of two rounds (it purges when a thread allocates again).
+//! This trim: 71-74 MiB, status latency as low as any candidate's, no new allocator, no C
+//! code, and nothing at all while connections hold.
 //!
 //! On other platforms or C libraries (musl, macOS) `malloc_trim` does not exist and [`task`]
 //! returns at once.
