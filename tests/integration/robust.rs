@@ -91,94 +91,59 @@ fn issue10_two_of_ten_signflip_x10_robust_sync_within_a_point_of_clean() {
     }
 }
 
-/// The async side without data at the shards: the consensus filter refuses flipped pushes
-/// (`disagrees`) and wins back most of what the attack costs plain async (measured: 62.00% ->
-/// 92.51% against a clean 96.61%, and 40.49% -> 91.20% against 96.65% after a change of
-/// float rounding in the first layer: not within a point, the flipped pushes it lets through
-/// still hurt; `zeno` below is), refusing under 2% of the honest pushes of a clean run.
+/// Issue 10 in async, 2 of 10 workers pushing their gradient times -10, against the plain
+/// mean's clean run:
+/// - `zeno` (Zeno++ with the validation gradient the driver holds) ends within a point of it
+///   (measured, seeds 42, 2, 3: 96.39% vs 96.65%, 95.64% vs 96.34%, 96.14% vs 96.50%);
+/// - `consensus` (no data at the shards) wins back most of what the attack costs, not all
+///   (measured 62.00% -> 92.51% against a clean 96.61%, and 40.49% -> 91.20% against 96.65%
+///   after a change of float rounding in the first layer: the flipped pushes it lets through
+///   still hurt);
+/// - in a clean run each refuses under 2% of the honest pushes.
 #[test]
-fn issue10_two_of_ten_signflip_x10_async_consensus_wins_back_most_of_the_attack() {
+fn issue10_two_of_ten_signflip_x10_async_zeno_within_a_point_consensus_most_of_the_way() {
     let flip = Fault::SignFlip(10.0);
+    let clean = run(&ten(Consistency::Async, Aggregation::Mean, 0.0, flip));
+    let plain = run(&ten(Consistency::Async, Aggregation::Mean, 0.2, flip));
+    assert!(pct(&plain) <= pct(&clean) - 20.0, "{:.2}%", pct(&plain));
+    let disagrees = |r: &SimResult| r.totals.rejected_by_reason.get("disagrees").copied();
     let consensus = Aggregation::Consensus {
         margin: crowdgrad_core::robust::DEFAULT_CONSENSUS_MARGIN,
     };
-    let clean = run(&ten(Consistency::Async, Aggregation::Mean, 0.0, flip));
-    let clean_filtered = run(&ten(Consistency::Async, consensus, 0.0, flip));
-    let plain = run(&ten(Consistency::Async, Aggregation::Mean, 0.2, flip));
-    let filtered = run(&ten(Consistency::Async, consensus, 0.2, flip));
-    let disagrees = |r: &SimResult| r.totals.rejected_by_reason.get("disagrees").copied();
-    println!(
-        "async, 2 of 10 signflip:10: clean {:.2}% (with consensus {:.2}%, {:?} honest pushes refused of {}), attacked {:.2}%, consensus {:.2}% ({:?} refused, {} faulty pushes)",
-        pct(&clean),
-        pct(&clean_filtered),
-        disagrees(&clean_filtered),
-        clean_filtered.totals.pushes,
-        pct(&plain),
-        pct(&filtered),
-        disagrees(&filtered),
-        filtered.totals.faulty_pushes,
-    );
-    assert!(pct(&plain) <= pct(&clean) - 20.0, "{:.2}%", pct(&plain));
-    assert!(
-        pct(&filtered) >= pct(&plain) + 20.0 && pct(&filtered) >= pct(&clean) - 7.0,
-        "consensus {:.2}% vs attacked {:.2}%, clean {:.2}%",
-        pct(&filtered),
-        pct(&plain),
-        pct(&clean)
-    );
-    assert!(pct(&clean_filtered) >= pct(&clean) - 1.0);
-    assert!(disagrees(&filtered).unwrap_or(0) > 0);
-    // Honest pushes refused: under 2% of all pushes.
-    let honest_refused = disagrees(&clean_filtered).unwrap_or(0);
-    assert!(
-        honest_refused * 50 <= clean_filtered.totals.pushes,
-        "{honest_refused} of {} honest pushes refused",
-        clean_filtered.totals.pushes
-    );
-}
-
-/// Issue 10's target in async: 2 of 10 workers push their gradient times -10. Zeno++ with the
-/// validation gradient the driver holds (`zeno`) ends within a point of the clean run
-/// (measured, seeds 42, 2, 3: 96.39% vs 96.65%, 95.64% vs 96.34%, 96.14% vs 96.50%), while
-/// the plain mean is wrecked; in a clean run it refuses under 2% of the honest pushes.
-#[test]
-fn issue10_two_of_ten_signflip_x10_async_zeno_within_a_point_of_clean() {
-    let flip = Fault::SignFlip(10.0);
     let zeno = Aggregation::Zeno {
         margin: crowdgrad_core::robust::DEFAULT_ZENO_MARGIN,
     };
-    let clean = run(&ten(Consistency::Async, Aggregation::Mean, 0.0, flip));
-    let clean_zeno = run(&ten(Consistency::Async, zeno, 0.0, flip));
-    let plain = run(&ten(Consistency::Async, Aggregation::Mean, 0.2, flip));
-    let attacked = run(&ten(Consistency::Async, zeno, 0.2, flip));
-    let disagrees = |r: &SimResult| r.totals.rejected_by_reason.get("disagrees").copied();
-    println!(
-        "async, 2 of 10 signflip:10: clean {:.2}% (with zeno {:.2}%, {:?} honest pushes refused of {}), attacked mean {:.2}%, zeno {:.2}% ({:?} disagrees, {:?} out of bounds, {} faulty pushes)",
-        pct(&clean),
-        pct(&clean_zeno),
-        disagrees(&clean_zeno),
-        clean_zeno.totals.pushes,
-        pct(&plain),
-        pct(&attacked),
-        disagrees(&attacked),
-        attacked.totals.rejected_by_reason.get("out_of_bounds"),
-        attacked.totals.faulty_pushes,
-    );
-    assert!(pct(&plain) <= pct(&clean) - 20.0, "{:.2}%", pct(&plain));
-    assert!(
-        pct(&attacked) >= pct(&clean) - 1.0,
-        "zeno {:.2}% vs clean {:.2}%",
-        pct(&attacked),
-        pct(&clean)
-    );
-    assert!(disagrees(&attacked).unwrap_or(0) > 0);
-    let honest_refused = disagrees(&clean_zeno).unwrap_or(0);
-    assert!(
-        honest_refused * 50 <= clean_zeno.totals.pushes,
-        "{honest_refused} of {} honest pushes refused",
-        clean_zeno.totals.pushes
-    );
-    assert!(pct(&clean_zeno) >= pct(&clean) - 0.5);
+    for (rule, within) in [(zeno, 1.0), (consensus, 7.0)] {
+        let clean_filtered = run(&ten(Consistency::Async, rule, 0.0, flip));
+        let attacked = run(&ten(Consistency::Async, rule, 0.2, flip));
+        println!(
+            "async, 2 of 10 signflip:10: clean {:.2}% (with {rule} {:.2}%, {:?} honest pushes refused of {}), attacked mean {:.2}%, {rule} {:.2}% ({:?} disagrees, {:?} out of bounds, {} faulty pushes)",
+            pct(&clean),
+            pct(&clean_filtered),
+            disagrees(&clean_filtered),
+            clean_filtered.totals.pushes,
+            pct(&plain),
+            pct(&attacked),
+            disagrees(&attacked),
+            attacked.totals.rejected_by_reason.get("out_of_bounds"),
+            attacked.totals.faulty_pushes,
+        );
+        assert!(
+            pct(&attacked) >= pct(&clean) - within && pct(&attacked) >= pct(&plain) + 20.0,
+            "{rule} {:.2}% vs clean {:.2}%, attacked mean {:.2}%",
+            pct(&attacked),
+            pct(&clean),
+            pct(&plain)
+        );
+        assert!(disagrees(&attacked).unwrap_or(0) > 0, "{rule}");
+        assert!(pct(&clean_filtered) >= pct(&clean) - 1.0, "{rule}");
+        let honest_refused = disagrees(&clean_filtered).unwrap_or(0);
+        assert!(
+            honest_refused * 50 <= clean_filtered.totals.pushes,
+            "{rule}: {honest_refused} of {} honest pushes refused",
+            clean_filtered.totals.pushes
+        );
+    }
 }
 
 /// A native worker with a sign-flip fault, over real WebSockets: it joins, downloads its
