@@ -91,11 +91,17 @@ impl Watch {
 
 /// Trims after connections close, until `shutdown` flips to true (see the module doc).
 /// Spawn it on the server's runtime; it ends with the server.
-pub async fn task(limits: Arc<Limits>, mut shutdown: watch::Receiver<bool>) {
+pub async fn task(limits: Arc<Limits>, shutdown: watch::Receiver<bool>) {
+    counting(move || limits.counts().connections_open, shutdown).await;
+}
+
+/// [`task`] for a process that counts its open connections another way (`open()`, e.g. the
+/// shard process's connection semaphore).
+pub async fn counting(open: impl Fn() -> u64 + Send, mut shutdown: watch::Receiver<bool>) {
     if !SUPPORTED {
         return;
     }
-    let mut watch = Watch::new(limits.counts().connections_open);
+    let mut watch = Watch::new(open());
     loop {
         tokio::select! {
             _ = tokio::time::sleep(PERIOD) => {}
@@ -105,7 +111,7 @@ pub async fn task(limits: Arc<Limits>, mut shutdown: watch::Receiver<bool>) {
                 }
             }
         }
-        let open = limits.counts().connections_open;
+        let open = open();
         if watch.tick(open) {
             // Off the reactor: the trim walks every arena under its lock.
             match tokio::task::spawn_blocking(trim_now).await {

@@ -324,6 +324,12 @@ pub async fn run(
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .with_state(proc.clone());
+    // Memory of closed worker connections goes back to the OS, as in `serve` (crate::trim).
+    let (conns, max) = (proc.connections.clone(), cfg.max_connections);
+    tokio::spawn(crate::trim::counting(
+        move || max.saturating_sub(conns.available_permits()) as u64,
+        proc.shutdown.clone(),
+    ));
     let writer = checkpointer.clone().map(|ck| {
         tokio::spawn(checkpoint::task(
             proc.shard.clone(),
