@@ -549,10 +549,19 @@ impl ShardState {
                 message: e.to_string(),
             };
         }
+        // `zeno`'s norm ratio is taken against the same per-worker reference as the norm
+        // bound, so a worker pushing faster than the others cannot set "the usual norm".
+        let mut ratio = None;
         let checked = self.guard(samples).and_then(|norm| {
             // The worker's norm counts in the reference whether or not this push passes, so
             // honest workers that arrive after a flooder are not locked out by its median.
-            let verdict = self.norm_check(norm);
+            let reference = self.reference_norm();
+            let verdict = self.norm_check(norm, reference);
+            if let Some(m) = reference.filter(|&m| m > 0.0) {
+                if self.accepted >= crate::robust::ZENO_NORM_WARMUP as u64 {
+                    ratio = Some(f64::from(norm) / f64::from(m));
+                }
+            }
             self.note_norm(worker, norm);
             verdict.map(|()| norm)
         });
@@ -569,7 +578,7 @@ impl ShardState {
         };
         let outcome = self
             .core
-            .push_from(worker, base_version, &self.scratch, scale);
+            .push_judged(worker, base_version, &self.scratch, scale, ratio);
         self.record(&outcome);
         if matches!(outcome, Outcome::Applied { .. } | Outcome::Buffered { .. }) {
             self.accepted += 1;
@@ -621,11 +630,23 @@ impl ShardState {
     }
 
     /// The norm bound ([`PushGuard::norm_factor`]) for a push of per-step norm `norm`.
-    fn norm_check(&self, norm: f32) -> Result<(), String> {
+    /// The median over the recent workers of each one's median per-step norm (`None` before
+    /// any push).
+    fn reference_norm(&self) -> Option<f32> {
+        if self.norms.is_empty() {
+            return None;
+        }
+        let mut medians: Vec<f32> = self.norms.iter().map(|e| e.median).collect();
+        Some(median_of(&mut medians))
+    }
+
+    fn norm_check(&self, norm: f32, reference: Option<f32>) -> Result<(), String> {
         let g = self.cfg.setup.guard;
-        if g.norm_factor > 0.0 && self.accepted >= NORM_WARMUP as u64 && !self.norms.is_empty() {
-            let mut medians: Vec<f32> = self.norms.iter().map(|e| e.median).collect();
-            let median = median_of(&mut medians);
+        if let (true, true, Some(median)) = (
+            g.norm_factor > 0.0,
+            self.accepted >= NORM_WARMUP as u64,
+            reference,
+        ) {
             let bound = g.norm_factor * median;
             if norm > bound {
                 return Err(format!(

@@ -603,6 +603,24 @@ impl ShardCore {
         grad: &[f32],
         scale: f32,
     ) -> Outcome {
+        self.push_judged(owner, base_version, grad, scale, None)
+    }
+
+    /// [`ShardCore::push_from`] with the push's norm ratio to the usual one, for `zeno`'s
+    /// score, as the caller measures it ([`crate::session::ShardState`]: against the median
+    /// over workers of each one's median, so one fast worker cannot set it). `None`: `zeno`
+    /// uses the median of its recent pushes' norms.
+    ///
+    /// # Panics
+    /// If `grad` has the wrong length (callers validate input first).
+    pub fn push_judged(
+        &mut self,
+        owner: u64,
+        base_version: u64,
+        grad: &[f32],
+        scale: f32,
+        ratio: Option<f64>,
+    ) -> Outcome {
         assert_eq!(grad.len(), self.values.len(), "validated gradient length");
         if self.paused {
             return Outcome::Rejected {
@@ -672,7 +690,7 @@ impl ShardCore {
                 {
                     // Refused pushes join the consensus too (see `crate::robust`).
                     let verdict = if matches!(self.aggregation, Aggregation::Zeno { .. }) {
-                        self.consensus.check_zeno(grad, margin)
+                        self.consensus.check_zeno(grad, margin, ratio)
                     } else {
                         self.consensus.check(grad, margin)
                     };

@@ -94,7 +94,7 @@ fn issue10_two_of_ten_signflip_x10_robust_sync_within_a_point_of_clean() {
 /// Issue 10 in async, 2 of 10 workers pushing their gradient times -10, against the plain
 /// mean's clean run:
 /// - `zeno` (Zeno++ with the validation gradient the driver holds) ends within a point of it
-///   (measured, seeds 42, 2, 3: 96.39% vs 96.65%, 95.64% vs 96.34%, 96.14% vs 96.50%);
+///   (measured, seeds 42, 2, 3: 96.28% vs 96.65%, 95.56% vs 96.34%, 96.38% vs 96.50%);
 /// - `consensus` (no data at the shards) wins back most of what the attack costs, not all
 ///   (measured 62.00% -> 92.51% against a clean 96.61%, and 40.49% -> 91.20% against 96.65%
 ///   after a change of float rounding in the first layer: the flipped pushes it lets through
@@ -225,12 +225,13 @@ async fn signflip_worker(base: String, steps: u64, scale: f32) -> u64 {
     pushes
 }
 
-/// One real run: a server with `aggregation` in `consistency` and 4 native workers, `faulty` of
-/// them sign-flipping x10, `steps` steps each. Returns the server's final test accuracy (%) and
-/// its status.
+/// One real run: a server with `aggregation` in `consistency`, `honest` `crowdgrad work`
+/// workers and `faulty` native workers sign-flipping x10, `steps` steps each. Returns the
+/// server's final test accuracy (%) and its status.
 async fn real_run(
     consistency: Consistency,
     aggregation: Aggregation,
+    honest: usize,
     faulty: usize,
     steps: u64,
 ) -> (f64, serde_json::Value) {
@@ -243,7 +244,8 @@ async fn real_run(
     cfg.exchange.norm_bound = 0.0;
     let running = server(cfg).await;
     let url = running.url();
-    let honest: Vec<WorkerThread> = (0..4 - faulty)
+    let honest_workers = honest;
+    let honest: Vec<WorkerThread> = (0..honest_workers)
         .map(|i| {
             let mut o = WorkOptions::new(&url);
             o.steps = Some(steps);
@@ -257,7 +259,7 @@ async fn real_run(
     // The faulty workers start once the honest ones train and stop 50 steps before them: a
     // round of fewer pushes than faults (a lone attacker) is applied as it is by any rule.
     wait_for(&url, Duration::from_secs(30), "the honest workers", |s| {
-        s["workers_connected"] == 4 - faulty as u64
+        s["workers_connected"] == honest_workers as u64
     })
     .await;
     let bad: Vec<_> = (0..faulty)
@@ -304,9 +306,9 @@ async fn real_run(
 async fn issue10_real_server_median_survives_a_signflip_worker() {
     let steps = 250;
     let sync = Consistency::Sync { k: 4 };
-    let clean = real_run(sync, Aggregation::Mean, 0, steps).await.0;
-    let plain = real_run(sync, Aggregation::Mean, 1, steps).await.0;
-    let median = real_run(sync, Aggregation::Median, 1, steps).await.0;
+    let clean = real_run(sync, Aggregation::Mean, 4, 0, steps).await.0;
+    let plain = real_run(sync, Aggregation::Mean, 3, 1, steps).await.0;
+    let median = real_run(sync, Aggregation::Median, 3, 1, steps).await.0;
     println!(
         "real server, sync:4, 1 of 4 native workers signflip:10, {steps} steps each: clean mean {clean:.2}%, attacked mean {plain:.2}%, attacked median {median:.2}%"
     );
@@ -323,33 +325,44 @@ async fn issue10_real_server_median_survives_a_signflip_worker() {
 
 /// The same over real sockets in async: the server computes its validation batch's gradient
 /// (`crowdgrad::zeno`) and the shards refuse the flipped pushes (`disagrees`); the plain mean
-/// is wrecked, `zeno` stays near the clean run.
+/// is wrecked, `zeno` stays near the clean run of the same 3 honest workers (measured: clean
+/// 93.47% / 93.50%, attacked mean 10.09%, attacked zeno 93.36% / 93.14%, the flipping worker
+/// getting 1 and 0 of its 400 shard pushes applied). The attacker pushes unpaced, several
+/// times as often as the honest workers: the norm ratio zeno scores by is taken against the
+/// median over workers (as the norm bound's), or the attacker's own pushes would set "the
+/// usual norm" (measured before that: 45 of its pushes applied, 76.96%).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn issue10_real_server_zeno_survives_a_signflip_worker_in_async() {
     let steps = 250;
     let zeno = Aggregation::Zeno {
         margin: crowdgrad_core::robust::DEFAULT_ZENO_MARGIN,
     };
-    let clean = real_run(Consistency::Async, Aggregation::Mean, 0, steps)
+    let clean = real_run(Consistency::Async, Aggregation::Mean, 3, 0, steps)
         .await
         .0;
-    let plain = real_run(Consistency::Async, Aggregation::Mean, 1, steps)
+    let plain = real_run(Consistency::Async, Aggregation::Mean, 3, 1, steps)
         .await
         .0;
-    let (filtered, s) = real_run(Consistency::Async, zeno, 1, steps).await;
+    let (filtered, s) = real_run(Consistency::Async, zeno, 3, 1, steps).await;
     let refused = s["totals"]["rejected_by_reason"]["disagrees"]
         .as_u64()
         .unwrap_or(0);
     println!(
-        "real server, async, 1 of 4 native workers signflip:10, {steps} steps each: clean mean {clean:.2}%, attacked mean {plain:.2}%, attacked zeno {filtered:.2}% ({refused} pushes refused as disagrees)"
+        "real server, async, 3 honest native workers (+ 1 signflip:10), {steps} steps each: clean mean {clean:.2}%, attacked mean {plain:.2}%, attacked zeno {filtered:.2}% ({refused} pushes refused as disagrees)"
     );
+    for w in s["workers"].as_array().into_iter().flatten() {
+        println!(
+            "  worker {} ({}): applied {}, rejected {}",
+            w["id"], w["name"], w["pushes_applied"], w["rejected_by_reason"]
+        );
+    }
     assert!(clean > 85.0, "clean {clean:.2}%");
     assert!(
         plain <= clean - 20.0,
         "attacked mean {plain:.2}% vs clean {clean:.2}%"
     );
     assert!(
-        filtered >= clean - 5.0,
+        filtered >= clean - 3.0,
         "attacked zeno {filtered:.2}% vs clean {clean:.2}%"
     );
     // Most of the flipped worker's 2 x 200 shard pushes.
