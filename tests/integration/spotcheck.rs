@@ -422,10 +422,11 @@ async fn a_noise_worker_is_caught_by_its_first_spot_check() {
 
 /// Issue 10: "a worker caught sending something else is quarantined and its pending pushes are
 /// dropped". In `sync:3` with two bystanders connected (so the round waits), a noise worker's
-/// push is buffered on both shards; its spot check fails, the quarantine wakes its handlers
-/// (parked on the next version's pull), and its pushes leave the pending rounds unapplied:
-/// counted as dropped, and when the bystanders leave nothing is flushed, so the parameters are
-/// the initial ones byte for byte.
+/// push is buffered; its spot check fails, the quarantine wakes its handlers (parked on the next
+/// version's pull), and its pushes leave the pending rounds unapplied: counted as dropped, and
+/// when the bystanders leave nothing is flushed, so the parameters are the initial ones byte
+/// for byte. (The check of its first shard's slice may fail before its push to the other shard
+/// is taken; that shard then expels it with nothing buffered.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quarantined_workers_pending_sync_pushes_are_dropped() {
     let mut cfg = spot_config(1.0);
@@ -459,21 +460,26 @@ async fn a_quarantined_workers_pending_sync_pushes_are_dropped() {
         a.rounds, 1,
         "one round pushed, then expelled while it waited"
     );
+    // Every push it got buffered is dropped, on each shard.
     let s = wait_for(&url, Duration::from_secs(10), "the drops", |s| {
-        s["totals"]["pushes_dropped"].as_u64() >= Some(2)
+        let shards = s["shards"].as_array().cloned().unwrap_or_default();
+        s["totals"]["pushes_dropped"].as_u64() >= Some(1)
+            && shards
+                .iter()
+                .all(|x| x["pushes_dropped"] == x["pushes_buffered"])
     })
     .await;
-    for shard in s["shards"].as_array().expect("shards") {
-        assert_eq!(shard["pushes_dropped"], 1, "{shard}");
-        assert_eq!(shard["pushes_buffered"], 1, "{shard}");
-        assert_eq!(shard["version"], 0, "{shard}");
-    }
     let (_, metrics) = get(format!("{url}/metrics")).await;
     let metrics = String::from_utf8(metrics).expect("utf-8");
-    assert!(
-        metrics.contains("crowdgrad_pushes_dropped_total{shard=\"0\"} 1"),
-        "{metrics}"
-    );
+    for (i, shard) in s["shards"].as_array().expect("shards").iter().enumerate() {
+        assert!(shard["pushes_dropped"].as_u64() <= Some(1), "{shard}");
+        assert_eq!(shard["version"], 0, "{shard}");
+        let line = format!(
+            "crowdgrad_pushes_dropped_total{{shard=\"{i}\"}} {}",
+            shard["pushes_dropped"]
+        );
+        assert!(metrics.contains(&line), "{line}: {metrics}");
+    }
     // The bystanders leave: with the attacker's pushes still in the round, leaving would apply
     // it (rule 2); with them dropped there is nothing to apply.
     let mut last = bystanders.pop().expect("two");
