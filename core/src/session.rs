@@ -555,12 +555,21 @@ impl ShardState {
         let checked = self.guard(samples).and_then(|norm| {
             // The worker's norm counts in the reference whether or not this push passes, so
             // honest workers that arrive after a flooder are not locked out by its median.
-            let reference = self.reference_norm();
+            // Only when the norm bound or `zeno` will use it (a sort over up to 64 workers).
+            let g = self.cfg.setup.guard;
+            let bound_on = g.norm_factor > 0.0 && self.accepted >= NORM_WARMUP as u64;
+            let zeno_on = matches!(
+                self.cfg.setup.aggregation,
+                crate::robust::Aggregation::Zeno { .. }
+            ) && self.accepted >= crate::robust::ZENO_NORM_WARMUP as u64;
+            let reference = if bound_on || zeno_on {
+                self.reference_norm()
+            } else {
+                None
+            };
             let verdict = self.norm_check(norm, reference);
-            if let Some(m) = reference.filter(|&m| m > 0.0) {
-                if self.accepted >= crate::robust::ZENO_NORM_WARMUP as u64 {
-                    ratio = Some(f64::from(norm) / f64::from(m));
-                }
+            if let Some(m) = reference.filter(|&m| zeno_on && m > 0.0) {
+                ratio = Some(f64::from(norm) / f64::from(m));
             }
             self.note_norm(worker, norm);
             verdict.map(|()| norm)
@@ -632,12 +641,15 @@ impl ShardState {
     /// The norm bound ([`PushGuard::norm_factor`]) for a push of per-step norm `norm`.
     /// The median over the recent workers of each one's median per-step norm (`None` before
     /// any push).
-    fn reference_norm(&self) -> Option<f32> {
+    fn reference_norm(&mut self) -> Option<f32> {
         if self.norms.is_empty() {
             return None;
         }
-        let mut medians: Vec<f32> = self.norms.iter().map(|e| e.median).collect();
-        Some(median_of(&mut medians))
+        // In the scratch `note_norm` also uses: no allocation per push.
+        self.norm_scratch.clear();
+        self.norm_scratch
+            .extend(self.norms.iter().map(|e| e.median));
+        Some(median_of(&mut self.norm_scratch))
     }
 
     fn norm_check(&self, norm: f32, reference: Option<f32>) -> Result<(), String> {

@@ -4,8 +4,9 @@
 //! environment variables, the binary's own allocator. The server stays responsive, gives back
 //! every file descriptor, and its memory returns to its baseline after every round.
 //!
-//! Memory: the `crowdgrad` binary's global allocator is mimalloc (server/src/main.rs). With
-//! glibc's malloc the same churn left RSS at its peak (66 MiB before, ~410 MiB with 1,000
+//! Memory: the server gives freed heap memory back after connections close (a `malloc_trim`
+//! once open connections have fallen, server/src/trim.rs). Without it, glibc's malloc left RSS
+//! at its peak (66 MiB before, ~410 MiB with 1,000
 //! connections, ~400 MiB after each round: its dynamic mmap threshold rises after the first
 //! large free and the per-connection buffers then come from arenas it does not trim), which
 //! is why this test used to start the server with `MALLOC_MMAP_THRESHOLD_` fixed. It no
