@@ -4,13 +4,13 @@
 
 use criterion::{criterion_main, Criterion, Throughput};
 use crowdgrad::registry::Registry;
-use crowdgrad::shard::{Shard, ShardOptions};
+use crowdgrad::shard::Shard;
 use crowdgrad_core::optim::{OptimizerConfig, Rule};
 use crowdgrad_core::partition::KeyRange;
+use crowdgrad_core::session::ShardSetup;
 use crowdgrad_core::session::{Action, ShardSession};
 use crowdgrad_core::shard::{Consistency, StalenessPolicy};
 use crowdgrad_core::wire::{self, ClientKind, Hello, Message};
-use std::time::Duration;
 
 const N: usize = 101_770;
 
@@ -18,7 +18,7 @@ fn apply(c: &mut Criterion) {
     let mut g = c.benchmark_group("shard_apply");
     g.throughput(Throughput::Elements(N as u64));
     for name in ["sgd", "momentum", "adagrad", "rmsprop", "adam"] {
-        let opts = ShardOptions {
+        let opts = ShardSetup {
             optimizer: OptimizerConfig {
                 rule: Rule::from_name(name).expect("rule"),
                 lr: 1e-3,
@@ -27,15 +27,17 @@ fn apply(c: &mut Criterion) {
             },
             staleness: StalenessPolicy::default(),
             consistency: Consistency::Async,
-            heartbeat: Duration::from_secs(5),
-            sync_timeout: Duration::from_secs(1),
+            heartbeat: 5.0,
+            sync_timeout: 1.0,
             pull_encoding: crowdgrad_core::codec::Encoding::F32,
             push_encoding: crowdgrad_core::codec::Encoding::F32,
+            reports: true,
             pseudo_gradients: false,
             guard: crowdgrad_core::session::PushGuard::default(),
             aggregation: crowdgrad_core::robust::Aggregation::Mean,
         };
-        let shard = Shard::start(0, KeyRange { start: 0, end: N }, vec![0.1; N], opts);
+        let shard = Shard::start(0, KeyRange { start: 0, end: N }, vec![0.1; N], opts)
+            .expect("a valid setup");
         let grad = vec![1e-3f32; N];
         let registry = Registry::new(1, 10);
         let Some((id, _)) = registry.join(ClientKind::Native, None, 1) else {

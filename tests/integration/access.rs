@@ -2,7 +2,7 @@
 //! nothing secret in the status or the page.
 
 use crate::util::{config, connect, credential, get, join, recv, send, server, status, wait_for};
-use crowdgrad::credential::Secret;
+use crowdgrad::support::credential::Secret;
 use crowdgrad::worker::{WorkOptions, WorkerThread};
 use crowdgrad_core::spec::JoinRequest;
 use crowdgrad_core::wire::{

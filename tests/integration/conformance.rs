@@ -213,14 +213,14 @@ fn through_sim(cfg: &ServeConfig, server: &Played, script: Script) -> Played {
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect();
-    let ranges = partition(initial.len(), cfg.shards).expect("ranges");
+    let ranges = partition(initial.len(), cfg.training.shards).expect("ranges");
     let mut shards: Vec<ShardDriver> = ranges
         .iter()
         .enumerate()
         .map(|(i, r)| {
             let state = cfg
-                .shard_options()
-                .setup()
+                .training
+                .shard_setup(true)
                 .state(i as u32, *r, initial[r.start..r.end].to_vec())
                 .expect("state");
             let mut d = ShardDriver::new(state);
@@ -335,12 +335,12 @@ async fn conformance(cfg: ServeConfig, workers: usize, script: Script) {
 
 fn small(consistency: Consistency, staleness: &str) -> ServeConfig {
     let mut c = config();
-    c.model = "softmax".into();
-    c.shards = 2;
-    c.consistency = consistency;
-    c.staleness = StalenessPolicy::parse(staleness).expect("policy");
-    c.heartbeat_timeout = Duration::from_secs(1);
-    c.sync_timeout = Duration::from_secs(1);
+    c.training.model = "softmax".into();
+    c.training.shards = 2;
+    c.training.consistency = consistency;
+    c.training.staleness = StalenessPolicy::parse(staleness).expect("policy");
+    c.training.heartbeat_timeout = 1.0;
+    c.training.sync_timeout = 1.0;
     c
 }
 

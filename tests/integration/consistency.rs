@@ -21,8 +21,8 @@ fn applied(s: &serde_json::Value) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ssp_bounds_the_fastest_worker_and_survives_a_dead_straggler() {
     let mut cfg = config();
-    cfg.consistency = Consistency::Ssp { bound: 2 };
-    cfg.heartbeat_timeout = Duration::from_secs(2);
+    cfg.training.consistency = Consistency::Ssp { bound: 2 };
+    cfg.training.heartbeat_timeout = 2.0;
     let running = server(cfg).await;
     let url = running.url();
     let fast_a = worker(&url, 0);
@@ -96,8 +96,8 @@ fn updates(s: &serde_json::Value, shard: usize) -> Vec<(u64, u64)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sync_applies_one_mean_per_k_fresh_gradients_and_survives_a_dead_worker() {
     let mut cfg = config();
-    cfg.consistency = Consistency::Sync { k: 3 };
-    cfg.sync_timeout = Duration::from_millis(500);
+    cfg.training.consistency = Consistency::Sync { k: 3 };
+    cfg.training.sync_timeout = 0.5;
     let running = server(cfg).await;
     let url = running.url();
     let a = worker(&url, 0);

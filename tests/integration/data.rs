@@ -2,7 +2,9 @@
 //! Debian's `dataset-fashion-mnist` (gzip IDX files), through the same generic loader.
 
 use crate::util::{mnist, mnist_dir};
-use crowdgrad::data::{import_dir, load_dir, mnist_present, sha256_hex, FILES, MNIST_SHA256};
+use crowdgrad::support::data::{
+    import_dir, load_dir, mnist_present, sha256_hex, FILES, MNIST_SHA256,
+};
 use std::path::Path;
 
 #[test]
@@ -74,14 +76,17 @@ fn regression_fetch_into_a_relative_directory() {
         std::process::id()
     ));
     assert!(rel.is_relative());
-    crowdgrad::data::fetch_mnist(&rel).expect("fetch into a relative directory");
+    crowdgrad::support::data::fetch_mnist(&rel).expect("fetch into a relative directory");
     assert!(mnist_present(&rel));
     std::fs::remove_dir_all(rel.parent().expect("parent")).expect("cleanup");
 }
 
 /// Runs a server that must refuse `cfg` before serving anything: `run` returns the error at
 /// once, and the listening port is closed again (nothing half-started answers on it).
-async fn refused(cfg: crowdgrad::config::ServeConfig, data: crowdgrad::data::TrainTest) -> String {
+async fn refused(
+    cfg: crowdgrad::config::ServeConfig,
+    data: crowdgrad::support::data::TrainTest,
+) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let run = crowdgrad::run(listener, cfg, data, std::future::pending::<()>());
@@ -102,14 +107,14 @@ async fn refused(cfg: crowdgrad::config::ServeConfig, data: crowdgrad::data::Tra
 #[tokio::test]
 async fn models_are_resolved_against_the_data_at_start() {
     let mut bad = crate::util::config();
-    bad.model = "conv:8x5x5,pool:2,conv:16x5x5,pool:2,conv:32x5x5".into();
+    bad.training.model = "conv:8x5x5,pool:2,conv:16x5x5,pool:2,conv:32x5x5".into();
     let err = refused(bad, mnist()).await;
     assert!(
         err.contains("layer 6 (conv:32x5x5)") && err.contains("4x4x16"),
         "{err}"
     );
     let mut cfg = crate::util::config();
-    cfg.model = "cnn".into();
+    cfg.training.model = "cnn".into();
     let running = crate::util::server(cfg).await;
     let join = crate::util::join(&running.url()).await;
     let model = &join.run.model;
@@ -137,7 +142,7 @@ async fn npy_images_with_channels_train_a_cnn_and_bad_specs_are_refused() {
     let labels: Vec<u8> = (0..n).map(|i| (i % 3) as u8).collect();
     let img = encode_npy_u8(&[n, 8, 8, 3], &pixels);
     let lab = encode_npy_u8(&[n], &labels);
-    for (name, bytes) in crowdgrad::data::NPY_FILES
+    for (name, bytes) in crowdgrad::support::data::NPY_FILES
         .iter()
         .zip([&img, &lab, &img, &lab])
     {
@@ -146,11 +151,11 @@ async fn npy_images_with_channels_train_a_cnn_and_bad_specs_are_refused() {
     let data = load_dir(&dir).expect("npy directory loads");
     assert_eq!(data.train.image_dims, [8, 8, 3]);
     let mut cfg = crowdgrad::config::ServeConfig::defaults(&dir);
-    cfg.model = "conv:4x9x9".into();
+    cfg.training.model = "conv:4x9x9".into();
     cfg.partitions = 2;
     let err = refused(cfg.clone(), data.clone()).await;
     assert!(err.contains("8x8x3") && err.contains("9x9"), "{err}");
-    cfg.model = "conv:4x3x3/p1,pool:2,dense:8".into();
+    cfg.training.model = "conv:4x3x3/p1,pool:2,dense:8".into();
     let running = crowdgrad::start("127.0.0.1:0".parse().unwrap(), cfg, data)
         .await
         .expect("a CNN that fits starts");

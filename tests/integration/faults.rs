@@ -94,12 +94,12 @@ fn summary(tag: &str, out: &str) -> serde_json::Value {
 /// final test accuracy (%).
 async fn signflip_run(aggregation: Aggregation, faulty: usize, steps: u64) -> f64 {
     let mut cfg = config();
-    cfg.consistency = Consistency::Sync { k: 4 };
-    cfg.aggregation = aggregation;
+    cfg.training.consistency = Consistency::Sync { k: 4 };
+    cfg.training.aggregation = aggregation;
     cfg.eval_every = Duration::from_millis(200);
     // Only the aggregation defends here: the norm bound would refuse about half the flipped
     // pushes (then each round waits for --sync-timeout). robust.rs has the same setting.
-    cfg.exchange.norm_bound = 0.0;
+    cfg.training.exchange.norm_bound = 0.0;
     let running = server(cfg).await;
     let url = running.url();
     let n = steps.to_string();

@@ -301,8 +301,8 @@ fn total_version(s: &serde_json::Value) -> u64 {
 async fn set_consistency_switches_safe_modes_at_runtime() {
     const TOKEN: &str = "ops-admin-token-consistency-0";
     let mut cfg = util::config();
-    cfg.consistency = crowdgrad_core::shard::Consistency::Sync { k: 2 };
-    cfg.admin_token = Some(crowdgrad::credential::Secret::new(TOKEN));
+    cfg.training.consistency = crowdgrad_core::shard::Consistency::Sync { k: 2 };
+    cfg.admin_token = Some(crowdgrad::support::credential::Secret::new(TOKEN));
     let running = util::server(cfg).await;
     let base = running.url();
     let workers: Vec<WorkerThread> = (0..2)

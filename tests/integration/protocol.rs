@@ -290,7 +290,8 @@ async fn graceful_shutdown_says_bye_and_closes() {
 #[tokio::test]
 async fn staleness_is_recorded_and_a_bounded_policy_rejects_without_closing() {
     let mut cfg = config();
-    cfg.staleness = crowdgrad_core::shard::StalenessPolicy::parse("drop:1").expect("policy");
+    cfg.training.staleness =
+        crowdgrad_core::shard::StalenessPolicy::parse("drop:1").expect("policy");
     let running = server(cfg).await;
     let url = running.url();
     let me = join(&url).await.worker_id;
@@ -476,7 +477,8 @@ fn push(request_id: u32, base: u64, samples: u32, g: &[f32]) -> Vec<u8> {
 #[tokio::test]
 async fn too_stale_push_changes_nothing_and_keeps_the_connection() {
     let mut cfg = config();
-    cfg.staleness = crowdgrad_core::shard::StalenessPolicy::parse("drop:1").expect("policy");
+    cfg.training.staleness =
+        crowdgrad_core::shard::StalenessPolicy::parse("drop:1").expect("policy");
     let g = vec![1e-3f32; SHARD0];
     let warmup = vec![push(1, 0, 32, &g), push(2, 0, 32, &g)];
     refused_open(cfg, warmup, push(3, 0, 32, &g), ErrorCode::TooStale, 3).await;

@@ -114,7 +114,7 @@ async fn remote_shards_reach_in_process_accuracy_and_survive_a_kill() {
     let mut s1 = shard(1, "127.0.0.1:0", dir.path());
     let mut cfg = util::config();
     cfg.shard_urls = vec![format!("ws://{}", s0.addr), format!("ws://{}", s1.addr)];
-    cfg.run_secret = Some(crowdgrad::credential::Secret::new(SECRET));
+    cfg.run_secret = Some(crowdgrad::support::credential::Secret::new(SECRET));
     let running = util::server(cfg).await;
     let base = running.url();
     util::wait_for(&base, Duration::from_secs(20), "both shards up", |s| {

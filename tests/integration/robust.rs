@@ -236,12 +236,12 @@ async fn real_run(
     steps: u64,
 ) -> (f64, serde_json::Value) {
     let mut cfg = config();
-    cfg.consistency = consistency;
-    cfg.aggregation = aggregation;
+    cfg.training.consistency = consistency;
+    cfg.training.aggregation = aggregation;
     cfg.eval_every = Duration::from_millis(200);
     // Only the aggregation defends here: the norm bound would refuse about half the flipped
     // pushes (then each round waits for --sync-timeout).
-    cfg.exchange.norm_bound = 0.0;
+    cfg.training.exchange.norm_bound = 0.0;
     let running = server(cfg).await;
     let url = running.url();
     let honest_workers = honest;
@@ -324,7 +324,7 @@ async fn issue10_real_server_median_survives_a_signflip_worker() {
 }
 
 /// The same over real sockets in async: the server computes its validation batch's gradient
-/// (`crowdgrad::zeno`) and the shards refuse the flipped pushes (`disagrees`); the plain mean
+/// (`crowdgrad::coordinator::zeno`) and the shards refuse the flipped pushes (`disagrees`); the plain mean
 /// is wrecked, `zeno` stays near the clean run of the same 3 honest workers (measured: clean
 /// 93.47% / 93.50%, attacked mean 10.09%, attacked zeno 93.36% / 93.14%, the flipping worker
 /// getting 1 and 0 of its 400 shard pushes applied). The attacker pushes unpaced, several

@@ -114,12 +114,12 @@ async fn honest_native_workers_pass_every_spot_check_in_every_encoding_and_with_
         (Encoding::INT8, "int8_block"),
     ] {
         let mut c = config();
-        c.exchange.push_encoding = enc;
+        c.training.exchange.push_encoding = enc;
         honest_run(c, &format!("honest native, H = 1, push {name}"), 150).await;
     }
     let mut c = config();
-    c.exchange.local.steps = LocalSteps::Fixed(4);
-    c.exchange.push_encoding = Encoding::INT8;
+    c.training.exchange.local.steps = LocalSteps::Fixed(4);
+    c.training.exchange.push_encoding = Encoding::INT8;
     honest_run(c, "honest native, H = 4 (adam inner), push int8_block", 100).await;
 }
 
@@ -341,7 +341,9 @@ async fn assert_caught(running: &Running, a: &Attack, identity: &str, bound: u64
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shuffled_label_attacker_is_caught_quarantined_and_reported() {
     let mut cfg = spot_config(0.1);
-    cfg.admin_token = Some(crowdgrad::credential::Secret::new("spot-admin-token-0123"));
+    cfg.admin_token = Some(crowdgrad::support::credential::Secret::new(
+        "spot-admin-token-0123",
+    ));
     let running = server(cfg).await;
     let url = running.url();
     let h = honest(&url, "honest", 100_000);
@@ -430,9 +432,9 @@ async fn a_noise_worker_is_caught_by_its_first_spot_check() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quarantined_workers_pending_sync_pushes_are_dropped() {
     let mut cfg = spot_config(1.0);
-    cfg.consistency = crowdgrad_core::shard::Consistency::Sync { k: 3 };
+    cfg.training.consistency = crowdgrad_core::shard::Consistency::Sync { k: 3 };
     // Longer than the spot check takes: the round is not forced through meanwhile.
-    cfg.sync_timeout = Duration::from_secs(30);
+    cfg.training.sync_timeout = 30.0;
     let running = server(cfg).await;
     let url = running.url();
     let mut bystanders = Vec::new();

@@ -3,7 +3,7 @@
 //! made here with rcgen for 127.0.0.1 and localhost.
 
 use crate::util::{config, server};
-use crowdgrad::tls::TlsFiles;
+use crowdgrad::support::tls::TlsFiles;
 use crowdgrad::worker::{WorkOptions, WorkerThread};
 use std::path::PathBuf;
 use std::time::Duration;

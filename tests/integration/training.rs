@@ -65,11 +65,11 @@ async fn two_shards_three_workers_reach_95_percent_and_survive_a_killed_worker()
 
 async fn train_and_read_params(shards: usize, steps: u64) -> (Vec<u8>, serde_json::Value) {
     let mut cfg = config();
-    cfg.shards = shards;
-    cfg.seed = 7;
+    cfg.training.shards = shards;
+    cfg.training.seed = 7;
     // Protocol version 1's exchange: int8 blocks are cut per shard, so compressed pushes differ
     // between shard counts by design; and with overlap a lone worker reads before its own push.
-    cfg.exchange = crowdgrad::config::Exchange::default();
+    cfg.training.exchange = crowdgrad::config::Exchange::default();
     let running = server(cfg).await;
     let url = running.url();
     let mut o = WorkOptions::new(&url);
@@ -152,7 +152,7 @@ async fn a_native_worker_rejoins_a_restarted_server() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn normalize_auto_is_stated_in_the_run_spec_and_trains() {
     let mut cfg = config();
-    cfg.normalize = crowdgrad_core::data::NormalizeChoice::Auto;
+    cfg.training.normalize = crowdgrad_core::data::NormalizeChoice::Auto;
     let running = server(cfg).await;
     let url = running.url();
     let joined = crate::util::join(&url).await;

@@ -1,7 +1,7 @@
 //! Shared helpers: MNIST loaded once, servers on ephemeral ports, raw WebSocket clients.
 
 use crowdgrad::config::ServeConfig;
-use crowdgrad::data::TrainTest;
+use crowdgrad::support::data::TrainTest;
 use crowdgrad::Running;
 use crowdgrad_core::spec::{JoinRequest, JoinResponse};
 use crowdgrad_core::wire::{self, ClientKind, Hello, Message as Frame, PROTOCOL_VERSION};
@@ -25,7 +25,7 @@ pub fn mnist_dir() -> PathBuf {
 pub fn mnist() -> TrainTest {
     static DATA: OnceLock<TrainTest> = OnceLock::new();
     DATA.get_or_init(|| {
-        crowdgrad::data::ensure(&mnist_dir(), "mnist", true).expect("MNIST is available")
+        crowdgrad::support::data::ensure(&mnist_dir(), "mnist", true).expect("MNIST is available")
     })
     .clone()
 }

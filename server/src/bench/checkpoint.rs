@@ -62,7 +62,9 @@ fn spec(model: &str) -> Result<RunSpec> {
         run_id: "bench".into(),
         model: model.into(),
         // The server's default optimizer (Adagrad: one state slot as large as the model).
-        optimizer: crate::config::ServeConfig::defaults("data/mnist").optimizer,
+        optimizer: crate::config::ServeConfig::defaults("data/mnist")
+            .training
+            .optimizer,
         batch_size: 32,
         seed: 1,
         consistency: crowdgrad_core::shard::Consistency::Async,
@@ -86,7 +88,9 @@ fn spec(model: &str) -> Result<RunSpec> {
 /// The model does not build, or a write fails.
 pub async fn writes(model: &str, dir: &std::path::Path, repeat: usize) -> Result<Vec<Write>> {
     let spec = spec(model)?;
-    let mut opts = crate::config::ServeConfig::defaults("data/mnist").shard_options();
+    let mut opts = crate::config::ServeConfig::defaults("data/mnist")
+        .training
+        .shard_setup(true);
     opts.optimizer = spec.optimizer;
     opts.consistency = spec.consistency;
     let model_ = crowdgrad_core::model::Model::new(spec.model.clone())?;
@@ -96,7 +100,7 @@ pub async fn writes(model: &str, dir: &std::path::Path, repeat: usize) -> Result
         .iter()
         .enumerate()
         .map(|(i, r)| Shard::start(i as u32, *r, init[r.start..r.end].to_vec(), opts))
-        .collect();
+        .collect::<Result<_>>()?;
     drop(init);
     let store = Store::open(&dir.to_string_lossy())?;
     let mut out = Vec::new();

@@ -60,7 +60,7 @@ pub struct ChurnArgs {
     /// Start the server with `MALLOC_MMAP_THRESHOLD_` set to this many bytes: glibc then
     /// serves every larger block (frames, socket buffers) with its own mapping and returns it
     /// when freed, instead of raising the threshold and keeping freed blocks in its heap. An
-    /// allocator experiment (the server trims its heap by itself: crate::trim).
+    /// allocator experiment (the server trims its heap by itself: crate::support::trim).
     #[arg(long)]
     pub malloc_mmap_threshold: Option<usize>,
     /// More environment for the server process, `KEY=VALUE` (repeatable): allocator

@@ -66,7 +66,7 @@ pub struct Checkpoint {
     pub values: Vec<f32>,
     /// The optimizer's state slots over the full vector, in slot order.
     pub slots: Vec<Vec<f32>>,
-    /// The contribution ledger (JSON, [`crate::ledger`]).
+    /// The contribution ledger (JSON, [`crate::registry::ledger`]).
     pub ledger: serde_json::Value,
     /// When it was taken, milliseconds since the Unix epoch.
     pub created_unix_ms: u64,

@@ -16,8 +16,10 @@
 pub mod format;
 pub mod store;
 
-use crate::app::App;
 use crate::error::{Error, Result};
+use crate::registry::metrics::Metrics;
+use crate::registry::Registry;
+use crate::shard::Shard;
 use bytes::Bytes;
 use crowdgrad_core::shard::ShardExport;
 use crowdgrad_core::spec::RunSpec;
@@ -28,19 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use store::{Entry, Store};
 
-/// Checkpoint policy (`--checkpoint-dir`, `--checkpoint-every`, `--checkpoint-keep`,
-/// `--reshard`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct CheckpointConfig {
-    /// A directory, or `s3://bucket/prefix`.
-    pub location: String,
-    /// Time between periodic checkpoints.
-    pub every: Duration,
-    /// Checkpoints kept (older ones are deleted after each write).
-    pub keep: usize,
-    /// Accept a checkpoint of another shard count and re-cut it.
-    pub reshard: bool,
-}
+pub use crate::config::checkpoint::CheckpointConfig;
 
 /// A checkpoint that was written.
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -102,18 +92,18 @@ impl Checkpointer {
         self.last.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// Takes and writes a checkpoint of `app` now (one at a time), then deletes all but the
+    /// Takes and writes a checkpoint of `run` now (one at a time), then deletes all but the
     /// newest [`CheckpointConfig::keep`].
     ///
     /// # Errors
     /// When encoding or writing fails; the previous checkpoints are untouched.
-    pub async fn write(&self, app: &App) -> Result<Written> {
+    pub async fn write(&self, run: &Source) -> Result<Written> {
         let _one = self.writing.lock().await;
         let started = Instant::now();
-        let exports: Vec<ShardExport> = app.shards.iter().map(|s| s.export()).collect();
+        let exports: Vec<ShardExport> = run.shards.iter().map(|s| s.export()).collect();
         let lock_seconds = started.elapsed().as_secs_f64();
-        let spec = app.spec.clone();
-        let ledger = app.ledger_json();
+        let spec = run.spec.clone();
+        let ledger = run.registry.with_ledger(|l| l.to_json());
         let (bytes, versions, created_unix_ms) = tokio::task::spawn_blocking(move || {
             let c = Checkpoint::assemble(spec, &exports, ledger)?;
             Ok::<_, Error>((c.encode()?, c.versions(), c.created_unix_ms))
@@ -134,7 +124,7 @@ impl Checkpointer {
             lock_seconds,
         };
         *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(written.clone());
-        app.metrics
+        run.metrics
             .checkpoint_written(size, created_unix_ms as f64 / 1000.0);
         self.prune().await;
         Ok(written)
@@ -355,10 +345,27 @@ async fn load(store: &Store, e: &Entry, spec: &RunSpec, reshard: bool) -> Result
     }))
 }
 
+/// What a checkpoint is taken of: the shards, the run they belong to, the registry whose
+/// ledger goes along, and the metrics that report the write. Cheap handles, built once.
+#[derive(Debug, Clone)]
+pub struct Source {
+    /// Every shard of the run, in order.
+    pub shards: Vec<Shard>,
+    /// The run.
+    pub spec: RunSpec,
+    /// Its registry (for the contribution ledger).
+    pub registry: Registry,
+    /// Where the last checkpoint's size and time are reported.
+    pub metrics: Arc<Metrics>,
+}
+
 /// The periodic writer: every [`CheckpointConfig::every`], a checkpoint if any shard moved
-/// since the last one. Returns on shutdown (the final checkpoint is [`crate::run`]'s).
-pub async fn task(app: Arc<App>, ck: Arc<Checkpointer>) {
-    let mut shutdown = app.shutdown.clone();
+/// since the last one. Returns on shutdown (the final checkpoint is the coordinator's).
+pub async fn task(
+    app: Source,
+    ck: Arc<Checkpointer>,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) {
     let every = ck.cfg.every;
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

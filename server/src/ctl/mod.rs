@@ -1,4 +1,4 @@
-//! `crowdgrad ctl`: the admin API from the command line ([`crate::admin`]).
+//! `crowdgrad ctl`: the admin API from the command line ([`crate::coordinator::admin`]).
 //!
 //! ```text
 //! crowdgrad ctl --server http://127.0.0.1:8080 --token T state|pause|resume|drain|stop|checkpoint

@@ -106,7 +106,7 @@ impl ShardCheckpoint {
             values: e.values.to_vec(),
             slots,
             spec,
-            created_unix_ms: (crate::metrics::unix_now() * 1000.0) as u64,
+            created_unix_ms: (crate::registry::metrics::unix_now() * 1000.0) as u64,
         })
     }
 
@@ -377,7 +377,7 @@ pub async fn task(
     shard: Shard,
     ck: Arc<ShardCheckpointer>,
     mut stop: tokio::sync::watch::Receiver<bool>,
-    metrics: Arc<crate::metrics::Metrics>,
+    metrics: Arc<crate::registry::metrics::Metrics>,
 ) {
     let every = ck.cfg.every;
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
@@ -393,7 +393,7 @@ pub async fn task(
                 match ck.write(&shard).await {
                     Ok(w) => {
                         tracing::info!(checkpoint = %w.name, bytes = w.bytes, seconds = w.write_seconds, version = w.version, "shard checkpoint written");
-                        metrics.checkpoint_written(w.bytes, crate::metrics::unix_now());
+                        metrics.checkpoint_written(w.bytes, crate::registry::metrics::unix_now());
                         last = Some(w.version);
                     }
                     Err(err) => tracing::error!(%err, "shard checkpoint failed; the previous ones are kept"),

@@ -1,13 +1,13 @@
 //! `crowdgrad shard`: one parameter shard in a process of its own, for runs that outgrow one
 //! machine. [`run`] serves shard `I` of `N` with the same endpoint as `crowdgrad serve`
-//! (`/ws/shard/{I}`, the same [`handler::serve`](crate::handler::serve) over the same
+//! (`/ws/shard/{I}`, the same [`handler::serve`](crate::shard::handler::serve) over the same
 //! [`Shard`]), plus:
 //! - `GET /api/params`: the shard's values, raw f32 LE (header `x-crowdgrad-versions`);
 //! - `GET /api/shard`: what the coordinator checks and shows ([`ShardReport`]);
 //! - `GET /healthz`, `GET /readyz`, `GET /metrics`.
 //!
 //! Workers join at the coordinator (`crowdgrad serve --shard-urls ...`), which hands them a
-//! credential (HMAC of the worker id under the run secret, [`crate::credential`]); this process
+//! credential (HMAC of the worker id under the run secret, [`crate::support::credential`]); this process
 //! shares the secret and admits a Hello only with its worker's credential.
 //!
 //! [`remote`] is the coordinator's side: health checks, layout checks and parameter fetches.
@@ -16,13 +16,12 @@
 //! optimizer state, version), without a coordinator restart.
 
 pub mod checkpoint;
-pub mod remote;
 
-use crate::app::ShardStatus;
 use crate::config::{Training, TrainingArgs};
 use crate::error::{Error, Result};
 use crate::registry::Registry;
-use crate::shard::{Shard, ShardOptions};
+use crate::shard::report::{ShardReport, ShardStatus};
+use crate::shard::Shard;
 use axum::extract::ws::WebSocketUpgrade;
 use axum::extract::{Path, State};
 use axum::http::{header, HeaderValue, StatusCode};
@@ -31,9 +30,8 @@ use axum::routing::get;
 use axum::{Json, Router};
 use clap::Args;
 use crowdgrad_core::model::Model;
-use crowdgrad_core::partition::KeyRange;
 use crowdgrad_core::spec::{DataInfo, RunParams, RunSpec};
-use serde::{Deserialize, Serialize};
+
 use serde_json::json;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -46,8 +44,7 @@ use tokio_util::task::TaskTracker;
 /// How long shutdown waits for open WebSocket connections to finish.
 const DRAIN: Duration = Duration::from_secs(5);
 
-/// Shortest run secret accepted (bytes).
-pub const MIN_SECRET: usize = 16;
+pub use crate::support::credential::MIN_SECRET;
 
 /// Flags of `crowdgrad shard`.
 #[derive(Debug, Clone, Args)]
@@ -191,35 +188,13 @@ impl ShardArgs {
             training,
             inputs: self.inputs,
             classes: self.classes,
-            secret: crate::credential::RunSecret::shared(&self.run_secret)
+            secret: crate::support::credential::RunSecret::shared(&self.run_secret)
                 .as_bytes()
                 .to_vec(),
             max_connections: self.max_connections,
             checkpoint,
         })
     }
-}
-
-/// The body of a shard process's `GET /api/shard`: what the coordinator checks against its own
-/// run and shows on the dashboard.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct ShardReport {
-    /// This shard's index.
-    pub index: u32,
-    /// Shards in the run.
-    pub of: usize,
-    /// Its key range.
-    pub range: KeyRange,
-    /// The model, e.g. `mlp 784-128-10`.
-    pub model: String,
-    /// Consistency mode text.
-    pub consistency: String,
-    /// Current version.
-    pub version: u64,
-    /// Seconds since the process started.
-    pub uptime_s: f64,
-    /// Its counters as `/api/status` shows a shard (`id`, `range`, `version`, counters...).
-    pub status: serde_json::Value,
 }
 
 /// The run spec a shard process derives from its flags (the same [`RunSpec::build`] the
@@ -255,7 +230,7 @@ struct ShardProc {
     shutdown: watch::Receiver<bool>,
     tracker: TaskTracker,
     connections: Arc<Semaphore>,
-    metrics: Arc<crate::metrics::Metrics>,
+    metrics: Arc<crate::registry::metrics::Metrics>,
     started: Instant,
 }
 
@@ -281,18 +256,7 @@ pub async fn run(
         }
         None => (None, None),
     };
-    let opts = ShardOptions {
-        optimizer: t.optimizer,
-        staleness: t.staleness,
-        consistency: t.consistency,
-        heartbeat: Duration::from_secs_f64(t.heartbeat_timeout),
-        sync_timeout: Duration::from_secs_f64(t.sync_timeout),
-        pull_encoding: t.exchange.pull_encoding,
-        push_encoding: t.exchange.push_encoding,
-        pseudo_gradients: t.exchange.local.steps.pseudo_gradients(),
-        guard: t.exchange.guard(t.batch_size),
-        aggregation: t.aggregation,
-    };
+    let opts = t.shard_setup(true);
     let shard = match restored {
         Some((name, c)) => {
             tracing::info!(checkpoint = %name, version = c.meta.version, "shard continues from its checkpoint");
@@ -301,7 +265,7 @@ pub async fn run(
         None => {
             let model = Model::new(spec.model.clone())?;
             let values = model.init_params(t.seed)[range.start..range.end].to_vec();
-            Shard::start(cfg.index as u32, range, values, opts)
+            Shard::start(cfg.index as u32, range, values, opts)?
         }
     };
     shard.require_credential(cfg.secret.clone());
@@ -324,9 +288,9 @@ pub async fn run(
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .with_state(proc.clone());
-    // Memory of closed worker connections goes back to the OS, as in `serve` (crate::trim).
+    // Memory of closed worker connections goes back to the OS, as in `serve` (crate::support::trim).
     let (conns, max) = (proc.connections.clone(), cfg.max_connections);
-    tokio::spawn(crate::trim::counting(
+    tokio::spawn(crate::support::trim::counting(
         move || max.saturating_sub(conns.available_permits()) as u64,
         proc.shutdown.clone(),
     ));
@@ -395,7 +359,7 @@ async fn ws(
     let Ok(permit) = p.connections.clone().try_acquire_owned() else {
         return error(StatusCode::SERVICE_UNAVAILABLE, "too many connections");
     };
-    crate::http::shard_socket(
+    crate::shard::socket::shard_socket(
         upgrade,
         p.shard.clone(),
         p.registry.clone(),
@@ -421,13 +385,10 @@ async fn params(State(p): State<Arc<ShardProc>>) -> Response {
 fn shard_report(p: &ShardProc) -> ShardReport {
     let (_, counters, _) = p.registry.view();
     let s = &p.shard;
-    let status = ShardStatus {
-        id: s.id(),
-        range: s.range(),
-        version: s.version(),
-        updates_by_merged: s.updates(),
-        counters: counters.get(s.id() as usize).cloned().unwrap_or_default(),
-    };
+    let status = ShardStatus::of(
+        s,
+        counters.get(s.id() as usize).cloned().unwrap_or_default(),
+    );
     ShardReport {
         index: s.id(),
         of: p.spec.shards.len(),
@@ -467,8 +428,8 @@ async fn metrics(State(p): State<Arc<ShardProc>>) -> Response {
     let (_, counters, totals) = p.registry.view();
     let s = &p.shard;
     let (bytes_received, bytes_sent) = s.bytes();
-    let scrape = crate::metrics::Scrape {
-        shards: vec![crate::metrics::ShardScrape {
+    let scrape = crate::registry::metrics::Scrape {
+        shards: vec![crate::registry::metrics::ShardScrape {
             id: s.id(),
             version: s.version(),
             counters: counters.get(s.id() as usize).cloned().unwrap_or_default(),
@@ -481,11 +442,11 @@ async fn metrics(State(p): State<Arc<ShardProc>>) -> Response {
         remote_up: Vec::new(),
         checkpoint: p.metrics.checkpoint(),
         uptime_s: p.started.elapsed().as_secs_f64(),
-        now_unix: crate::metrics::unix_now(),
+        now_unix: crate::registry::metrics::unix_now(),
     };
     (
-        [(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)],
-        crate::metrics::render(scrape),
+        [(header::CONTENT_TYPE, crate::registry::metrics::CONTENT_TYPE)],
+        crate::registry::metrics::render(scrape),
     )
         .into_response()
 }

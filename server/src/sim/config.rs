@@ -1,7 +1,14 @@
 //! The simulator's flags ([`SimArgs`], with the training flags of `serve` flattened in) and
 //! their checked form ([`SimConfig`]).
 
-use super::*;
+use crate::config::TrainingArgs;
+use crate::error::{Error, Result};
+use clap::Args;
+use crowdgrad_core::model::ModelSpec;
+use crowdgrad_core::optim::OptimizerConfig;
+use crowdgrad_core::shard::{Consistency, StalenessPolicy};
+use std::fmt::Write as _;
+use std::path::PathBuf;
 
 /// Flags of `crowdgrad sim`. The training flags ([`TrainingArgs`]: model, optimizer, batch,
 /// seed, shards, consistency, staleness, timeouts) are `crowdgrad serve`'s, flattened; `--mode`
@@ -308,6 +315,26 @@ impl SimArgs {
 }
 
 impl SimConfig {
+    /// The training half of this config, as `serve` and `shard` hold it
+    /// ([`crate::config::Training`]): the simulated shards are set up from it by the same
+    /// [`crate::config::Training::shard_setup`] as the real ones.
+    pub fn training(&self) -> crate::config::Training {
+        crate::config::Training {
+            model: self.model.clone(),
+            normalize: self.normalize.clone(),
+            optimizer: self.optimizer,
+            batch_size: self.batch_size,
+            seed: self.seed,
+            shards: self.shards,
+            consistency: self.consistency,
+            staleness: self.staleness,
+            aggregation: self.aggregation,
+            heartbeat_timeout: self.heartbeat,
+            sync_timeout: self.sync_timeout,
+            exchange: self.exchange,
+        }
+    }
+
     /// Checks every value is in range (the fields are public, so [`run`] checks again).
     ///
     /// # Errors

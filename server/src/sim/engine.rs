@@ -11,19 +11,18 @@
 //! The worker side drives core's [`Worker`] the way `crate::worker` does: step when ready,
 //! reconnect after a lost session with core's [`Backoff`], the one every worker uses.
 
+use super::config::{DropoutKind, SimConfig, SpeedDist};
+use super::report::{ReadRecord, Row, SimResult, Totals, WorkerSummary};
 use super::shard::{Output, ShardDriver};
-use super::{
-    DropoutKind, Fault, ReadRecord, Row, SimConfig, SimResult, SpeedDist, Totals, WorkerSummary,
-};
-use crate::data::TrainTest;
 use crate::error::{Error, Result};
+use crate::support::data::TrainTest;
 use crowdgrad_core::backoff::Backoff;
 use crowdgrad_core::data::{encode_idx, Dataset};
 use crowdgrad_core::model::{Model, ModelSpec};
 use crowdgrad_core::partition::partition;
 use crowdgrad_core::rng::Rng;
 use crowdgrad_core::robust::{Aggregation, ZenoReference, ZENO_REFRESH};
-use crowdgrad_core::session::{Record, ShardSetup};
+use crowdgrad_core::session::Record;
 use crowdgrad_core::shard::Outcome;
 use crowdgrad_core::spec::{DataInfo, JoinResponse, PartitionInfo, RunParams, RunSpec};
 use crowdgrad_core::wire::{ClientKind, ErrorCode, PROTOCOL_VERSION};
@@ -223,23 +222,12 @@ impl<'a> Engine<'a> {
         let model = Model::new(spec.clone())?;
         let ranges = partition(model.param_len(), cfg.shards)?;
         let initial = model.init_params(cfg.seed);
+        let training = cfg.training();
         let shards = ranges
             .iter()
             .enumerate()
             .map(|(i, r)| {
-                let setup = ShardSetup {
-                    optimizer: cfg.optimizer,
-                    staleness: cfg.staleness,
-                    consistency: cfg.consistency,
-                    heartbeat: cfg.heartbeat,
-                    sync_timeout: cfg.sync_timeout,
-                    pull_encoding: cfg.exchange.pull_encoding,
-                    push_encoding: cfg.exchange.push_encoding,
-                    reports: false,
-                    pseudo_gradients: cfg.exchange.local.steps.pseudo_gradients(),
-                    guard: cfg.exchange.guard(cfg.batch_size),
-                    aggregation: cfg.aggregation,
-                };
+                let setup = training.shard_setup(false);
                 let state = setup.state(i as u32, *r, initial[r.start..r.end].to_vec())?;
                 Ok(SimShard {
                     driver: ShardDriver::new(state),

@@ -2,7 +2,7 @@
 //! left to the SVG viewer). Two panels: test accuracy against training samples and against
 //! simulated seconds, with a red line at 95%.
 
-use super::Row;
+use super::row::Row;
 use plotters::prelude::*;
 
 /// (samples, simulated seconds, accuracy)

@@ -1,57 +1,14 @@
 //! What a simulation reports: evaluation rows ([`Row`], `run.csv`), the read log, per-worker
 //! summaries, totals, and the sweep summary tables.
 
-use super::*;
+use super::config::*;
+use super::plot;
+use crate::error::{Error, Result};
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::Path;
 
-/// One evaluation point: a line of `run.csv`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Row {
-    /// Training examples computed so far (summed over workers).
-    pub samples: u64,
-    /// Simulated seconds since the start.
-    pub sim_time_s: f64,
-    /// Mean cross-entropy on the evaluated test examples.
-    pub test_loss: f64,
-    /// Accuracy on them.
-    pub test_accuracy: f64,
-    /// How many test examples were evaluated (the last row: the full test set).
-    pub eval_examples: usize,
-    /// Mean staleness of the pushes accepted since the previous row.
-    pub mean_staleness: f64,
-    /// Largest staleness accepted since the previous row.
-    pub max_staleness: u64,
-    /// Updates applied, summed over shards (the sum of the ShardCore versions).
-    pub updates: u64,
-    /// Push frames accepted so far (applied or buffered), summed over shards.
-    pub accepted: u64,
-    /// Push frames rejected so far (too stale, late, not finite...), summed over shards.
-    pub rejected: u64,
-    /// Workers online (connected and not paused) at this moment.
-    pub workers_online: usize,
-}
-
-/// The columns of `run.csv`.
-pub const CSV_HEADER: &str = "samples,sim_time_s,test_loss,test_accuracy,eval_examples,mean_staleness,max_staleness,updates,accepted,rejected,workers_online";
-
-impl Row {
-    fn csv_line(&self, out: &mut String) {
-        let _ = writeln!(
-            out,
-            "{},{:.6},{:.6},{:.6},{},{:.4},{},{},{},{},{}",
-            self.samples,
-            self.sim_time_s,
-            self.test_loss,
-            self.test_accuracy,
-            self.eval_examples,
-            self.mean_staleness,
-            self.max_staleness,
-            self.updates,
-            self.accepted,
-            self.rejected,
-            self.workers_online
-        );
-    }
-}
+pub use super::row::{Row, CSV_HEADER};
 
 /// One read (a `Params` reply), as the simulated shard saw it.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -1,6 +1,7 @@
 //! `--sweep PARAM=V1,V2,...`: one configuration per value, and file-safe labels.
 
-use super::*;
+use super::config::*;
+use crate::error::{Error, Result};
 
 /// Names of the parameters `--sweep` accepts.
 pub const SWEEP_PARAMS: [&str; 19] = [

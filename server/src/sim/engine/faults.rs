@@ -1,8 +1,11 @@
 //! Randomness and faults of the simulated world: independent seeded streams, the delay and
 //! speed distributions, and what a faulty worker does to its pushes.
 
-use super::*;
+use crate::error::Result;
+use crate::sim::config::{Fault, SimConfig};
+use crowdgrad_core::data::Dataset;
 use crowdgrad_core::fault::{shuffle_labels, Collusion, Faults as CoreFaults};
+use crowdgrad_core::rng::Rng;
 
 /// An independent random stream for `(tag, index)`, so that e.g. adding faulty workers does
 /// not change the speeds drawn.

@@ -3,8 +3,8 @@
 //! for the evaluator. Every request has a timeout; a shard that does not answer is reported
 //! down on `/readyz`, `/api/status` and `/metrics`, never waited for.
 
-use super::ShardReport;
 use crate::error::{Error, Result};
+use crate::shard::report::ShardReport;
 use crowdgrad_core::partition::KeyRange;
 use crowdgrad_core::spec::ShardInfo;
 use serde::Serialize;

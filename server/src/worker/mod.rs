@@ -20,6 +20,8 @@
 //! once into a cache they share, and its dashboard shows one volunteer). Every rule above
 //! holds per thread; the stop signal reaches all of them; the progress bar sums them.
 
+pub mod args;
+
 use crate::error::{Error, Result};
 use crowdgrad_core::backoff::{self, Backoff};
 use crowdgrad_core::data::Dataset;
@@ -164,13 +166,13 @@ pub fn identity_from_file(path: &std::path::Path) -> Result<String> {
     match std::fs::read_to_string(path) {
         Ok(s) => {
             let id = s.trim().to_string();
-            crate::ledger::check_identity(&id)
+            crate::registry::ledger::check_identity(&id)
                 .map_err(|m| Error::Config(format!("identity file {}: {m}", path.display())))?;
             Ok(id)
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            let bytes =
-                crate::credential::run_secret().map_err(|e| Error::io("drawing an identity", e))?;
+            let bytes = crate::support::credential::run_secret()
+                .map_err(|e| Error::io("drawing an identity", e))?;
             let id: String = bytes[..16].iter().map(|b| format!("{b:02x}")).collect();
             if let Some(dir) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
                 std::fs::create_dir_all(dir)
@@ -227,13 +229,13 @@ impl Net {
         let mut tls = ureq::tls::TlsConfig::builder().provider(ureq::tls::TlsProvider::Rustls);
         let mut ws_tls = None;
         if let Some(ca) = &opts.ca {
-            let certs: Vec<ureq::tls::Certificate<'static>> = crate::tls::certs(ca)?
+            let certs: Vec<ureq::tls::Certificate<'static>> = crate::support::tls::certs(ca)?
                 .iter()
                 .map(|c| ureq::tls::Certificate::from_der(c.as_ref()).to_owned())
                 .collect();
             tls = tls.root_certs(ureq::tls::RootCerts::new_with_certs(&certs));
             ws_tls = Some(tokio_tungstenite::Connector::Rustls(
-                crate::tls::client_config(Some(ca))?,
+                crate::support::tls::client_config(Some(ca))?,
             ));
         }
         let agent: ureq::Agent = ureq::Agent::config_builder()
@@ -446,7 +448,8 @@ pub async fn work(opts: WorkOptions, shutdown: impl Future<Output = ()>) -> Resu
 /// A key for this process' threads to join under ([`Threads::volunteer`]): 32 random hex
 /// digits.
 fn volunteer_key() -> Result<String> {
-    let bytes = crate::credential::run_secret().map_err(|e| Error::io("drawing a key", e))?;
+    let bytes =
+        crate::support::credential::run_secret().map_err(|e| Error::io("drawing a key", e))?;
     Ok(bytes[..16].iter().map(|b| format!("{b:02x}")).collect())
 }
 

@@ -8,6 +8,9 @@
 //!
 //! [`Secret`] holds a secret string (the join token) and never prints it.
 
+/// Shortest run secret accepted (bytes), for `--run-secret` of `serve` and `shard`.
+pub const MIN_SECRET: usize = 16;
+
 use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
 

@@ -7,20 +7,22 @@
 //! - every update publishes an immutable [`Snapshot`] through an `ArcSwap`, and async pulls are
 //!   encoded from that snapshot without taking the mutex: pulls never wait for pushes;
 //! - every change a waiting pull may wait for (a version, an SSP clock) bumps a `watch`
-//!   channel, which wakes the handlers of parked pulls ([`crate::handler`]).
+//!   channel, which wakes the handlers of parked pulls ([`crate::shard::handler`]).
 //!
 //! Pushes are applied inline by the connection that received them, serialised by the mutex,
 //! rather than handed to a writer thread (ps-lite's receive thread); applying inline measured
 //! ~25% less server CPU per step (two thread hand-offs per push fewer), see
 //! docs/benchmarks.md.
 
+pub mod handler;
+pub mod report;
+pub mod socket;
+
 use crate::registry::Registry;
 use arc_swap::ArcSwap;
-use crowdgrad_core::codec::Encoding;
-use crowdgrad_core::optim::OptimizerConfig;
 use crowdgrad_core::partition::KeyRange;
 use crowdgrad_core::session::{Admission, ShardAccess, ShardConfig, ShardSetup, ShardState};
-use crowdgrad_core::shard::{Consistency, ShardCore, ShardExport, StalenessPolicy};
+use crowdgrad_core::shard::{Consistency, ShardCore, ShardExport};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -51,12 +53,12 @@ struct Inner {
     /// Frame bytes received from / sent to workers, for `/metrics`.
     bytes_received: AtomicU64,
     bytes_sent: AtomicU64,
-    /// When set, a Hello is admitted by its credential (`crate::credential::verify` under this
+    /// When set, a Hello is admitted by its credential (`crate::support::credential::verify` under this
     /// run secret) instead of by the registry: how a shard process admits workers that joined
     /// at the coordinator.
     secret: std::sync::OnceLock<Vec<u8>>,
-    /// Reputation and spot checks ([`crate::spotcheck`]), set once at start.
-    defence: std::sync::OnceLock<crate::spotcheck::Defence>,
+    /// Reputation and spot checks ([`crate::defence::spotcheck`]), set once at start.
+    defence: std::sync::OnceLock<crate::defence::spotcheck::Defence>,
 }
 
 /// Cheap-to-clone handle to one shard (like mini-redis' `Db`).
@@ -75,60 +77,21 @@ impl std::fmt::Debug for Shard {
     }
 }
 
-/// How a shard is run.
-#[derive(Debug, Clone, Copy)]
-pub struct ShardOptions {
-    /// The update rule.
-    pub optimizer: OptimizerConfig,
-    /// Staleness policy for async/SSP pushes.
-    pub staleness: StalenessPolicy,
-    /// Consistency mode.
-    pub consistency: Consistency,
-    /// SSP: a worker not heard from for this long drops out of the clock.
-    pub heartbeat: Duration,
-    /// sync: a waiting pull forces the partial aggregate through after this long.
-    pub sync_timeout: Duration,
-    /// The most compact encoding the shard sends parameters in.
-    pub pull_encoding: Encoding,
-    /// The most compact encoding the shard asks pushes in.
-    pub push_encoding: Encoding,
-    /// Pushes are pseudo-gradients (the run has local steps).
-    pub pseudo_gradients: bool,
-    /// Bounds every push must keep.
-    pub guard: crowdgrad_core::session::PushGuard,
-    /// How pushes are combined (`--aggregation`).
-    pub aggregation: crowdgrad_core::robust::Aggregation,
-}
-
-impl ShardOptions {
-    /// The same options in seconds, as core's shard session takes them (the server asks for
-    /// `Report` frames).
-    pub fn setup(&self) -> ShardSetup {
-        ShardSetup {
-            optimizer: self.optimizer,
-            staleness: self.staleness,
-            consistency: self.consistency,
-            heartbeat: self.heartbeat.as_secs_f64(),
-            sync_timeout: self.sync_timeout.as_secs_f64(),
-            pull_encoding: self.pull_encoding,
-            push_encoding: self.push_encoding,
-            reports: true,
-            pseudo_gradients: self.pseudo_gradients,
-            guard: self.guard,
-            aggregation: self.aggregation,
-        }
-    }
-}
-
 impl Shard {
     /// Starts shard `id` over `range` with `initial` values.
     ///
-    /// # Panics
-    /// If `initial` does not have `range.len()` values (a startup bug, not input).
-    pub fn start(id: u32, range: KeyRange, initial: Vec<f32>, opts: ShardOptions) -> Self {
-        let core = ShardCore::new(initial, opts.optimizer, opts.staleness, opts.consistency)
-            .with_aggregation(opts.aggregation);
-        Self::with_core(id, range, core, opts).expect("shard values match their range")
+    /// # Errors
+    /// [`crate::Error::Config`] when `setup` cannot run at this size (a robust `sync:K` round
+    /// over the memory bound), or `initial` does not have `range.len()` values.
+    pub fn start(
+        id: u32,
+        range: KeyRange,
+        initial: Vec<f32>,
+        setup: ShardSetup,
+    ) -> crate::Result<Self> {
+        let core = ShardCore::new(initial, setup.optimizer, setup.staleness, setup.consistency)
+            .with_aggregation(setup.aggregation);
+        Self::with_core(id, range, core, setup)
     }
 
     /// Starts shard `id` over `range` from a checkpoint's export of it (values, optimizer
@@ -140,11 +103,11 @@ impl Shard {
         id: u32,
         range: KeyRange,
         saved: ShardExport,
-        opts: ShardOptions,
+        setup: ShardSetup,
     ) -> crate::Result<Self> {
-        let core = ShardCore::restore(saved, opts.optimizer, opts.staleness, opts.consistency)?
-            .with_aggregation(opts.aggregation);
-        Self::with_core(id, range, core, opts)
+        let core = ShardCore::restore(saved, setup.optimizer, setup.staleness, setup.consistency)?
+            .with_aggregation(setup.aggregation);
+        Self::with_core(id, range, core, setup)
     }
 
     /// Pauses or resumes pushes (the admin API; a paused shard answers pushes `busy`).
@@ -170,9 +133,9 @@ impl Shard {
         id: u32,
         range: KeyRange,
         core: ShardCore,
-        opts: ShardOptions,
+        setup: ShardSetup,
     ) -> crate::Result<Self> {
-        let cfg = opts.setup().config(id, range);
+        let cfg = setup.config(id, range);
         let (version, values) = (core.version(), core.values().clone());
         let state = ShardState::new(cfg, core)?;
         Ok(Self {
@@ -183,7 +146,7 @@ impl Shard {
                 state: Mutex::new(state),
                 epoch_tx: watch::channel(0).0,
                 started: Instant::now(),
-                apply_seconds: crate::metrics::apply_histogram(),
+                apply_seconds: crate::registry::metrics::apply_histogram(),
                 bytes_received: AtomicU64::new(0),
                 bytes_sent: AtomicU64::new(0),
                 secret: std::sync::OnceLock::new(),
@@ -257,6 +220,14 @@ impl Shard {
         self.state().updates().clone()
     }
 
+    /// The version and the updates applied so far (as [`Shard::updates`]), read together under
+    /// the state lock: the version is the number of applied updates, so a status built from
+    /// this never shows one count ahead of the other.
+    pub fn progress(&self) -> (u64, BTreeMap<usize, u64>) {
+        let st = self.state();
+        (st.version(), st.updates().clone())
+    }
+
     /// Largest frame this shard accepts: a full push plus meta.
     pub fn frame_limit(&self) -> usize {
         self.inner.cfg.frame_limit()
@@ -291,20 +262,23 @@ impl Shard {
     ///
     /// # Errors
     /// When K pushes of this shard kept apart would take too much memory (nothing is set).
-    pub fn set_defence(&self, defence: crate::spotcheck::Defence) -> crowdgrad_core::Result<()> {
+    pub fn set_defence(
+        &self,
+        defence: crate::defence::spotcheck::Defence,
+    ) -> crowdgrad_core::Result<()> {
         self.state().set_droppable(defence.can_quarantine())?;
         let _ = self.inner.defence.set(defence);
         Ok(())
     }
 
     /// `zeno`: this shard's slice of the validation gradient ([`ShardState::set_reference`],
-    /// kept fresh by [`crate::zeno`]).
+    /// kept fresh by [`crate::coordinator::zeno`]).
     pub fn set_reference(&self, slice: &[f32]) {
         self.state().set_reference(slice);
     }
 
     /// Reputation and spot checks, once set.
-    pub fn defence(&self) -> Option<&crate::spotcheck::Defence> {
+    pub fn defence(&self) -> Option<&crate::defence::spotcheck::Defence> {
         self.inner.defence.get()
     }
 
@@ -403,7 +377,7 @@ impl ShardAccess for Access<'_> {
         match (self.shard.inner.secret.get(), credential) {
             (None, _) if self.registry.knows(worker) => Admission::Admitted,
             (None, _) => Admission::Unknown,
-            (Some(secret), Some(c)) if crate::credential::verify(secret, worker, c) => {
+            (Some(secret), Some(c)) if crate::support::credential::verify(secret, worker, c) => {
                 Admission::Admitted
             }
             // Missing or not this worker's credential: nobody speaks as another worker. (A

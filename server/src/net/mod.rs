@@ -8,8 +8,7 @@
 //! the request extensions, by any WebSocket upgraded from it: they are released when the last
 //! of them ends, so an upgraded socket keeps counting.
 
-use crate::app::App;
-use crate::limits::{Count, IpGuard, IpKey, OpenGuard};
+use crate::support::limits::{Count, IpGuard, IpKey, Limits, OpenGuard};
 use axum::extract::ConnectInfo;
 use axum::Router;
 use hyper::body::Incoming;
@@ -20,7 +19,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::OwnedSemaphorePermit;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsAcceptor;
 use tower::ServiceExt;
 
@@ -32,6 +31,16 @@ pub struct ConnSlot {
     _open: OpenGuard,
 }
 
+/// The budgets a listener counts connections against: what `serve` and `crowdgrad shard` hand
+/// [`serve`] (two cheap handles, not the state of the role that owns them).
+#[derive(Debug, Clone)]
+pub struct Caps {
+    /// Per-IP, header, TLS and rate limits, and their refusal counters.
+    pub limits: Arc<Limits>,
+    /// Every open TCP connection holds one permit (`--max-connections`).
+    pub connections: Arc<Semaphore>,
+}
+
 /// How long shutdown waits for HTTP connections (not WebSockets: `run` waits for those).
 const DRAIN: Duration = Duration::from_secs(5);
 
@@ -40,12 +49,12 @@ const DRAIN: Duration = Duration::from_secs(5);
 pub async fn serve(
     listener: TcpListener,
     router: Router,
-    app: Arc<App>,
+    caps: Caps,
     tls: Option<TlsAcceptor>,
     shutdown: impl Future<Output = ()>,
 ) {
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    let limits = app.limits.clone();
+    let limits = caps.limits.clone();
     let header_timeout = limits.cfg.header_timeout;
     tokio::pin!(shutdown);
     loop {
@@ -62,7 +71,7 @@ pub async fn serve(
             },
             () = &mut shutdown => break,
         };
-        let Ok(total) = app.connections.clone().try_acquire_owned() else {
+        let Ok(total) = caps.connections.clone().try_acquire_owned() else {
             limits.count(Count::RefusedTotal);
             refuse(
                 &tcp,

@@ -1,13 +1,16 @@
 //! The HTTP surface: join, status, events (SSE), the worker list (paged), parameters, data
 //! partitions, shard WebSockets and the static page.
 
-use crate::app::App;
-use crate::handler::{self, Inbound, Outbound};
-use crate::limits::client_ip;
-use crate::listener::ConnSlot;
+pub mod admin;
+mod ledger;
+
+use crate::coordinator::app::App;
+use crate::net::ConnSlot;
 use crate::registry::{MAX_PAGE, RECENT_WORKERS};
+use crate::shard::handler::{self};
+use crate::support::limits::client_ip;
 use axum::body::Bytes;
-use axum::extract::ws::{CloseFrame, Message as WsMessage, WebSocket, WebSocketUpgrade};
+use axum::extract::ws::WebSocketUpgrade;
 use axum::extract::{ConnectInfo, Path, RawQuery, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -17,7 +20,6 @@ use axum::Extension;
 use axum::{Json, Router};
 use crowdgrad_core::spec::{JoinRequest, JoinResponse, PartitionInfo};
 use crowdgrad_core::wire::PROTOCOL_VERSION;
-use futures_util::{SinkExt, StreamExt};
 use serde_json::json;
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -35,8 +37,8 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/api/workers", get(workers))
         .route("/api/params", get(params))
         .route("/api/reads", get(reads))
-        .merge(crate::admin::routes())
-        .route("/api/contributors", get(crate::ledger::contributors))
+        .merge(admin::routes())
+        .route("/api/contributors", get(ledger::contributors))
         .route("/api/data/{tag}/train/{index}/{file}", get(data))
         .route("/ws/shard/{id}", get(ws))
         .route("/metrics", get(metrics))
@@ -54,7 +56,7 @@ fn error(status: StatusCode, message: impl Into<String>) -> Response {
 }
 
 /// Whether `headers` carry `Authorization: Bearer <token>` (constant-time compare).
-fn bearer_ok(headers: &HeaderMap, token: &crate::credential::Secret) -> bool {
+fn bearer_ok(headers: &HeaderMap, token: &crate::support::credential::Secret) -> bool {
     headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
@@ -75,7 +77,8 @@ async fn join(
     }
     if let Some(token) = &app.cfg.join_token {
         if !bearer_ok(&headers, token) {
-            app.limits.count(crate::limits::Count::JoinUnauthorized);
+            app.limits
+                .count(crate::support::limits::Count::JoinUnauthorized);
             let mut r = error(
                 StatusCode::UNAUTHORIZED,
                 "this run is private: join with Authorization: Bearer <join token>",
@@ -104,7 +107,7 @@ async fn join(
         return error(StatusCode::SERVICE_UNAVAILABLE, "server is shutting down");
     }
     if let Some(id) = &req.identity {
-        if let Err(m) = crate::ledger::check_identity(id) {
+        if let Err(m) = crate::registry::ledger::check_identity(id) {
             return error(StatusCode::BAD_REQUEST, format!("bad identity: {m}"));
         }
         if let Some(why) = app.defence.reputation.identity_quarantined(id) {
@@ -162,8 +165,13 @@ async fn join(
 }
 
 async fn metrics(State(app): State<Arc<App>>) -> Response {
-    let body = crate::metrics::render_with(app.scrape(), Some(app.defence.scrape()));
-    ([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], body).into_response()
+    let body =
+        crate::registry::metrics::render_with(app.scrape(), Some(Box::new(app.defence.scrape())));
+    (
+        [(header::CONTENT_TYPE, crate::registry::metrics::CONTENT_TYPE)],
+        body,
+    )
+        .into_response()
 }
 
 /// Live: the process answers HTTP.
@@ -352,7 +360,7 @@ async fn ws(
     if *app.shutdown.borrow() {
         return error(StatusCode::SERVICE_UNAVAILABLE, "server is shutting down");
     }
-    // The TCP connection was counted when accepted (crate::listener); the socket keeps its
+    // The TCP connection was counted when accepted (crate::net); the socket keeps its
     // slot. Behind a trusted proxy, per-IP counts are taken here, by the forwarded address.
     let ip = client_ip(&headers, peer, app.cfg.limits.trust_proxy);
     let ip_slot = if app.cfg.limits.trust_proxy {
@@ -373,7 +381,7 @@ async fn ws(
         limits: app.limits.clone(),
         ip,
     };
-    shard_socket_with(
+    crate::shard::socket::shard_socket_with(
         upgrade,
         shard,
         app.registry.clone(),
@@ -391,89 +399,6 @@ fn limited(retry: Duration, message: &str) -> Response {
     r.headers_mut()
         .insert(header::RETRY_AFTER, HeaderValue::from(secs));
     r
-}
-
-/// Upgrades `upgrade` to a connection to `shard`, served by [`handler::serve`] in a task
-/// tracked by `tracker` and holding `permit` until it ends: the one shard endpoint of
-/// `crowdgrad serve` and of a shard process (`crowdgrad shard`).
-pub fn shard_socket(
-    upgrade: WebSocketUpgrade,
-    shard: crate::shard::Shard,
-    registry: crate::registry::Registry,
-    shutdown: tokio::sync::watch::Receiver<bool>,
-    tracker: tokio_util::task::TaskTracker,
-    permit: tokio::sync::OwnedSemaphorePermit,
-) -> Response {
-    shard_socket_with(upgrade, shard, registry, shutdown, tracker, permit, None)
-}
-
-/// [`shard_socket`] holding `held` (connection slots) until the socket ends, with `conn`'s
-/// per-connection limits (push rates, Hello and idle deadlines; `None`: default deadlines, no
-/// rate limits).
-pub fn shard_socket_with(
-    upgrade: WebSocketUpgrade,
-    shard: crate::shard::Shard,
-    registry: crate::registry::Registry,
-    shutdown: tokio::sync::watch::Receiver<bool>,
-    tracker: tokio_util::task::TaskTracker,
-    held: impl Send + 'static,
-    conn: Option<handler::ConnLimits>,
-) -> Response {
-    // The largest frame the shard takes (a full f32 push: the largest encoding) plus a little,
-    // so a frame slightly over still reaches the session and gets its `oversize` error frame;
-    // anything larger is cut off by the WebSocket layer, which closes the socket.
-    let limit = shard.frame_limit() + OVERSIZE_SLACK;
-    upgrade
-        .max_message_size(limit)
-        .max_frame_size(limit)
-        .on_upgrade(move |socket| {
-            tracker.track_future(async move {
-                connection(socket, shard, registry, shutdown, conn).await;
-                drop(held);
-            })
-        })
-}
-
-/// Bytes past a shard's frame limit that still get an `oversize` error frame.
-pub const OVERSIZE_SLACK: usize = 64 * 1024;
-
-async fn connection(
-    socket: WebSocket,
-    shard: crate::shard::Shard,
-    registry: crate::registry::Registry,
-    shutdown: tokio::sync::watch::Receiver<bool>,
-    conn: Option<handler::ConnLimits>,
-) {
-    let (sink, stream) = socket.split();
-    let sink = sink.with(|o: Outbound| async move {
-        Ok::<_, axum::Error>(match o {
-            Outbound::Frame(v) => WsMessage::Binary(v.into()),
-            Outbound::Close(reason) => {
-                let reason: String = reason.chars().take(100).collect();
-                WsMessage::Close(Some(CloseFrame {
-                    code: 1000,
-                    reason: reason.into(),
-                }))
-            }
-        })
-    });
-    let stream = stream.filter_map(|m| async move {
-        match m {
-            Ok(WsMessage::Binary(b)) => Some(Inbound::Frame(b)),
-            Ok(WsMessage::Text(_)) => Some(Inbound::Text),
-            Ok(WsMessage::Ping(_) | WsMessage::Pong(_)) => None,
-            Ok(WsMessage::Close(_)) | Err(_) => Some(Inbound::Closed),
-        }
-    });
-    handler::serve(
-        Box::pin(sink),
-        Box::pin(stream),
-        shard,
-        registry,
-        shutdown,
-        conn,
-    )
-    .await;
 }
 
 #[cfg(test)]

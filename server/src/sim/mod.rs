@@ -33,6 +33,7 @@ mod config;
 mod engine;
 mod plot;
 mod report;
+mod row;
 pub mod shard;
 mod sweep;
 
@@ -41,16 +42,8 @@ use report::write;
 pub use report::*;
 pub use sweep::*;
 
-use crate::config::TrainingArgs;
-use crate::data::TrainTest;
 use crate::error::{Error, Result};
-use clap::Args;
-use crowdgrad_core::model::ModelSpec;
-use crowdgrad_core::optim::OptimizerConfig;
-use crowdgrad_core::shard::{Consistency, StalenessPolicy};
-use std::collections::BTreeMap;
-use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
+use crate::support::data::TrainTest;
 use std::time::Instant;
 
 /// Runs one simulation.
@@ -86,7 +79,7 @@ pub fn cli(args: &SimArgs) -> Result<()> {
         Some(spec) => sweep_configs(args, spec)?,
         None => vec![("run".to_string(), args.check()?)],
     };
-    let data = crate::data::ensure(&args.data_dir, "mnist", !args.no_fetch)?;
+    let data = crate::support::data::ensure(&args.data_dir, "mnist", !args.no_fetch)?;
     std::fs::create_dir_all(&args.out)
         .map_err(|e| Error::io(format!("creating {}", args.out.display()), e))?;
     let mut lines = Vec::new();
@@ -156,6 +149,7 @@ pub fn cli(args: &SimArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crowdgrad_core::shard::Consistency;
 
     fn parse(flags: &[&str]) -> SimArgs {
         use clap::Parser;

@@ -8,7 +8,7 @@
 //! WebSocket connections joining and leaving"). Retention, not a leak, but a host does not
 //! get its memory back.
 //!
-//! [`task`] watches the number of open TCP connections ([`crate::limits::Limits`]) every
+//! [`task`] watches the number of open TCP connections ([`crate::support::limits::Limits`]) every
 //! [`PERIOD`]. Once it has fallen by at least [`FALL`] since the last trim and then held still
 //! for one period (or has kept falling for [`MAX_WAIT`] periods), it calls `malloc_trim(0)` on a
 //! blocking thread: glibc returns every free page of every arena (`madvise(MADV_DONTNEED)`),
@@ -30,7 +30,7 @@
 //! On other platforms or C libraries (musl, macOS) `malloc_trim` does not exist and [`task`]
 //! returns at once.
 
-use crate::limits::Limits;
+use crate::support::limits::Limits;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;

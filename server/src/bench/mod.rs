@@ -16,8 +16,8 @@ pub mod churn;
 pub mod link;
 
 use crate::config::ServeConfig;
-use crate::data::TrainTest;
 use crate::error::{Error, Result};
+use crate::support::data::TrainTest;
 use crowdgrad_core::spec::{JoinRequest, JoinResponse};
 use crowdgrad_core::wire::{self, ClientKind, Hello, Message as Frame, PROTOCOL_VERSION};
 use futures_util::{SinkExt, StreamExt};
@@ -252,10 +252,10 @@ pub async fn roundtrip(data: TrainTest, params: usize, iters: usize) -> Result<R
     let classes = data.train.classes();
     let hidden = ((params.saturating_sub(classes)) / (features + 1 + classes)).max(1);
     let mut cfg = ServeConfig::defaults("unused");
-    cfg.model = format!("mlp:{hidden}");
-    cfg.shards = 1;
-    cfg.optimizer.rule = crowdgrad_core::optim::Rule::Sgd;
-    cfg.optimizer.lr = 1e-9;
+    cfg.training.model = format!("mlp:{hidden}");
+    cfg.training.shards = 1;
+    cfg.training.optimizer.rule = crowdgrad_core::optim::Rule::Sgd;
+    cfg.training.optimizer.lr = 1e-9;
     cfg.eval_every = Duration::from_secs(3600);
     let server = crate::start(
         "127.0.0.1:0"

@@ -23,7 +23,7 @@
 //!   the norm ratio within `1 ± --spot-check-norm-tol`. Compressed pushes (bf16, int8 blocks
 //!   with error feedback) are compared as the shard decoded them; the tolerances cover their
 //!   rounding (docs/benchmarks.md, "Spot checks", has the measured figures).
-//! - A failure quarantines the worker ([`crate::reputation`]).
+//! - A failure quarantines the worker ([`crate::defence::reputation`]).
 //!
 //! # Bounds
 //! Memory: the histories hold at most `history` versions of every shard, that is
@@ -36,10 +36,9 @@
 //! Remote shards (`--shard-urls`) are not spot-checked: the coordinator does not see their
 //! pushes (the flag is refused with them).
 
+use crate::defence::reputation::{CheckFigures, CheckResult, Reputation};
 use crate::error::{Error, Result};
 use crate::registry::Registry;
-use crate::reputation::{CheckFigures, CheckResult, QuarantinePolicy, Reputation};
-use clap::Args;
 use crowdgrad_core::codec::Encoding;
 use crowdgrad_core::data::{BatchSampler, Dataset};
 use crowdgrad_core::model::Model;
@@ -53,7 +52,6 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 /// Sampled pushes waiting for the checker; past this a sampled push is dropped (counted).
 pub const QUEUE: usize = 64;
@@ -61,118 +59,7 @@ pub const QUEUE: usize = 64;
 pub const CACHE: usize = 8;
 /// Figures of the most recent checks kept for the status.
 pub const RECENT: usize = 512;
-/// Default `--spot-check-cosine` (docs/benchmarks.md, "Spot checks").
-pub const DEFAULT_COSINE: f64 = 0.99;
-/// Default `--spot-check-norm-tol`.
-pub const DEFAULT_NORM_TOL: f64 = 0.05;
-
-/// Flags of `crowdgrad serve` for spot checks and quarantine.
-#[derive(Debug, Clone, Args)]
-pub struct SpotArgs {
-    /// Fraction of pushes the server recomputes and compares with what the worker sent
-    /// (e.g. 0.01); 0 turns spot checks off. With it on, every push must carry a push tag.
-    #[arg(long, default_value_t = 0.0)]
-    pub spot_check: f64,
-    /// A spot check passes when the cosine similarity of the pushed and the recomputed slice
-    /// is at least this.
-    #[arg(long, default_value_t = DEFAULT_COSINE)]
-    pub spot_check_cosine: f64,
-    /// ... and the pushed slice's norm is within this relative distance of the recomputed one's.
-    #[arg(long, default_value_t = DEFAULT_NORM_TOL)]
-    pub spot_check_norm_tol: f64,
-    /// Versions of every shard's parameters kept for spot checks (memory: this × parameters
-    /// × 4 bytes); a sampled push read from an older version is skipped.
-    #[arg(long, default_value_t = 64)]
-    pub spot_check_history: usize,
-    /// Quarantine a worker after this many refused frames within --quarantine-window
-    /// (too_stale and busy never count); 0 turns it off. A failed spot check always
-    /// quarantines.
-    #[arg(long, default_value_t = 0)]
-    pub quarantine_rejections: u32,
-    /// The window of --quarantine-rejections, seconds.
-    #[arg(long, default_value_t = 60.0)]
-    pub quarantine_window: f64,
-}
-
-/// Checked spot-check and quarantine settings.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct SpotConfig {
-    /// Fraction of pushes checked (0: off).
-    pub fraction: f64,
-    /// Least cosine similarity that passes.
-    pub cosine: f64,
-    /// Largest relative norm difference that passes.
-    pub norm_tol: f64,
-    /// Versions kept per shard.
-    pub history: usize,
-    /// When refusals quarantine.
-    pub quarantine: QuarantinePolicy,
-}
-
-impl Default for SpotConfig {
-    fn default() -> Self {
-        Self {
-            fraction: 0.0,
-            cosine: DEFAULT_COSINE,
-            norm_tol: DEFAULT_NORM_TOL,
-            history: 64,
-            quarantine: QuarantinePolicy::default(),
-        }
-    }
-}
-
-impl SpotArgs {
-    /// Checks the flags.
-    ///
-    /// # Errors
-    /// [`Error::Config`] naming the bad flag.
-    pub fn check(&self) -> Result<SpotConfig> {
-        let bad = |m: String| Err(Error::Config(m));
-        if !(0.0..=1.0).contains(&self.spot_check) {
-            return bad(format!(
-                "--spot-check {} must be a fraction in [0, 1]",
-                self.spot_check
-            ));
-        }
-        if !(-1.0..=1.0).contains(&self.spot_check_cosine) {
-            return bad(format!(
-                "--spot-check-cosine {} must be in [-1, 1]",
-                self.spot_check_cosine
-            ));
-        }
-        if !(self.spot_check_norm_tol.is_finite() && self.spot_check_norm_tol >= 0.0) {
-            return bad(format!(
-                "--spot-check-norm-tol {} must be a non-negative number",
-                self.spot_check_norm_tol
-            ));
-        }
-        if !(1..=4096).contains(&self.spot_check_history) {
-            return bad(format!(
-                "--spot-check-history {} must be in 1..=4096",
-                self.spot_check_history
-            ));
-        }
-        if !(self.quarantine_window.is_finite()
-            && self.quarantine_window > 0.0
-            && self.quarantine_window <= 86_400.0)
-        {
-            return bad(format!(
-                "--quarantine-window {} must be between 0 and 86400 seconds",
-                self.quarantine_window
-            ));
-        }
-        Ok(SpotConfig {
-            fraction: self.spot_check,
-            cosine: self.spot_check_cosine,
-            norm_tol: self.spot_check_norm_tol,
-            history: self.spot_check_history,
-            quarantine: QuarantinePolicy {
-                rejections: self.quarantine_rejections,
-                window: Duration::from_secs_f64(self.quarantine_window),
-            },
-        })
-    }
-}
+pub use crate::config::defence::{SpotArgs, SpotConfig, DEFAULT_COSINE, DEFAULT_NORM_TOL};
 
 #[derive(Debug, Default)]
 struct Counters {
@@ -466,7 +353,7 @@ impl Defence {
     }
 }
 
-/// The spot-check and quarantine counters at scrape time ([`crate::metrics::render_with`]).
+/// The spot-check and quarantine counters at scrape time ([`crate::registry::metrics::render_with`]).
 #[derive(Debug)]
 pub struct DefenceScrape {
     spot: Option<SpotStatus>,

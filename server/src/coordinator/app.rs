@@ -2,12 +2,12 @@
 
 use crate::config::ServeConfig;
 use crate::registry::{Counters, Registry, WorkerRecord};
+use crate::shard::report::ShardStatus;
 use crate::shard::Shard;
 use crowdgrad_core::data::Dataset;
 use crowdgrad_core::eval::evaluate;
 use crowdgrad_core::model::Model;
 use crowdgrad_core::optim::OptimizerConfig;
-use crowdgrad_core::partition::KeyRange;
 use crowdgrad_core::spec::RunSpec;
 use serde::Serialize;
 use std::sync::{Arc, Mutex};
@@ -65,35 +65,19 @@ pub struct App {
     /// Connection limit.
     pub connections: Arc<Semaphore>,
     /// Per-IP, rate and timeout limits and what they refused.
-    pub limits: Arc<crate::limits::Limits>,
-    /// The run secret that session credentials are HMACs under ([`crate::credential`]).
-    pub secret: crate::credential::RunSecret,
+    pub limits: Arc<crate::support::limits::Limits>,
+    /// The run secret that session credentials are HMACs under ([`crate::support::credential`]).
+    pub secret: crate::support::credential::RunSecret,
     /// What only `/metrics` keeps (the last checkpoint); the rest is read at scrape time.
-    pub metrics: crate::metrics::Metrics,
+    pub metrics: Arc<crate::registry::metrics::Metrics>,
     /// The checkpoint writer (`--checkpoint-dir`), for the final checkpoint and checkpoint-now.
     pub checkpoints: Option<Arc<crate::checkpoint::Checkpointer>>,
     /// The admin API's token and controls (pause, drain...).
-    pub admin: crate::admin::Admin,
+    pub admin: crate::coordinator::admin::Admin,
     /// With `--shard-urls`: the shard processes (then `shards` is empty).
-    pub remote: Option<Arc<crate::shardproc::remote::RemoteShards>>,
-    /// Per-worker reputation and quarantine, and the spot checker ([`crate::spotcheck`]).
-    pub defence: crate::spotcheck::Defence,
-}
-
-/// A shard as `/api/status` shows it.
-#[derive(Debug, Serialize)]
-pub struct ShardStatus {
-    /// Index.
-    pub id: u32,
-    /// Key range.
-    pub range: KeyRange,
-    /// Version (applied updates).
-    pub version: u64,
-    /// Updates by the number of gradients they merged (sync: K, or fewer when flushed early).
-    pub updates_by_merged: std::collections::BTreeMap<usize, u64>,
-    /// Counters.
-    #[serde(flatten)]
-    pub counters: Counters,
+    pub remote: Option<Arc<crate::coordinator::remote::RemoteShards>>,
+    /// Per-worker reputation and quarantine, and the spot checker ([`crate::defence::spotcheck`]).
+    pub defence: crate::defence::spotcheck::Defence,
 }
 
 /// Totals with a recent rate.
@@ -144,18 +128,18 @@ pub struct Status {
     /// Whether joining needs the join token (the token itself is never shown).
     pub private_run: bool,
     /// What the connection, rate and timeout limits refused.
-    pub limits: crate::limits::LimitCounts,
+    pub limits: crate::support::limits::LimitCounts,
     /// The resolved configuration (run file and flags), as `crowdgrad serve` printed it.
     pub config: serde_json::Value,
     /// With `--shard-urls`: every shard process's health (`url`, `up`, `ready`, `error`,
     /// `last_ok_s`, `version`, `uptime_s`, `status`).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub remote_shards: Option<Vec<crate::shardproc::remote::Health>>,
-    /// Per-worker spot checks, refusals and quarantines ([`crate::reputation`]).
-    pub reputation: crate::reputation::ReputationStatus,
+    pub remote_shards: Option<Vec<crate::coordinator::remote::Health>>,
+    /// Per-worker spot checks, refusals and quarantines ([`crate::defence::reputation`]).
+    pub reputation: crate::defence::reputation::ReputationStatus,
     /// The spot checker's counters and recent figures (absent: spot checks off).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub spot_checks: Option<crate::spotcheck::SpotStatus>,
+    pub spot_checks: Option<crate::defence::spotcheck::SpotStatus>,
 }
 
 /// A remote shard's counters from the `status` record it reported (the per-reason maps stay
@@ -204,13 +188,7 @@ impl App {
             .shards
             .iter()
             .zip(shard_counters)
-            .map(|(s, counters)| ShardStatus {
-                id: s.id(),
-                range: s.range(),
-                version: s.version(),
-                updates_by_merged: s.updates(),
-                counters,
-            })
+            .map(|(s, counters)| ShardStatus::of(s, counters))
             .collect();
         if let Some(health) = &remote_shards {
             // The shard processes count pushes and pulls; the coordinator sees their reports.
@@ -236,7 +214,7 @@ impl App {
             model: self.model.spec().to_string(),
             params: self.model.param_len(),
             consistency: self.consistency().to_string(),
-            staleness_policy: self.cfg.staleness.to_string(),
+            staleness_policy: self.cfg.training.staleness.to_string(),
             read_skew_hist: self.registry.read_skew_hist(),
             batch_size: self.spec.batch_size,
             dataset: self.spec.dataset.name.clone(),
@@ -306,26 +284,38 @@ impl App {
         }
     }
 
+    /// What a checkpoint is taken of ([`crate::checkpoint::Source`]).
+    pub fn checkpoint_source(&self) -> crate::checkpoint::Source {
+        crate::checkpoint::Source {
+            shards: self.shards.clone(),
+            spec: self.spec.clone(),
+            registry: self.registry.clone(),
+            metrics: self.metrics.clone(),
+        }
+    }
+
     /// What `/metrics` shows now, read from the registry and the shards.
-    pub fn scrape(&self) -> crate::metrics::Scrape {
+    pub fn scrape(&self) -> crate::registry::metrics::Scrape {
         let (_, shard_counters, totals) = self.registry.view();
         let health = self.remote.as_ref().map(|r| r.health()).unwrap_or_default();
-        let remote = health.iter().map(|h| crate::metrics::ShardScrape {
-            id: h.id,
-            version: h.version.unwrap_or(0),
-            counters: remote_counters(h.status.as_ref()),
-            apply: None,
-            bytes_received: 0,
-            bytes_sent: 0,
-        });
-        crate::metrics::Scrape {
+        let remote = health
+            .iter()
+            .map(|h| crate::registry::metrics::ShardScrape {
+                id: h.id,
+                version: h.version.unwrap_or(0),
+                counters: remote_counters(h.status.as_ref()),
+                apply: None,
+                bytes_received: 0,
+                bytes_sent: 0,
+            });
+        crate::registry::metrics::Scrape {
             shards: self
                 .shards
                 .iter()
                 .zip(shard_counters)
                 .map(|(s, counters)| {
                     let (bytes_received, bytes_sent) = s.bytes();
-                    crate::metrics::ShardScrape {
+                    crate::registry::metrics::ShardScrape {
                         id: s.id(),
                         version: s.version(),
                         counters,
@@ -341,7 +331,7 @@ impl App {
             remote_up: health.iter().map(|h| (h.id, h.up)).collect(),
             checkpoint: self.metrics.checkpoint(),
             uptime_s: self.started.elapsed().as_secs_f64(),
-            now_unix: crate::metrics::unix_now(),
+            now_unix: crate::registry::metrics::unix_now(),
         }
     }
 

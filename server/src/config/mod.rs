@@ -6,6 +6,10 @@
 //! into both `serve` and `sim` (`crate::sim::SimArgs`): the same concept has the same flag,
 //! default and check in both.
 
+pub mod checkpoint;
+pub mod defence;
+pub mod runfile;
+
 use crate::error::{Error, Result};
 use clap::Args;
 use crowdgrad_core::codec::Encoding;
@@ -14,6 +18,7 @@ use crowdgrad_core::local::{LocalConfig, LocalSteps};
 use crowdgrad_core::model::ModelSpec;
 use crowdgrad_core::optim::{OptimizerConfig, Rule};
 use crowdgrad_core::robust::Aggregation;
+use crowdgrad_core::session::ShardSetup;
 use crowdgrad_core::shard::{Consistency, StalenessPolicy};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -316,6 +321,27 @@ impl TrainingArgs {
     }
 }
 
+impl Training {
+    /// The one description of this run's shards, for every driver: `serve`'s in-process
+    /// shards, `crowdgrad shard` and the simulator. `reports`: whether the shards ask workers
+    /// for `Report` frames (the real servers do; the simulator counts for itself).
+    pub fn shard_setup(&self, reports: bool) -> ShardSetup {
+        ShardSetup {
+            optimizer: self.optimizer,
+            staleness: self.staleness,
+            consistency: self.consistency,
+            heartbeat: self.heartbeat_timeout,
+            sync_timeout: self.sync_timeout,
+            pull_encoding: self.exchange.pull_encoding,
+            push_encoding: self.exchange.push_encoding,
+            reports,
+            pseudo_gradients: self.exchange.local.steps.pseudo_gradients(),
+            guard: self.exchange.guard(self.batch_size),
+            aggregation: self.aggregation,
+        }
+    }
+}
+
 /// `--shards` of `crowdgrad serve` when not given.
 pub const SERVE_SHARDS: usize = 2;
 
@@ -356,10 +382,10 @@ pub struct ServeArgs {
     pub max_connections: usize,
     /// Per-IP, rate and timeout limits.
     #[command(flatten)]
-    pub limits: crate::limits::LimitArgs,
+    pub limits: crate::support::limits::LimitArgs,
     /// TLS certificate and key.
     #[command(flatten)]
-    pub tls: crate::tls::TlsArgs,
+    pub tls: crate::support::tls::TlsArgs,
     /// Private run: `POST /api/join` needs `Authorization: Bearer TOKEN` (else 401). Also read
     /// from the environment variable CROWDGRAD_JOIN_TOKEN (which `ps` does not show).
     #[arg(long, env = "CROWDGRAD_JOIN_TOKEN", hide_env_values = true)]
@@ -394,9 +420,9 @@ pub struct ServeArgs {
     /// CROWDGRAD_RUN_SECRET. Needed with --shard-urls.
     #[arg(long, env = "CROWDGRAD_RUN_SECRET", hide_env_values = true)]
     pub run_secret: Option<String>,
-    /// Spot checks and quarantine (crate::spotcheck).
+    /// Spot checks and quarantine (crate::defence::spotcheck).
     #[command(flatten)]
-    pub spot: crate::spotcheck::SpotArgs,
+    pub spot: defence::SpotArgs,
 }
 
 /// Checked server configuration.
@@ -404,34 +430,13 @@ pub struct ServeArgs {
 pub struct ServeConfig {
     /// Listen address (used by `main`; `run` takes a bound listener).
     pub addr: SocketAddr,
-    /// Number of shards.
-    pub shards: usize,
-    /// Model architecture text (resolved against the dataset when loaded).
-    pub model: String,
-    /// `--normalize` (resolved against the training set when loaded).
-    pub normalize: NormalizeChoice,
-    /// Shards' optimizer.
-    pub optimizer: OptimizerConfig,
-    /// Examples per gradient.
-    pub batch_size: usize,
-    /// Seed.
-    pub seed: u64,
+    /// The training flags `serve` shares with `shard` and `sim` (model, optimizer, shards,
+    /// consistency, encodings...): checked once, in [`TrainingArgs::check`].
+    pub training: Training,
     /// Evaluation period.
     pub eval_every: Duration,
     /// Number of data partitions.
     pub partitions: usize,
-    /// Consistency mode.
-    pub consistency: Consistency,
-    /// Staleness policy for async/SSP pushes.
-    pub staleness: StalenessPolicy,
-    /// How shards combine pushes.
-    pub aggregation: Aggregation,
-    /// SSP heartbeat timeout.
-    pub heartbeat_timeout: Duration,
-    /// sync:K straggler timeout.
-    pub sync_timeout: Duration,
-    /// Local steps, overlap and encodings.
-    pub exchange: Exchange,
     /// Dataset name.
     pub dataset: String,
     /// Data directory.
@@ -445,23 +450,23 @@ pub struct ServeConfig {
     /// Connection limit (every TCP connection).
     pub max_connections: usize,
     /// Per-IP, rate and timeout limits.
-    pub limits: crate::limits::LimitConfig,
+    pub limits: crate::support::limits::LimitConfig,
     /// Serve https/wss with this certificate and key.
-    pub tls: Option<crate::tls::TlsFiles>,
+    pub tls: Option<crate::support::tls::TlsFiles>,
     /// Private run: the join token (`Debug` prints it redacted).
-    pub join_token: Option<crate::credential::Secret>,
+    pub join_token: Option<crate::support::credential::Secret>,
     /// Checkpoint policy; `None`: no checkpoints.
-    pub checkpoint: Option<crate::checkpoint::CheckpointConfig>,
+    pub checkpoint: Option<checkpoint::CheckpointConfig>,
     /// The admin API's token (`Debug` prints it redacted); `None`: generated at start.
-    pub admin_token: Option<crate::credential::Secret>,
+    pub admin_token: Option<crate::support::credential::Secret>,
     /// Remote shard processes' base URLs (empty: shards in this process).
     pub shard_urls: Vec<String>,
     /// The run secret shared with shard processes (`Debug` prints it redacted).
-    pub run_secret: Option<crate::credential::Secret>,
+    pub run_secret: Option<crate::support::credential::Secret>,
     /// Spot checks and quarantine.
-    pub spot: crate::spotcheck::SpotConfig,
+    pub spot: defence::SpotConfig,
     /// The resolved configuration (flags over run file) as `/api/status` shows it; set by
-    /// `main` ([`crate::runfile`]), `Null` otherwise.
+    /// `main` ([`crate::config::runfile`]), `Null` otherwise.
     pub resolved: serde_json::Value,
 }
 
@@ -537,7 +542,7 @@ impl ServeArgs {
                         .into(),
                 )
             }
-            t => t.map(crate::credential::Secret::new),
+            t => t.map(crate::support::credential::Secret::new),
         };
         if self.dataset.is_empty() || self.dataset.len() > 64 {
             return bad("--dataset must be a short name".into());
@@ -562,7 +567,7 @@ impl ServeArgs {
                         self.checkpoint_keep
                     ));
                 }
-                Some(crate::checkpoint::CheckpointConfig {
+                Some(checkpoint::CheckpointConfig {
                     location,
                     every: Duration::from_secs_f64(self.checkpoint_every),
                     keep: self.checkpoint_keep,
@@ -579,7 +584,7 @@ impl ServeArgs {
                         .into(),
                 )
             }
-            t => t.map(crate::credential::Secret::new),
+            t => t.map(crate::support::credential::Secret::new),
         };
         if !self.shard_urls.is_empty() && self.shard_urls.len() != t.shards {
             return bad(format!(
@@ -589,10 +594,10 @@ impl ServeArgs {
             ));
         }
         let run_secret = match self.run_secret {
-            Some(s) if s.len() < crate::shardproc::MIN_SECRET => {
+            Some(s) if s.len() < crate::support::credential::MIN_SECRET => {
                 return bad("--run-secret must be at least 16 characters".into())
             }
-            s => s.map(crate::credential::Secret::new),
+            s => s.map(crate::support::credential::Secret::new),
         };
         if !self.shard_urls.is_empty() && checkpoint.is_some() {
             // The coordinator holds no parameters then, and its checkpoints (run spec and
@@ -621,20 +626,8 @@ impl ServeArgs {
         }
         Ok(ServeConfig {
             addr: self.addr,
-            shards: t.shards,
-            model: t.model,
-            normalize: t.normalize,
-            optimizer: t.optimizer,
-            batch_size: t.batch_size,
-            seed: t.seed,
             eval_every: Duration::from_secs_f64(self.eval_every),
             partitions: self.partitions,
-            consistency: t.consistency,
-            staleness: t.staleness,
-            aggregation: t.aggregation,
-            heartbeat_timeout: Duration::from_secs_f64(t.heartbeat_timeout),
-            sync_timeout: Duration::from_secs_f64(t.sync_timeout),
-            exchange: t.exchange,
             dataset: self.dataset,
             data_dir: self.data_dir,
             fetch: !self.no_fetch,
@@ -658,27 +651,12 @@ impl ServeArgs {
             shard_urls: self.shard_urls,
             run_secret,
             resolved: serde_json::Value::Null,
+            training: t,
         })
     }
 }
 
 impl ServeConfig {
-    /// The options every in-process shard of this server runs with.
-    pub fn shard_options(&self) -> crate::shard::ShardOptions {
-        crate::shard::ShardOptions {
-            optimizer: self.optimizer,
-            staleness: self.staleness,
-            consistency: self.consistency,
-            heartbeat: self.heartbeat_timeout,
-            sync_timeout: self.sync_timeout,
-            pull_encoding: self.exchange.pull_encoding,
-            push_encoding: self.exchange.push_encoding,
-            pseudo_gradients: self.exchange.local.steps.pseudo_gradients(),
-            guard: self.exchange.guard(self.batch_size),
-            aggregation: self.aggregation,
-        }
-    }
-
     /// The defaults of `crowdgrad serve` with the given data directory (for tests and benches).
     pub fn defaults(data_dir: impl Into<PathBuf>) -> Self {
         use clap::Parser;
@@ -714,10 +692,10 @@ mod tests {
     #[test]
     fn training_flags_check_into_the_config() {
         let d = ServeConfig::defaults("data/mnist");
-        assert_eq!(d.shards, SERVE_SHARDS);
-        assert_eq!(d.consistency, Consistency::Async);
-        assert_eq!(d.optimizer.lr, 0.05);
-        assert_eq!(d.heartbeat_timeout, Duration::from_secs(5));
+        assert_eq!(d.training.shards, SERVE_SHARDS);
+        assert_eq!(d.training.consistency, Consistency::Async);
+        assert_eq!(d.training.optimizer.lr, 0.05);
+        assert_eq!(d.training.heartbeat_timeout, 5.0);
         let c = parse(&[
             "--consistency",
             "sync:3",
@@ -729,9 +707,9 @@ mod tests {
         .unwrap()
         .check()
         .unwrap();
-        assert_eq!(c.consistency, Consistency::Sync { k: 3 });
-        assert_eq!(c.shards, 4);
-        assert_eq!(c.sync_timeout, Duration::from_millis(500));
+        assert_eq!(c.training.consistency, Consistency::Sync { k: 3 });
+        assert_eq!(c.training.shards, 4);
+        assert_eq!(c.training.sync_timeout, 0.5);
         // `--mode` is the simulator's old name, not a serve flag.
         assert!(parse(&["--mode", "async"]).is_err());
         for bad in [

@@ -353,12 +353,12 @@ pub fn render(scrape: Scrape) -> String {
 }
 
 /// [`render`], with the spot-check and quarantine counters of a server
-/// ([`crate::spotcheck::DefenceScrape`]).
-pub fn render_with(scrape: Scrape, defence: Option<crate::spotcheck::DefenceScrape>) -> String {
+/// (the defences' counters, `crate::defence::spotcheck::DefenceScrape`).
+pub fn render_with(scrape: Scrape, extra: Option<Box<dyn Collector>>) -> String {
     let mut registry = prometheus_client::registry::Registry::default();
     registry.register_collector(Box::new(scrape));
-    if let Some(d) = defence {
-        registry.register_collector(Box::new(d));
+    if let Some(d) = extra {
+        registry.register_collector(d);
     }
     let mut out = String::new();
     // Writing to a String cannot fail; an encoder error would leave a partial body, which a

@@ -4,7 +4,7 @@
 //! Every call needs `Authorization: Bearer TOKEN` with the admin token (`--admin-token` or
 //! `CROWDGRAD_ADMIN_TOKEN`; when neither is set, one is generated at start and printed once on
 //! stdout, never logged, never in `/api/status`). The comparison runs in constant time
-//! ([`crate::credential::token_eq`]). A missing or wrong token is a 401 and changes nothing.
+//! ([`crate::support::credential::token_eq`]). A missing or wrong token is a 401 and changes nothing.
 //!
 //! | call | what |
 //! |---|---|
@@ -17,8 +17,8 @@
 //! | `POST /api/admin/set-lr` `{"lr": 0.01}` | every shard's learning rate from its next update |
 //! | `POST /api/admin/set-consistency` `{"consistency": "ssp:2"}` | switches the mode where safe (async ↔ ssp:S, sync:K → sync:K' / async / ssp:S), else 409 with the reason (see [`set_consistency`]) |
 
-use crate::app::App;
-use crate::credential::Secret;
+use crate::coordinator::admin::StopMode;
+use crate::coordinator::app::App;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -26,123 +26,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use crowdgrad_core::shard::Consistency;
-use serde::Serialize;
 use serde_json::json;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
-use tokio::sync::watch;
 
-/// How the admin API asked the server to end.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum StopMode {
-    /// Graceful: connections finish what they sent, then the final checkpoint.
-    Drain,
-    /// At once: the final checkpoint without waiting for connections.
-    Stop,
-}
-
-/// The admin side of a running server.
-pub struct Admin {
-    token: Secret,
-    stop: watch::Sender<Option<StopMode>>,
-    draining: AtomicBool,
-    paused: AtomicBool,
-    lr_bits: AtomicU32,
-}
-
-impl std::fmt::Debug for Admin {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Admin")
-            .field("token", &self.token)
-            .field("paused", &self.paused())
-            .field("draining", &self.draining())
-            .finish()
-    }
-}
-
-impl Admin {
-    /// The admin side with `token`, or a generated one, returned for printing once.
-    ///
-    /// # Errors
-    /// When the OS has no randomness for a token.
-    pub fn new(token: Option<Secret>, lr: f32) -> std::io::Result<(Self, Option<String>)> {
-        let (token, generated) = match token {
-            Some(t) => (t, None),
-            None => {
-                let bytes = crate::credential::run_secret()?;
-                let t: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-                (Secret::new(t.clone()), Some(t))
-            }
-        };
-        Ok((
-            Self {
-                token,
-                stop: watch::channel(None).0,
-                draining: AtomicBool::new(false),
-                paused: AtomicBool::new(false),
-                lr_bits: AtomicU32::new(lr.to_bits()),
-            },
-            generated,
-        ))
-    }
-
-    /// Whether `headers` carry the admin token (constant-time comparison).
-    pub fn authorized(&self, headers: &HeaderMap) -> bool {
-        let Some(v) = headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-        else {
-            return false;
-        };
-        match v.strip_prefix("Bearer ") {
-            Some(t) => self.token.matches(t.trim()),
-            None => false,
-        }
-    }
-
-    /// Whether joins are refused because of a drain or stop.
-    pub fn draining(&self) -> bool {
-        self.draining.load(Ordering::Relaxed)
-    }
-
-    /// Whether pushes are paused.
-    pub fn paused(&self) -> bool {
-        self.paused.load(Ordering::Relaxed)
-    }
-
-    /// The learning rate set last (the configured one until `set-lr`).
-    pub fn lr(&self) -> f32 {
-        f32::from_bits(self.lr_bits.load(Ordering::Relaxed))
-    }
-
-    /// How the admin API asked the server to end, if it did.
-    pub fn stop_mode(&self) -> Option<StopMode> {
-        *self.stop.borrow()
-    }
-
-    /// Completes when the admin API asks the server to end.
-    pub fn stopped(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
-        let mut rx = self.stop.subscribe();
-        async move {
-            let _ = rx.wait_for(Option::is_some).await;
-        }
-    }
-
-    fn request_stop(&self, mode: StopMode) {
-        self.draining.store(true, Ordering::Relaxed);
-        self.stop.send_if_modified(|m| {
-            if m.is_none() {
-                *m = Some(mode);
-                true
-            } else {
-                false
-            }
-        });
-    }
-}
-
-/// The admin routes (merged into [`crate::http::router`]).
+/// The admin routes (merged into [`crate::coordinator::http::router`]).
 pub fn routes() -> Router<Arc<App>> {
     Router::new()
         .route("/api/admin/state", get(state))
@@ -208,7 +95,7 @@ fn set_paused(app: &App, paused: bool) {
     for s in &app.shards {
         s.set_paused(paused);
     }
-    app.admin.paused.store(paused, Ordering::Relaxed);
+    app.admin.set_paused(paused);
     tracing::info!(
         paused,
         "admin: pushes {}",
@@ -260,7 +147,7 @@ async fn checkpoint_now(State(app): State<Arc<App>>, headers: HeaderMap) -> Resp
             "this server writes no checkpoints (start it with --checkpoint-dir)",
         );
     };
-    match ck.write(&app).await {
+    match ck.write(&app.checkpoint_source()).await {
         Ok(w) => {
             tracing::info!(checkpoint = %w.name, bytes = w.bytes, "admin: checkpoint written");
             reply(StatusCode::OK, json!({ "written": w }))
@@ -314,12 +201,12 @@ async fn set_lr(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) ->
             return refuse(StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
         }
     }
-    app.admin.lr_bits.store(lr.to_bits(), Ordering::Relaxed);
+    app.admin.set_lr(lr);
     tracing::info!(lr, "admin: learning rate set");
     reply(StatusCode::OK, state_json(&app))
 }
 
-/// Lifts a quarantine ([`crate::reputation`]): body `{"worker": ID}` or `{"identity": "..."}`.
+/// Lifts a quarantine ([`crate::defence::reputation`]): body `{"worker": ID}` or `{"identity": "..."}`.
 /// 404 when that worker or identity is not quarantined.
 async fn unquarantine(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
     if let Err(r) = check(&app, &headers) {

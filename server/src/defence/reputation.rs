@@ -1,13 +1,13 @@
 //! Per-worker reputation and quarantine (issue 10): what each worker's spot checks
-//! ([`crate::spotcheck`]) and refused frames say about it, and the quarantine of workers that
+//! ([`crate::defence::spotcheck`]) and refused frames say about it, and the quarantine of workers that
 //! fail a spot check or keep sending frames the shards refuse.
 //!
 //! A quarantined worker
 //! - has every shard connection closed at its next frame, after an `Error` frame with code
-//!   `quarantined` (19, fatal; [`crate::handler`] asks the session to [`expel`] it);
+//!   `quarantined` (19, fatal; [`crate::shard::handler`] asks the session to [`expel`] it);
 //! - is refused at Hello with the same code ([`crowdgrad_core::session::Admission::Quarantined`]);
 //! - when it joined with an `identity`, that identity's joins are refused with HTTP 403
-//!   ([`crate::http`]), so a rejoin does not wash the record clean (an identity is chosen by
+//!   ([`crate::coordinator::http`]), so a rejoin does not wash the record clean (an identity is chosen by
 //!   the worker, so this stops honest-but-broken workers and lazy attackers, not one that
 //!   makes up a new identity per join: that is what spot checks keep catching);
 //! - has its spot checks still waiting in the checker's queue dropped;
@@ -32,28 +32,12 @@ use serde::Serialize;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// Most workers (and quarantined identities) tracked.
 pub const MAX_TRACKED: usize = 100_000;
 
-/// When refused frames quarantine a worker.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct QuarantinePolicy {
-    /// Refusals within `window` that quarantine a worker; 0 turns it off.
-    pub rejections: u32,
-    /// The window.
-    pub window: Duration,
-}
-
-impl Default for QuarantinePolicy {
-    fn default() -> Self {
-        Self {
-            rejections: 0,
-            window: Duration::from_secs(60),
-        }
-    }
-}
+pub use crate::config::defence::QuarantinePolicy;
 
 /// The last spot check of a worker.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -405,6 +389,7 @@ impl Reputation {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn a_failed_check_quarantines_the_worker_and_its_identity_until_lifted() {

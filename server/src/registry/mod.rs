@@ -8,13 +8,26 @@
 //! the rest ([`MAX_PAGE`] at a time). Workers are kept in id order (ids grow with joins), so both
 //! are cheap and a page is stable while workers come and go.
 
-use crate::shard::Read;
+pub mod ledger;
+pub mod metrics;
+
 use crowdgrad_core::shard::Outcome;
 use crowdgrad_core::wire::{ClientKind, ErrorCode};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
+
+/// What one pull read, as the registry logs it (`/api/reads`, the read-skew histogram).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pulled {
+    /// The version sent.
+    pub version: u64,
+    /// The reader's SSP clock.
+    pub clock: Option<u64>,
+    /// The slowest active SSP clock.
+    pub min_clock: Option<u64>,
+}
 
 /// Staleness histogram buckets: 0, 1, ..., 15 exactly, then `16+`.
 pub const STALENESS_BUCKETS: usize = 17;
@@ -252,8 +265,8 @@ struct Inner {
     reads: VecDeque<ReadEntry>,
     read_skew_hist: Vec<u64>,
     epoch: Option<Instant>,
-    /// Contributions by stable identity (crate::ledger), kept across restarts by checkpoints.
-    ledger: crate::ledger::Ledger,
+    /// Contributions by stable identity (crate::registry::ledger), kept across restarts by checkpoints.
+    ledger: crate::registry::ledger::Ledger,
 }
 
 /// Cheap-to-clone handle to the registry.
@@ -384,7 +397,7 @@ impl Registry {
 
     /// A pull was served on `shard`: logs the read and, once the worker has read every shard
     /// since its last complete step, its read skew.
-    pub fn pulled(&self, shard: u32, worker: Option<u64>, read: &Read) {
+    pub fn pulled(&self, shard: u32, worker: Option<u64>, read: &Pulled) {
         let mut g = self.lock();
         let shards = g.shards.len();
         if let Some(c) = g.shards.get_mut(shard as usize) {
@@ -400,7 +413,7 @@ impl Registry {
             time_s,
             worker: id,
             shard,
-            version: read.snapshot.version,
+            version: read.version,
             clock: read.clock,
             min_clock: read.min_clock,
         });
@@ -412,7 +425,7 @@ impl Registry {
                 w.last_read = vec![None; shards];
             }
             if let Some(slot) = w.last_read.get_mut(shard as usize) {
-                *slot = Some(read.snapshot.version);
+                *slot = Some(read.version);
             }
             if w.last_read.iter().all(Option::is_some) {
                 let versions = w.last_read.iter().flatten();
@@ -457,12 +470,12 @@ impl Registry {
     }
 
     /// Runs `f` on the ledger (read-only).
-    pub fn with_ledger<R>(&self, f: impl FnOnce(&crate::ledger::Ledger) -> R) -> R {
+    pub fn with_ledger<R>(&self, f: impl FnOnce(&crate::registry::ledger::Ledger) -> R) -> R {
         f(&self.lock().ledger)
     }
 
     /// Replaces the ledger (with the one a checkpoint saved).
-    pub fn restore_ledger(&self, ledger: crate::ledger::Ledger) {
+    pub fn restore_ledger(&self, ledger: crate::registry::ledger::Ledger) {
         self.lock().ledger = ledger;
     }
 
@@ -646,14 +659,10 @@ fn present(w: &WorkerRecord, now: Instant) -> WorkerRecord {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::shard::Snapshot;
 
-    fn read(version: u64) -> Read {
-        Read {
-            snapshot: Snapshot {
-                version,
-                values: Arc::default(),
-            },
+    fn read(version: u64) -> Pulled {
+        Pulled {
+            version,
             clock: None,
             min_clock: None,
         }

@@ -8,15 +8,15 @@
 //! reading the socket and sleeps until the shard changes, the session's deadline passes, or the
 //! server shuts down.
 //!
-//! It also enforces the per-connection limits of [`crate::limits`] that the session does not
+//! It also enforces the per-connection limits of [`crate::support::limits`] that the session does not
 //! know about: a Hello within `--hello-timeout` of the socket opening (else a `protocol` error
 //! and Close), no silence longer than `--idle-timeout` while no pull is held (else a Bye
 //! `idle` and Close), and the push rates per worker and per IP (an excess push is answered
 //! `busy`, not fed to the session, and counted as a rejected push).
 
-use crate::limits::{Count, IpKey, LimitConfig, Limits, PushLimit};
 use crate::registry::Registry;
-use crate::shard::{Read, Shard, Snapshot};
+use crate::shard::Shard;
+use crate::support::limits::{Count, IpKey, LimitConfig, Limits, PushLimit};
 use bytes::Bytes;
 use crowdgrad_core::session::{header_request_id, Action, Record, ShardSession};
 use crowdgrad_core::shard::Outcome;
@@ -316,8 +316,8 @@ async fn perform<Si: Sink<Outbound> + Unpin>(
     true
 }
 
-/// Refusals count in the worker's reputation ([`crate::reputation`]).
-fn note(reputation: &crate::reputation::Reputation, r: &Record) {
+/// Refusals count in the worker's reputation ([`crate::defence::reputation`]).
+fn note(reputation: &crate::defence::reputation::Reputation, r: &Record) {
     match r {
         Record::Pushed {
             worker: Some(w),
@@ -347,11 +347,8 @@ fn record(registry: &Registry, shard: u32, r: Record) {
             registry.pulled(
                 shard,
                 Some(worker),
-                &Read {
-                    snapshot: Snapshot {
-                        version,
-                        values: Arc::default(),
-                    },
+                &crate::registry::Pulled {
+                    version,
                     clock,
                     min_clock,
                 },
@@ -379,17 +376,16 @@ fn record(registry: &Registry, shard: u32, r: Record) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::shard::ShardOptions;
     use crowdgrad_core::optim::{OptimizerConfig, Rule};
     use crowdgrad_core::partition::KeyRange;
+    use crowdgrad_core::session::ShardSetup;
     use crowdgrad_core::shard::{Consistency, StalenessPolicy};
     use crowdgrad_core::wire::{self, ClientKind, ErrorCode, Hello, Message};
     use futures_channel::mpsc;
-    use std::time::Duration;
 
     #[tokio::test]
     async fn channel_driven_session() {
-        let opts = ShardOptions {
+        let opts = ShardSetup {
             optimizer: OptimizerConfig {
                 rule: Rule::Sgd,
                 lr: 1.0,
@@ -398,15 +394,17 @@ mod tests {
             },
             staleness: StalenessPolicy::default(),
             consistency: Consistency::Async,
-            heartbeat: Duration::from_secs(5),
-            sync_timeout: Duration::from_secs(1),
+            heartbeat: 5.0,
+            sync_timeout: 1.0,
+            reports: true,
             pseudo_gradients: false,
             guard: crowdgrad_core::session::PushGuard::default(),
             aggregation: crowdgrad_core::robust::Aggregation::Mean,
             pull_encoding: crowdgrad_core::codec::Encoding::F32,
             push_encoding: crowdgrad_core::codec::Encoding::F32,
         };
-        let shard = Shard::start(1, KeyRange { start: 4, end: 6 }, vec![0.0; 2], opts);
+        let shard = Shard::start(1, KeyRange { start: 4, end: 6 }, vec![0.0; 2], opts)
+            .expect("a valid setup");
         let registry = Registry::new(2, 10);
         let (id, _) = registry.join(ClientKind::Native, None, 1).unwrap();
         let (in_tx, in_rx) = mpsc::unbounded();

