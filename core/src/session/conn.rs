@@ -1,0 +1,727 @@
+//! One connection to one shard: [`ShardSession`], the [`Action`]s it asks its driver to take
+//! and the [`Record`]s it keeps for the dashboard.
+
+use super::state::Gate;
+use super::{fallbacks, Admission, SampledPush, ShardAccess, ShardConfig};
+use crate::codec::Encoding;
+use crate::shard::{Consistency, Outcome};
+use crate::wire::{
+    self, Bye, ErrorCode, Message, Report, Welcome, HEADER_LEN, MAGIC, PROTOCOL_VERSION,
+};
+use std::collections::VecDeque;
+
+/// Frames a session keeps while a pull waits; past this the connection is refused with
+/// [`ErrorCode::Busy`] and closed (a well-behaved worker has a few frames in flight).
+pub const MAX_DEFERRED: usize = 64;
+
+/// What a session records for the dashboard and the metrics.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Record {
+    /// A worker said Hello on this shard.
+    Joined {
+        /// The worker.
+        worker: u64,
+    },
+    /// The worker's connection to this shard ended.
+    Left {
+        /// The worker.
+        worker: u64,
+    },
+    /// A pull was answered.
+    Pulled {
+        /// The reader.
+        worker: u64,
+        /// Bytes of the Params frame.
+        bytes: usize,
+        /// Version sent.
+        version: u64,
+        /// SSP: the reader's clock.
+        clock: Option<u64>,
+        /// SSP: the slowest active clock.
+        min_clock: Option<u64>,
+    },
+    /// A frame that decoded as a push: applied, buffered or rejected.
+    Pushed {
+        /// The pusher (None before Hello).
+        worker: Option<u64>,
+        /// What happened.
+        outcome: Outcome,
+        /// Samples the push claims.
+        samples: u32,
+        /// Bytes of the Push frame.
+        bytes: usize,
+    },
+    /// A worker reported its measurements.
+    Reported {
+        /// The worker.
+        worker: u64,
+        /// What it measured.
+        report: Report,
+        /// The encodings this connection negotiated: pulls, pushes.
+        encodings: (Encoding, Encoding),
+    },
+    /// Any other frame was refused.
+    Rejected {
+        /// The sender (None before Hello).
+        worker: Option<u64>,
+        /// Why.
+        code: ErrorCode,
+    },
+    /// The worker was expelled ([`ShardSession::expel`]) and its pushes still pending in the
+    /// `sync:K` round were dropped from it, never applied.
+    Dropped {
+        /// The worker.
+        worker: u64,
+        /// Pushes dropped.
+        pushes: usize,
+    },
+}
+
+/// What a session asks its driver to do, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    /// Send one binary message.
+    Send(Vec<u8>),
+    /// Close the connection with this reason (after everything sent before).
+    Close(String),
+    /// Record this.
+    Record(Record),
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Waiting {
+    request_id: u32,
+    min_version: u64,
+    since: f64,
+    deadline: f64,
+}
+
+/// One connection to one shard.
+#[derive(Debug)]
+pub struct ShardSession {
+    cfg: ShardConfig,
+    worker: Option<u64>,
+    waiting: Option<Waiting>,
+    deferred: VecDeque<Vec<u8>>,
+    actions: VecDeque<Action>,
+    closed: bool,
+    /// Negotiated in the handshake: what Params are sent in, what pushes should come in.
+    pull_encoding: Encoding,
+    push_encoding: Encoding,
+    /// The request id of the last push on this connection (replays are refused).
+    last_push: Option<u32>,
+}
+
+/// The request id of a frame, if its header can be read (32 bytes, right magic); else 0.
+pub fn header_request_id(bytes: &[u8]) -> u32 {
+    match bytes.get(..HEADER_LEN) {
+        Some(h) if h[..2] == MAGIC => u32::from_le_bytes([h[4], h[5], h[6], h[7]]),
+        _ => 0,
+    }
+}
+
+impl ShardSession {
+    /// A new connection to the shard described by `cfg`.
+    pub fn new(cfg: ShardConfig) -> Self {
+        Self {
+            cfg,
+            worker: None,
+            waiting: None,
+            deferred: VecDeque::new(),
+            actions: VecDeque::new(),
+            closed: false,
+            pull_encoding: Encoding::F32,
+            push_encoding: Encoding::F32,
+            last_push: None,
+        }
+    }
+
+    /// The worker that said Hello, if any.
+    pub fn worker(&self) -> Option<u64> {
+        self.worker
+    }
+
+    /// Whether a pull is waiting (the frames behind it are held).
+    pub fn is_waiting(&self) -> bool {
+        self.waiting.is_some()
+    }
+
+    /// Whether the session has closed (it ignores every further event).
+    pub fn is_closed(&self) -> bool {
+        self.closed
+    }
+
+    /// The next action for the driver.
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    /// When to call [`ShardSession::handle_timeout`] at the latest (a waiting pull's deadline).
+    pub fn poll_timeout(&self) -> Option<f64> {
+        self.waiting.map(|w| w.deadline)
+    }
+
+    /// A text message arrived (not part of the protocol).
+    pub fn handle_text(&mut self, shard: &mut impl ShardAccess, now: f64) {
+        if self.closed {
+            return;
+        }
+        self.fail(
+            shard,
+            0,
+            ErrorCode::Malformed,
+            "text messages are not part of the protocol; send binary frames".into(),
+            None,
+            now,
+        );
+    }
+
+    /// A binary message arrived.
+    pub fn handle_frame(&mut self, shard: &mut impl ShardAccess, bytes: &[u8], now: f64) {
+        if self.closed {
+            return;
+        }
+        if self.waiting.is_some() {
+            if self.deferred.len() >= MAX_DEFERRED {
+                let id = header_request_id(bytes);
+                let m = format!("more than {MAX_DEFERRED} frames behind a waiting pull");
+                self.fail(shard, id, ErrorCode::Busy, m, None, now);
+                self.close(shard, format!("busy: {MAX_DEFERRED} frames behind a pull"));
+            } else {
+                self.deferred.push_back(bytes.to_vec());
+            }
+            return;
+        }
+        self.frame(shard, bytes, now);
+    }
+
+    /// The shard published an update or its clock moved (another connection's push, join or
+    /// leave): a waiting pull may now be answered.
+    pub fn handle_update(&mut self, shard: &mut impl ShardAccess, now: f64) {
+        self.retry(shard, now, false);
+    }
+
+    /// A timer fired (at or after [`ShardSession::poll_timeout`]).
+    pub fn handle_timeout(&mut self, shard: &mut impl ShardAccess, now: f64) {
+        let due = self.waiting.is_some_and(|w| now >= w.deadline);
+        self.retry(shard, now, due);
+    }
+
+    /// The peer closed or the socket failed.
+    pub fn handle_close(&mut self, shard: &mut impl ShardAccess) {
+        self.leave(shard);
+        self.closed = true;
+    }
+
+    /// The server shuts down: a pull still waiting is answered [`ErrorCode::ShuttingDown`]
+    /// (its request fails; frames held behind it are dropped), then Bye, then close.
+    pub fn shutdown(&mut self, shard: &mut impl ShardAccess) {
+        if self.closed {
+            return;
+        }
+        if let Some(w) = self.waiting.take() {
+            self.send(wire::encode_error(
+                w.request_id,
+                self.cfg.id,
+                ErrorCode::ShuttingDown,
+                "server shutting down",
+            ));
+        }
+        let bye = wire::encode(&Message::Bye {
+            shard: self.cfg.id,
+            bye: Bye {
+                reason: "server shutting down".into(),
+            },
+        });
+        self.actions.push_back(Action::Send(bye));
+        self.close(shard, "server shutting down".into());
+    }
+
+    /// The driver turns the connection away (its worker was quarantined): an error frame
+    /// with `code` and `message` (request id 0), then Close.
+    pub fn expel(&mut self, shard: &mut impl ShardAccess, code: ErrorCode, message: String) {
+        if self.closed {
+            return;
+        }
+        let worker = self.worker;
+        if let Some(w) = worker {
+            // Before the close: leaving may apply the round, and its pushes must not be in it.
+            let pushes = shard.with(|s| s.drop_pending(w));
+            if pushes > 0 {
+                self.actions
+                    .push_back(Action::Record(Record::Dropped { worker: w, pushes }));
+            }
+        }
+        self.actions
+            .push_back(Action::Record(Record::Rejected { worker, code }));
+        self.send(wire::encode_error(0, self.cfg.id, code, message.clone()));
+        self.close(shard, format!("{}: {message}", code.name()));
+    }
+
+    fn close(&mut self, shard: &mut impl ShardAccess, reason: String) {
+        if self.closed {
+            return;
+        }
+        self.actions.push_back(Action::Close(reason));
+        self.leave(shard);
+        self.closed = true;
+        self.waiting = None;
+        self.deferred.clear();
+    }
+
+    fn leave(&mut self, shard: &mut impl ShardAccess) {
+        if let Some(worker) = self.worker.take() {
+            shard.with(|s| s.leave(worker));
+            self.actions
+                .push_back(Action::Record(Record::Left { worker }));
+        }
+    }
+
+    fn send(&mut self, frame: Vec<u8>) {
+        self.actions.push_back(Action::Send(frame));
+    }
+
+    /// Records the rejection, sends the error frame, and closes if the code is fatal.
+    fn fail(
+        &mut self,
+        shard: &mut impl ShardAccess,
+        request_id: u32,
+        code: ErrorCode,
+        message: String,
+        push: Option<(u32, usize)>,
+        _now: f64,
+    ) {
+        let worker = self.worker;
+        let record = match push {
+            Some((samples, bytes)) => Record::Pushed {
+                worker,
+                outcome: Outcome::Rejected {
+                    code,
+                    message: message.clone(),
+                },
+                samples,
+                bytes,
+            },
+            None => Record::Rejected { worker, code },
+        };
+        self.actions.push_back(Action::Record(record));
+        self.send(wire::encode_error(
+            request_id,
+            self.cfg.id,
+            code,
+            message.clone(),
+        ));
+        if code.is_fatal() {
+            self.close(shard, format!("{}: {message}", code.name()));
+        }
+    }
+
+    /// Re-checks a waiting pull; `due` when its deadline passed (sync: flush first). Then
+    /// handles the frames that were held behind it, until one waits again.
+    fn retry(&mut self, shard: &mut impl ShardAccess, now: f64, due: bool) {
+        let Some(w) = self.waiting else { return };
+        if self.closed {
+            return;
+        }
+        if due {
+            // Rule 3: stragglers; apply what was gathered so far.
+            shard.with(|s| {
+                if matches!(s.consistency(), Consistency::Sync { .. }) {
+                    s.flush();
+                }
+            });
+        }
+        let since = if due { now } else { w.since };
+        if !self.pull(shard, w.request_id, w.min_version, now, since) {
+            return;
+        }
+        while !self.closed && self.waiting.is_none() {
+            let Some(bytes) = self.deferred.pop_front() else {
+                break;
+            };
+            self.frame(shard, &bytes, now);
+        }
+    }
+
+    /// Answers a pull, or parks it. Returns whether it was answered.
+    fn pull(
+        &mut self,
+        shard: &mut impl ShardAccess,
+        request_id: u32,
+        min_version: u64,
+        now: f64,
+        since: f64,
+    ) -> bool {
+        let Some(worker) = self.worker else {
+            return true;
+        };
+        let (gate, clock, min_clock) = if shard.mode() == Consistency::Async {
+            (Gate::Open, None, None)
+        } else {
+            shard.with(|s| {
+                let g = s.gate(worker, min_version, now, since);
+                let (c, m) = s.read_view(worker, now);
+                (g, c, m)
+            })
+        };
+        if let Gate::Wait(deadline) = gate {
+            self.waiting = Some(Waiting {
+                request_id,
+                min_version,
+                since,
+                deadline,
+            });
+            return false;
+        }
+        self.waiting = None;
+        let (version, values) = shard.snapshot();
+        let frame = wire::encode_params_as(
+            self.pull_encoding,
+            request_id,
+            self.cfg.id,
+            version,
+            &values,
+        )
+        // Parameters are finite (every update is validated), so this does not happen;
+        // if it did, f32 says exactly what the shard holds.
+        .unwrap_or_else(|_| wire::encode_params(request_id, self.cfg.id, version, &values));
+        let bytes = frame.len();
+        self.send(frame);
+        self.actions.push_back(Action::Record(Record::Pulled {
+            worker,
+            bytes,
+            version,
+            clock,
+            min_clock,
+        }));
+        true
+    }
+
+    fn frame(&mut self, shard: &mut impl ShardAccess, bytes: &[u8], now: f64) {
+        let id = self.cfg.id;
+        let msg = match wire::decode(bytes, self.cfg.frame_limit()) {
+            Ok(m) => m,
+            Err(e) => {
+                let rid = header_request_id(bytes);
+                return self.fail(shard, rid, ErrorCode::from(&e), e.to_string(), None, now);
+            }
+        };
+        let (request_id, addressed, push) = match &msg {
+            Message::Push {
+                request_id,
+                shard,
+                samples,
+                ..
+            } => (*request_id, *shard, Some((*samples, bytes.len()))),
+            Message::Hello {
+                request_id, shard, ..
+            }
+            | Message::Pull {
+                request_id, shard, ..
+            }
+            | Message::Welcome {
+                request_id, shard, ..
+            }
+            | Message::Params {
+                request_id, shard, ..
+            }
+            | Message::Ack {
+                request_id, shard, ..
+            }
+            | Message::Error {
+                request_id, shard, ..
+            } => (*request_id, *shard, None),
+            Message::Bye { shard, .. } | Message::Report { shard, .. } => (0, *shard, None),
+        };
+        if addressed != id {
+            let m = format!("frame addressed to shard {addressed} arrived at shard {id}");
+            return self.fail(shard, request_id, ErrorCode::WrongShard, m, push, now);
+        }
+        if let Some(w) = self.worker {
+            shard.with(|s| s.seen(w, now));
+        }
+        match msg {
+            Message::Hello { hello, .. } => {
+                if self.worker.is_some() {
+                    let m = "second Hello on one connection".to_string();
+                    return self.fail(shard, request_id, ErrorCode::Protocol, m, None, now);
+                }
+                if hello.protocol != PROTOCOL_VERSION {
+                    let m = format!(
+                        "worker speaks protocol {}, this server speaks {PROTOCOL_VERSION}",
+                        hello.protocol
+                    );
+                    return self.fail(shard, request_id, ErrorCode::ProtocolVersion, m, None, now);
+                }
+                match shard.admit(hello.worker_id, hello.credential.as_deref()) {
+                    Admission::Admitted => {}
+                    Admission::Unknown => {
+                        let m = format!(
+                            "worker id {} is unknown; POST /api/join first",
+                            hello.worker_id
+                        );
+                        let code = ErrorCode::UnknownWorker;
+                        return self.fail(shard, request_id, code, m, None, now);
+                    }
+                    Admission::BadCredential => {
+                        let m = format!(
+                            "the credential does not belong to worker {}; use the one from its join",
+                            hello.worker_id
+                        );
+                        let code = ErrorCode::Unauthorized;
+                        return self.fail(shard, request_id, code, m, None, now);
+                    }
+                    Admission::Quarantined(why) => {
+                        let m = format!("worker {} is quarantined: {why}", hello.worker_id);
+                        let code = ErrorCode::Quarantined;
+                        return self.fail(shard, request_id, code, m, None, now);
+                    }
+                }
+                let worker = hello.worker_id;
+                self.worker = Some(worker);
+                self.pull_encoding = Encoding::negotiate(
+                    &hello.pull_encodings,
+                    &fallbacks(self.cfg.setup.pull_encoding),
+                );
+                self.push_encoding = Encoding::negotiate(
+                    &hello.push_encodings,
+                    &fallbacks(self.cfg.setup.push_encoding),
+                );
+                let version = shard.with(|s| {
+                    s.join(worker, now);
+                    s.version()
+                });
+                self.actions
+                    .push_back(Action::Record(Record::Joined { worker }));
+                self.send(wire::encode(&Message::Welcome {
+                    request_id,
+                    shard: id,
+                    welcome: Welcome {
+                        protocol: PROTOCOL_VERSION,
+                        range: self.cfg.range,
+                        version,
+                        pull_encoding: self.pull_encoding,
+                        push_encoding: self.push_encoding,
+                        reports: self.cfg.setup.reports && self.cfg.id == 0,
+                        spot_checks: shard.spot_checks(),
+                    },
+                }));
+            }
+            _ if self.worker.is_none() => {
+                let m = "the first frame must be Hello".to_string();
+                self.fail(shard, request_id, ErrorCode::Protocol, m, push, now);
+            }
+            Message::Pull { min_version, .. } => {
+                self.pull(shard, request_id, min_version, now, now);
+            }
+            Message::Push {
+                base_version,
+                samples,
+                grad,
+                ..
+            } => {
+                let worker = self.worker.unwrap_or_default();
+                if grad.len() != self.cfg.range.len() {
+                    let m = format!(
+                        "push of {} values to a shard of {}",
+                        grad.len(),
+                        self.cfg.range.len()
+                    );
+                    return self.fail(shard, request_id, ErrorCode::WrongLength, m, push, now);
+                }
+                if self.last_push.is_some_and(|last| request_id <= last) {
+                    let m = format!(
+                        "push request id {request_id} is not above this connection's last push {}",
+                        self.last_push.unwrap_or_default()
+                    );
+                    return self.fail(shard, request_id, ErrorCode::Replayed, m, push, now);
+                }
+                self.last_push = Some(request_id);
+                // The frame decoded, so its meta, if any, is a valid tag.
+                let tag = wire::push_tag(bytes).ok().flatten();
+                if tag.is_none() && shard.spot_checks() {
+                    let m = "this shard spot-checks pushes: every push must carry a PushTag meta"
+                        .to_string();
+                    return self.fail(shard, request_id, ErrorCode::Protocol, m, push, now);
+                }
+                let outcome = shard.with(|s| s.push(worker, base_version, grad, samples, now));
+                if let Some(tag) = tag.filter(|t| {
+                    matches!(outcome, Outcome::Applied { .. } | Outcome::Buffered { .. })
+                        && shard.sample(worker, t)
+                }) {
+                    let mut copy = vec![0.0; grad.len()];
+                    if grad.copy_into(&mut copy).is_ok() {
+                        shard.take_sample(SampledPush {
+                            worker,
+                            shard: id,
+                            base_version,
+                            samples,
+                            tag,
+                            pull_encoding: self.pull_encoding,
+                            grad: copy,
+                        });
+                    }
+                }
+                let (version, staleness) = match &outcome {
+                    Outcome::Applied {
+                        version, staleness, ..
+                    } => (*version, *staleness),
+                    Outcome::Buffered { version, .. } => (*version, 0),
+                    Outcome::Rejected { code, message } => {
+                        let (code, message) = (*code, message.clone());
+                        return self.fail(shard, request_id, code, message, push, now);
+                    }
+                };
+                self.actions.push_back(Action::Record(Record::Pushed {
+                    worker: Some(worker),
+                    outcome,
+                    samples,
+                    bytes: bytes.len(),
+                }));
+                self.send(wire::encode(&Message::Ack {
+                    request_id,
+                    shard: id,
+                    version,
+                    staleness: staleness.min(u64::from(u32::MAX)) as u32,
+                }));
+            }
+            Message::Bye { .. } => self.close(shard, "worker said bye".into()),
+            Message::Report { report, .. } => {
+                if !(self.cfg.setup.reports && self.cfg.id == 0) {
+                    let m = "this shard takes no Report frames".to_string();
+                    return self.fail(shard, request_id, ErrorCode::Protocol, m, None, now);
+                }
+                let worker = self.worker.unwrap_or_default();
+                let encodings = (self.pull_encoding, self.push_encoding);
+                self.actions.push_back(Action::Record(Record::Reported {
+                    worker,
+                    report,
+                    encodings,
+                }));
+            }
+            Message::Welcome { .. }
+            | Message::Params { .. }
+            | Message::Ack { .. }
+            | Message::Error { .. } => {
+                let m = "a worker sent a shard-side message".to_string();
+                self.fail(shard, request_id, ErrorCode::Protocol, m, None, now);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::session::testing::{hello, pull, sent, state};
+
+    #[test]
+    fn errors_echo_the_request_id_and_fatal_ones_close() {
+        let mut sh = state(Consistency::Async, 2);
+        let mut s = ShardSession::new(*sh.config());
+        s.handle_frame(&mut sh, &pull(5, 0), 0.0);
+        assert_eq!(sent(&mut s), ["error 5 protocol", "close"]);
+        s.handle_frame(&mut sh, &hello(6, 1), 0.0);
+        assert!(sent(&mut s).is_empty(), "a closed session ignores input");
+
+        let mut s = ShardSession::new(*sh.config());
+        s.handle_frame(&mut sh, &[b'C', b'G', 1, 3, 9, 0, 0, 0, 0, 0], 0.0);
+        assert_eq!(
+            sent(&mut s),
+            ["error 0 malformed", "close"],
+            "short header: id 0"
+        );
+
+        let mut s = ShardSession::new(*sh.config());
+        s.handle_frame(&mut sh, &hello(1, 7), 0.0);
+        s.handle_frame(
+            &mut sh,
+            &wire::encode_push(2, 1, 0, 8, &[1.0, f32::NAN]),
+            0.0,
+        );
+        assert_eq!(sent(&mut s), ["welcome 1", "error 2 not_finite", "close"]);
+        assert_eq!(sh.connected(), 0, "a closed connection leaves the shard");
+        assert_eq!(**sh.values(), vec![0.0, 0.0], "unchanged");
+    }
+
+    #[test]
+    fn async_pushes_apply_and_pulls_see_them() {
+        let mut sh = state(Consistency::Async, 2);
+        let mut s = ShardSession::new(*sh.config());
+        s.handle_frame(&mut sh, &hello(1, 7), 0.0);
+        s.handle_frame(&mut sh, &wire::encode_push(2, 1, 0, 8, &[1.0, -1.0]), 0.0);
+        s.handle_frame(&mut sh, &pull(3, 0), 0.0);
+        s.handle_frame(
+            &mut sh,
+            &wire::encode_push(4, 1, 0, 8, &[1.0, -1.0, 3.0]),
+            0.0,
+        );
+        assert_eq!(
+            sent(&mut s),
+            [
+                "welcome 1",
+                "ack 2 v1",
+                "params 3 v1",
+                "error 4 wrong_length",
+                "close"
+            ]
+        );
+        assert_eq!(**sh.values(), vec![-1.0, 1.0]);
+    }
+
+    #[test]
+    fn sync_pull_waits_then_flushes_at_the_timeout_and_held_frames_follow() {
+        let mut sh = state(Consistency::Sync { k: 2 }, 1);
+        let mut a = ShardSession::new(*sh.config());
+        let mut b = ShardSession::new(*sh.config());
+        a.handle_frame(&mut sh, &hello(1, 1), 0.0);
+        b.handle_frame(&mut sh, &hello(1, 2), 0.0);
+        a.handle_frame(&mut sh, &wire::encode_push(2, 1, 0, 8, &[1.0]), 0.0);
+        a.handle_frame(&mut sh, &pull(3, 1), 0.5);
+        a.handle_frame(&mut sh, &pull(4, 0), 0.6);
+        assert!(a.is_waiting());
+        assert_eq!(a.poll_timeout(), Some(2.5));
+        assert_eq!(sent(&mut a), ["welcome 1", "ack 2 v0"]);
+        a.handle_timeout(&mut sh, 1.0);
+        assert!(a.is_waiting(), "not due yet");
+        a.handle_timeout(&mut sh, 2.5);
+        assert_eq!(sent(&mut a), ["params 3 v1", "params 4 v1"]);
+        assert_eq!(sh.updates().get(&1), Some(&1), "a partial update of one");
+        // A fresh round: b's push completes the aggregate and releases a's pull.
+        a.handle_frame(&mut sh, &wire::encode_push(5, 1, 1, 8, &[1.0]), 3.0);
+        a.handle_frame(&mut sh, &pull(6, 2), 3.0);
+        assert!(a.is_waiting());
+        b.handle_frame(&mut sh, &wire::encode_push(2, 1, 1, 8, &[3.0]), 3.1);
+        a.handle_update(&mut sh, 3.1);
+        assert_eq!(sent(&mut a), ["ack 5 v1", "params 6 v2"]);
+        assert_eq!(sh.updates().get(&2), Some(&1));
+    }
+
+    #[test]
+    fn shutdown_says_bye_and_deferred_frames_are_bounded() {
+        let mut sh = state(Consistency::Sync { k: 2 }, 1);
+        let mut a = ShardSession::new(*sh.config());
+        let mut b = ShardSession::new(*sh.config());
+        a.handle_frame(&mut sh, &hello(1, 1), 0.0);
+        b.handle_frame(&mut sh, &hello(1, 2), 0.0);
+        a.handle_frame(&mut sh, &pull(2, 1), 0.0);
+        for i in 0..MAX_DEFERRED as u32 + 1 {
+            a.handle_frame(&mut sh, &pull(10 + i, 0), 0.0);
+        }
+        let out = sent(&mut a);
+        assert_eq!(out[1..], ["error 74 busy".to_string(), "close".into()]);
+        b.shutdown(&mut sh);
+        assert_eq!(sent(&mut b), ["welcome 1", "bye", "close"]);
+        assert_eq!(sh.connected(), 0);
+        // A pull still waiting for the next version fails with shutting_down before the Bye.
+        let mut c = ShardSession::new(*sh.config());
+        c.handle_frame(&mut sh, &hello(1, 3), 0.0);
+        c.handle_frame(&mut sh, &pull(5, 1), 0.0);
+        c.shutdown(&mut sh);
+        assert_eq!(
+            sent(&mut c),
+            ["welcome 1", "error 5 shutting_down", "bye", "close"]
+        );
+        assert_eq!(sh.connected(), 0);
+    }
+}
