@@ -97,6 +97,39 @@ struct Waiting {
 }
 
 /// One connection to one shard.
+///
+/// # Driving a session
+/// Its methods come in the two kinds of quinn-proto's `Connection`:
+/// - `handle_*` feed one event in, with the time `now` on the driver's clock:
+///   [`handle_frame`](Self::handle_frame) (a binary message arrived),
+///   [`handle_text`](Self::handle_text) (a text message, refused),
+///   [`handle_update`](Self::handle_update) (the shard's [`ShardState::epoch`] moved: another
+///   session's push, join or leave, or an operator's change, may release a waiting pull),
+///   [`handle_timeout`](Self::handle_timeout) (the time [`poll_timeout`](Self::poll_timeout)
+///   gave has come) and [`handle_close`](Self::handle_close) (the peer closed or the socket
+///   failed). [`shutdown`](Self::shutdown) and [`expel`](Self::expel) are the driver's own
+///   decisions, fed in the same way.
+/// - `poll_*` ask what to do and when: [`poll_action`](Self::poll_action) gives the next
+///   [`Action`] (send this frame, close, record this), in the order they must happen;
+///   [`poll_timeout`](Self::poll_timeout) the time to wake it at the latest (`Some` only while
+///   a pull waits). [`is_closed`](Self::is_closed), [`is_waiting`](Self::is_waiting) and
+///   [`worker`](Self::worker) say what state it is in.
+///
+/// The order a driver keeps, around every event (the server's handler, the simulator's shard
+/// and the loopback all do):
+/// 1. note [`ShardState::epoch`], then call one `handle_*` (or `shutdown`, `expel`);
+/// 2. drain [`poll_action`](Self::poll_action) until `None`, carrying out each action in
+///    order;
+/// 3. if the epoch moved, call [`handle_update`](Self::handle_update) on every other session
+///    of the shard that [`is_waiting`](Self::is_waiting), and drain its actions; repeat while
+///    the epoch keeps moving (a released pull's held frames may release another);
+/// 4. drop the session once [`is_closed`](Self::is_closed) (it ignores every further event);
+/// 5. otherwise (re)arm its timer from [`poll_timeout`](Self::poll_timeout) and wait: for the
+///    next message while it is `None`; for an update, the timer or shutdown while it is `Some`.
+///    Frames fed while a pull waits are held by the session (at most [`MAX_DEFERRED`]) and
+///    handled in order once it is answered; the server simply stops reading until then.
+///
+/// [`ShardState::epoch`]: super::ShardState::epoch
 #[derive(Debug)]
 pub struct ShardSession {
     cfg: ShardConfig,
