@@ -646,7 +646,332 @@ impl ShardSession {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::session::testing::{hello, pull, sent, state};
+    use crate::session::testing::{hello, pull, sent, setup, state};
+    use crate::session::ShardState;
+    use crate::shard::StalenessPolicy;
+    use crate::wire::{ClientKind, Hello, MAX_META_LEN};
+
+    /// A shard whose join registry answers every Hello with `admission` (the server's
+    /// registry in miniature).
+    struct Admit {
+        state: ShardState,
+        admission: Admission,
+    }
+
+    impl ShardAccess for Admit {
+        fn snapshot(&self) -> (u64, std::sync::Arc<Vec<f32>>) {
+            self.state.snapshot()
+        }
+        fn with<R>(&mut self, f: impl FnOnce(&mut ShardState) -> R) -> R {
+            f(&mut self.state)
+        }
+        fn admit(&self, _worker: u64, _credential: Option<&str>) -> Admission {
+            self.admission.clone()
+        }
+    }
+
+    /// How a row's shard (id 1, two values, plain SGD at learning rate 1) is set up.
+    #[derive(Debug, Clone, Copy)]
+    enum Shard {
+        Async,
+        /// Paused by an operator.
+        Paused,
+        /// Staleness policy `drop:0`.
+        DropStale,
+        /// `--aggregation zeno`, with a reference gradient of `[1, 2]`.
+        Zeno,
+        /// `sync:2` with one worker: a pull for version 1 waits.
+        Sync,
+    }
+
+    /// The event that provokes a row's code.
+    #[derive(Debug)]
+    enum Input {
+        Frame(Vec<u8>),
+        /// The server shuts down (while the pull fed in `before` waits).
+        Shutdown,
+    }
+
+    /// One row of the error-code table.
+    #[derive(Debug)]
+    struct Row {
+        /// What provokes it, in words.
+        what: &'static str,
+        shard: Shard,
+        /// What the shard's registry says to the Hello.
+        admission: Admission,
+        /// Whether worker 7 says Hello (request id 1) first.
+        hello: bool,
+        /// Frames fed before the input (their replies are not checked).
+        before: Vec<Vec<u8>>,
+        input: Input,
+        /// The request id the error frame echoes.
+        request_id: u32,
+        /// Whether the code is fatal: the session sends the error frame, then closes.
+        fatal: bool,
+        /// Whether the session records the refusal (a `Rejected` record, or a `Pushed` one
+        /// with a rejected outcome).
+        recorded: bool,
+    }
+
+    /// A push of `grad` from worker 7 to shard 1, claiming 8 samples.
+    fn push(request_id: u32, base_version: u64, grad: &[f32]) -> Vec<u8> {
+        wire::encode_push(request_id, 1, base_version, 8, grad)
+    }
+
+    /// The row of `code`. The match is exhaustive, so a new `ErrorCode` does not compile
+    /// until it has a row here. Every code today is one a `ShardSession` sends; a code only a
+    /// driver could send (HTTP, a worker) would get a row saying so.
+    ///
+    /// Besides the session, drivers send some codes themselves, which are tested where they
+    /// live (tests/integration/protocol.rs): `busy` for the server's per-worker and per-address
+    /// push rate, `protocol` for a missing Hello in time, `quarantined` through
+    /// [`ShardSession::expel`].
+    fn row(code: ErrorCode) -> Row {
+        // A fatal refusal of request 9 from worker 7 on a plain async shard.
+        let base = |what: &'static str, input: Input| Row {
+            what,
+            shard: Shard::Async,
+            admission: Admission::Admitted,
+            hello: true,
+            before: Vec::new(),
+            input,
+            request_id: 9,
+            fatal: true,
+            recorded: true,
+        };
+        let hello_as = |protocol: u32| {
+            wire::encode(&Message::Hello {
+                request_id: 9,
+                shard: 1,
+                hello: Hello {
+                    protocol,
+                    worker_id: 7,
+                    client: ClientKind::Native,
+                    ..Default::default()
+                },
+            })
+        };
+        match code {
+            ErrorCode::Malformed => {
+                let mut f = push(9, 0, &[0.5, 0.5]);
+                f.truncate(f.len() - 3);
+                base("a push cut short", Input::Frame(f))
+            }
+            ErrorCode::WireVersion => {
+                let mut f = push(9, 0, &[0.5, 0.5]);
+                f[2] = 2;
+                base("a header of wire version 2", Input::Frame(f))
+            }
+            ErrorCode::UnknownKind => {
+                let mut f = pull(9, 0);
+                f[3] = 99;
+                base("a header of kind 99", Input::Frame(f))
+            }
+            ErrorCode::Oversize => base(
+                "a frame over the shard's limit (a full push plus meta)",
+                Input::Frame(push(9, 0, &vec![0.0; 2 + MAX_META_LEN / 4 + 1])),
+            ),
+            ErrorCode::WrongLength => base(
+                "a push of three values to a shard of two",
+                Input::Frame(push(9, 0, &[0.5, 0.5, 0.5])),
+            ),
+            ErrorCode::NotFinite => base(
+                "a push holding NaN",
+                Input::Frame(push(9, 0, &[0.5, f32::NAN])),
+            ),
+            ErrorCode::ProtocolVersion => Row {
+                hello: false,
+                ..base("a Hello of protocol 99", Input::Frame(hello_as(99)))
+            },
+            ErrorCode::Protocol => Row {
+                hello: false,
+                ..base("a push before Hello", Input::Frame(push(9, 0, &[0.5, 0.5])))
+            },
+            ErrorCode::WrongShard => base(
+                "a push addressed to shard 2",
+                Input::Frame(wire::encode_push(9, 2, 0, 8, &[0.5, 0.5])),
+            ),
+            ErrorCode::FutureVersion => base(
+                "a push from version 1000 of a shard at 0",
+                Input::Frame(push(9, 1000, &[0.5, 0.5])),
+            ),
+            ErrorCode::TooStale => Row {
+                shard: Shard::DropStale,
+                before: vec![push(2, 0, &[0.5, 0.5])],
+                fatal: false,
+                ..base(
+                    "under drop:0, a push from version 0 of a shard at 1",
+                    Input::Frame(push(9, 0, &[0.5, 0.5])),
+                )
+            },
+            ErrorCode::UnknownWorker => Row {
+                admission: Admission::Unknown,
+                hello: false,
+                ..base(
+                    "a Hello from a worker that never joined",
+                    Input::Frame(hello_as(PROTOCOL_VERSION)),
+                )
+            },
+            ErrorCode::ShuttingDown => Row {
+                shard: Shard::Sync,
+                before: vec![pull(9, 1)],
+                // The pull's request fails; no refusal is recorded.
+                recorded: false,
+                ..base(
+                    "the server shuts down while a sync pull waits",
+                    Input::Shutdown,
+                )
+            },
+            ErrorCode::Busy => Row {
+                shard: Shard::Paused,
+                fatal: false,
+                ..base(
+                    "a push to a paused shard",
+                    Input::Frame(push(9, 0, &[0.5, 0.5])),
+                )
+            },
+            ErrorCode::Unauthorized => Row {
+                admission: Admission::BadCredential,
+                hello: false,
+                ..base(
+                    "a Hello whose credential is not the worker's",
+                    Input::Frame(hello_as(PROTOCOL_VERSION)),
+                )
+            },
+            ErrorCode::OutOfBounds => Row {
+                fatal: false,
+                ..base(
+                    "a push holding 1e30",
+                    Input::Frame(push(9, 0, &[1e30, 0.0])),
+                )
+            },
+            ErrorCode::Replayed => Row {
+                before: vec![push(9, 0, &[0.5, 0.5])],
+                fatal: false,
+                ..base(
+                    "a push whose request id is not above the last push's",
+                    Input::Frame(push(9, 1, &[0.5, 0.5])),
+                )
+            },
+            ErrorCode::Disagrees => Row {
+                shard: Shard::Zeno,
+                fatal: false,
+                ..base(
+                    "under zeno, a push against the validation gradient",
+                    Input::Frame(push(9, 0, &[-1.0, -2.0])),
+                )
+            },
+            ErrorCode::Quarantined => Row {
+                admission: Admission::Quarantined("failed a spot check".into()),
+                hello: false,
+                ..base(
+                    "a Hello from a quarantined worker",
+                    Input::Frame(hello_as(PROTOCOL_VERSION)),
+                )
+            },
+        }
+    }
+
+    fn shard_for(row: &Row) -> Admit {
+        let mut setup = setup(match row.shard {
+            Shard::Sync => Consistency::Sync { k: 2 },
+            _ => Consistency::Async,
+        });
+        if let Shard::DropStale = row.shard {
+            setup.staleness = StalenessPolicy {
+                max_staleness: Some(0),
+                ..StalenessPolicy::default()
+            };
+        }
+        if let Shard::Zeno = row.shard {
+            setup.aggregation = crate::robust::Aggregation::Zeno { margin: 0.5 };
+        }
+        let range = crate::partition::KeyRange { start: 4, end: 6 };
+        let mut state = setup.state(1, range, vec![0.0; 2]).unwrap();
+        match row.shard {
+            Shard::Paused => state.set_paused(true),
+            Shard::Zeno => state.set_reference(&[1.0, 2.0]),
+            _ => {}
+        }
+        Admit {
+            state,
+            admission: row.admission.clone(),
+        }
+    }
+
+    /// Every `ErrorCode` has a row (the match in [`row`] is exhaustive), and a session driven
+    /// with that row's decoded frames answers exactly one error frame of that code, echoing the
+    /// request id, closes after it if and only if the code is fatal, records the refusal, and
+    /// changes nothing on the shard.
+    #[test]
+    fn every_error_code_is_answered_as_its_row_says() {
+        let codes: Vec<ErrorCode> = (0..=u32::from(u8::MAX))
+            .filter_map(ErrorCode::from_u32)
+            .collect();
+        assert!(codes.contains(&ErrorCode::Quarantined), "{codes:?}");
+        for code in codes {
+            let row = row(code);
+            let name = code.name();
+            let what = row.what;
+            assert_eq!(row.fatal, code.is_fatal(), "{name}: the row's fatal column");
+            let mut sh = shard_for(&row);
+            let mut s = ShardSession::new(*sh.state.config());
+            if row.hello {
+                s.handle_frame(&mut sh, &hello(1, 7), 0.0);
+            }
+            for f in &row.before {
+                s.handle_frame(&mut sh, f, 0.0);
+            }
+            while s.poll_action().is_some() {}
+            assert!(!s.is_closed(), "{name} ({what}): closed before the input");
+            let version = sh.state.version();
+            match &row.input {
+                Input::Frame(f) => s.handle_frame(&mut sh, f, 0.0),
+                Input::Shutdown => s.shutdown(&mut sh),
+            }
+            let (mut errors, mut records, mut closes) = (Vec::new(), Vec::new(), 0);
+            while let Some(a) = s.poll_action() {
+                match a {
+                    Action::Send(f) => {
+                        if let Ok(Message::Error {
+                            request_id,
+                            shard,
+                            error,
+                        }) = wire::decode(&f, usize::MAX)
+                        {
+                            errors.push((request_id, shard, error.code));
+                        }
+                    }
+                    Action::Close(_) => closes += 1,
+                    Action::Record(Record::Rejected { code, .. })
+                    | Action::Record(Record::Pushed {
+                        outcome: Outcome::Rejected { code, .. },
+                        ..
+                    }) => records.push(code),
+                    Action::Record(_) => {}
+                }
+            }
+            assert_eq!(
+                errors,
+                [(row.request_id, 1, code)],
+                "{name} ({what}): the error frames"
+            );
+            assert_eq!(s.is_closed(), row.fatal, "{name} ({what}): closed");
+            assert_eq!(
+                closes,
+                usize::from(row.fatal),
+                "{name} ({what}): Close actions"
+            );
+            let want: &[ErrorCode] = if row.recorded { &[code] } else { &[] };
+            assert_eq!(records, want, "{name} ({what}): records");
+            assert_eq!(
+                sh.state.version(),
+                version,
+                "{name} ({what}): nothing applied"
+            );
+        }
+    }
 
     #[test]
     fn errors_echo_the_request_id_and_fatal_ones_close() {

@@ -9,7 +9,16 @@ use crate::shard::{Consistency, StalenessPolicy};
 use crate::wire::{self, ClientKind, Hello, Message, PROTOCOL_VERSION};
 
 pub(super) fn state(consistency: Consistency, n: usize) -> ShardState {
-    let setup = ShardSetup {
+    let range = KeyRange {
+        start: 4,
+        end: 4 + n,
+    };
+    setup(consistency).state(1, range, vec![0.0; n]).unwrap()
+}
+
+/// The setup of [`state`]'s shards: plain SGD at learning rate 1, default bounds, the mean.
+pub(super) fn setup(consistency: Consistency) -> ShardSetup {
+    ShardSetup {
         optimizer: OptimizerConfig {
             rule: Rule::Sgd,
             lr: 1.0,
@@ -26,12 +35,7 @@ pub(super) fn state(consistency: Consistency, n: usize) -> ShardState {
         pseudo_gradients: false,
         guard: PushGuard::default(),
         aggregation: crate::robust::Aggregation::Mean,
-    };
-    let range = KeyRange {
-        start: 4,
-        end: 4 + n,
-    };
-    setup.state(1, range, vec![0.0; n]).unwrap()
+    }
 }
 
 pub(super) fn hello(rid: u32, worker: u64) -> Vec<u8> {
