@@ -191,6 +191,34 @@ pub struct StepReport {
 }
 
 /// The sans-IO worker.
+///
+/// # Driving a worker
+/// Its methods come in the kinds of quinn-proto's `Connection`, though the names predate the
+/// `handle_*` / `poll_*` convention of [`crate::session::ShardSession`]:
+/// - events in (the `handle_*` kind): [`Worker::connected`] (a shard's connection opened: the
+///   Hello is queued), [`Worker::receive`] (a frame arrived from a shard),
+///   [`Worker::disconnected`] (a shard's connection closed), [`Worker::set_time`] (the driver's
+///   clock, seconds) and [`Worker::observe_compute`] (how long the last step computed);
+/// - questions (the `poll_*` kind): [`Worker::poll_transmit`] (the next frame to send, and to
+///   which shard), [`Worker::ready`] (a step can run), [`Worker::is_done`] (`max_steps` done
+///   and every push answered or lost) and [`Worker::stats`];
+/// - [`Worker::step`], the work itself: one gradient or inner step, run by the driver when
+///   [`Worker::ready`] says so (the browser may delay it to throttle CPU use).
+///
+/// It has no timer of its own: reply deadlines and reconnect backoff are the driver's. The
+/// order a driver keeps (the native worker, the browser driver and the simulator all do):
+/// 1. [`Worker::connected`] for each shard once its socket is open;
+/// 2. [`Worker::set_time`], then drain [`Worker::poll_transmit`] until `None`, sending each
+///    frame on its shard's connection (a step's push and pull to one shard may leave in one
+///    write);
+/// 3. stop when [`Worker::is_done`];
+/// 4. if [`Worker::ready`]: [`Worker::set_time`], [`Worker::step`], then
+///    [`Worker::observe_compute`] with the time it took; then take the frames that arrived
+///    meanwhile ([`Worker::set_time`], [`Worker::receive`]) and go back to 2;
+/// 5. otherwise wait for the next event: a frame ([`Worker::set_time`], [`Worker::receive`];
+///    an error ends the session, the driver closes and joins again), a closed connection
+///    ([`Worker::disconnected`], then reconnect with backoff and [`Worker::connected`] again),
+///    and go back to 2.
 #[derive(Debug)]
 pub struct Worker {
     join: JoinResponse,

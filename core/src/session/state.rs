@@ -1,0 +1,664 @@
+//! What the connections of one shard share: [`ShardState`] and the rules that involve several
+//! connections (who counts for sync and SSP, when a sync aggregate is flushed, when a waiting
+//! pull may be answered), and [`ShardAccess`], how a session reaches it.
+
+use super::guard::WorkerNorms;
+use super::setup::round_memory;
+use super::{ShardConfig, NORM_WARMUP};
+use crate::codec::Encoding;
+use crate::error::Error;
+use crate::shard::{Consistency, Outcome, ShardCore, SspClock};
+use crate::wire::{self, ErrorCode, Payload};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// How often a waiting SSP pull re-checks the clock at the latest, seconds (a worker's
+/// heartbeat may expire without any event).
+const SSP_RECHECK: f64 = 1.0;
+/// Slack after a heartbeat expiry before re-checking, seconds.
+const SSP_SLACK: f64 = 0.001;
+
+/// The state every connection of one shard shares.
+#[derive(Debug)]
+pub struct ShardState {
+    pub(super) cfg: ShardConfig,
+    core: ShardCore,
+    clock: SspClock,
+    /// Workers past Hello and not yet gone.
+    connected: usize,
+    /// Updates applied, by how many gradients each merged.
+    updates: BTreeMap<usize, u64>,
+    /// Bumped by every change a waiting pull may be waiting for (a version, a clock).
+    epoch: u64,
+    /// The gradient of the push being applied, validated before it reaches `core`.
+    pub(super) scratch: Vec<f32>,
+    /// Per worker (the last [`NORM_WINDOW`] to push): its recent per-step norms, refused
+    /// pushes included, and their median (for [`PushGuard::norm_factor`]).
+    pub(super) norms: Vec<WorkerNorms>,
+    /// Scratch for the medians (no allocation per push once grown).
+    pub(super) norm_scratch: Vec<f32>,
+    /// Pushes whose norm was noted.
+    pub(super) offered: u64,
+    /// Pushes accepted so far (the norm bound's warm-up).
+    pub(super) accepted: u64,
+}
+
+impl ShardState {
+    /// A shard over `core` (whose length must be `cfg.range.len()`).
+    ///
+    /// # Errors
+    /// [`Error::Config`] when the lengths differ, the mode or the aggregation and the core
+    /// disagree, or the aggregation does not fit the mode ([`crate::robust::Aggregation::validate`]).
+    pub fn new(cfg: ShardConfig, core: ShardCore) -> crate::Result<Self> {
+        if core.len() != cfg.range.len() {
+            return Err(Error::Config(format!(
+                "shard {} holds {} values for a range of {}",
+                cfg.id,
+                core.len(),
+                cfg.range.len()
+            )));
+        }
+        if core.consistency() != cfg.setup.consistency {
+            return Err(Error::Config(format!(
+                "shard {}: core runs {}, config says {}",
+                cfg.id,
+                core.consistency(),
+                cfg.setup.consistency
+            )));
+        }
+        if core.aggregation() != cfg.setup.aggregation {
+            return Err(Error::Config(format!(
+                "shard {}: core aggregates by {}, config says {}",
+                cfg.id,
+                core.aggregation(),
+                cfg.setup.aggregation
+            )));
+        }
+        cfg.setup.aggregation.validate(cfg.setup.consistency)?;
+        round_memory(cfg.id, cfg.setup.consistency, core.len(), core.keeps_rows())?;
+        let bound = match cfg.setup.consistency {
+            Consistency::Ssp { bound } => bound,
+            _ => u64::MAX / 2,
+        };
+        Ok(Self {
+            clock: SspClock::new(bound, cfg.setup.heartbeat),
+            scratch: vec![0.0; core.len()],
+            cfg,
+            core,
+            connected: 0,
+            updates: BTreeMap::new(),
+            epoch: 0,
+            norms: Vec::new(),
+            norm_scratch: Vec::new(),
+            offered: 0,
+            accepted: 0,
+        })
+    }
+
+    /// The shard's description.
+    pub fn config(&self) -> &ShardConfig {
+        &self.cfg
+    }
+
+    /// The apply path (read-only).
+    pub fn core(&self) -> &ShardCore {
+        &self.core
+    }
+
+    /// Operator controls (the server's admin API, issue 9): pause or resume pushes (a paused
+    /// shard answers them `busy`, [`ShardCore::set_paused`]).
+    pub fn set_paused(&mut self, paused: bool) {
+        self.core.set_paused(paused);
+    }
+
+    /// The consistency mode now (the run's, or the one an operator switched to).
+    pub fn consistency(&self) -> Consistency {
+        self.cfg.setup.consistency
+    }
+
+    /// Operator controls: switches the consistency mode of a running shard, for every session
+    /// at once (sessions read the mode from here, not from their copy of the config).
+    ///
+    /// Safe, and done: `async` ↔ `ssp:S`, `ssp:S` → `ssp:S'`, `sync:K` → `sync:K'`, and
+    /// `sync:K` → `async` / `ssp:S`. Leaving sync mode, or changing K, first applies the
+    /// pending aggregate (a flush). Entering SSP from async levels every worker's clock, so
+    /// clocks counted without a bound hold nobody back. A pull waiting under the old mode is
+    /// re-checked under the new one.
+    ///
+    /// # Errors
+    /// `async`/`ssp` → `sync:K`, with a reason (nothing changes): workers that joined under
+    /// async or SSP ask for the current version, not the next one, so a fast worker would fill
+    /// an aggregate with several gradients of its own.
+    pub fn set_consistency(&mut self, mode: Consistency) -> Result<(), String> {
+        let from = self.cfg.setup.consistency;
+        if mode == from {
+            return Ok(());
+        }
+        if matches!(mode, Consistency::Sync { .. }) && !matches!(from, Consistency::Sync { .. }) {
+            return Err(format!(
+                "cannot switch a running shard from {from} to {mode}: workers that joined under \
+                 {from} pull the current version, not the next one, so one fast worker could \
+                 fill an aggregate alone; restart from a checkpoint with --consistency {mode}"
+            ));
+        }
+        // The run's aggregation rule must hold in the new mode too (e.g. Krum's K >= 2f + 3,
+        // or a round rule leaving sync): refused, and nothing changes.
+        self.cfg
+            .setup
+            .aggregation
+            .validate(mode)
+            .map_err(|e| format!("cannot switch a running shard from {from} to {mode}: {e}"))?;
+        round_memory(self.cfg.id, mode, self.core.len(), self.core.keeps_rows())
+            .map_err(|e| format!("cannot switch a running shard from {from} to {mode}: {e}"))?;
+        if let Some(o) = self.core.set_consistency(mode) {
+            self.record(&o);
+        }
+        match mode {
+            Consistency::Ssp { bound } => self
+                .clock
+                .set_bound(bound, !matches!(from, Consistency::Ssp { .. })),
+            _ => self.clock.set_bound(u64::MAX / 2, false),
+        }
+        self.cfg.setup.consistency = mode;
+        self.epoch += 1;
+        Ok(())
+    }
+
+    /// In `sync:K`, keeps each round's pushes apart so that a quarantined worker's can be
+    /// dropped before the round is applied ([`ShardState::drop_pending`],
+    /// [`ShardCore::set_droppable`]). A driver whose workers can be quarantined turns it on.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when K rows of this shard would exceed [`MAX_ROUND_BYTES`](super::MAX_ROUND_BYTES); nothing
+    /// changes.
+    pub fn set_droppable(&mut self, droppable: bool) -> crate::Result<()> {
+        round_memory(
+            self.cfg.id,
+            self.cfg.setup.consistency,
+            self.core.len(),
+            droppable || self.core.keeps_rows(),
+        )?;
+        self.core.set_droppable(droppable);
+        Ok(())
+    }
+
+    /// `zeno` ([`crate::robust::Aggregation::Zeno`]): this shard's slice of the gradient of
+    /// the server's validation batch, which pushes are compared with from now on. Drivers
+    /// holding the training data refresh it every [`crate::robust::ZENO_REFRESH`] updates.
+    pub fn set_reference(&mut self, slice: &[f32]) {
+        self.core.set_reference(slice);
+    }
+
+    /// Takes `worker`'s pushes out of the pending `sync:K` round, so they are never applied
+    /// (its worker was quarantined), and returns how many. A round holding no push of it, a
+    /// round kept as a running sum ([`ShardState::set_droppable`] off), and async/SSP (where
+    /// pushes are applied on receipt) give 0 and change nothing.
+    pub fn drop_pending(&mut self, worker: u64) -> usize {
+        let n = self.core.drop_pending(worker);
+        if n > 0 {
+            self.epoch += 1;
+        }
+        n
+    }
+
+    /// Operator controls: the learning rate from the next update on ([`ShardCore::set_lr`]).
+    ///
+    /// # Errors
+    /// A learning rate that is not finite and positive; nothing changes.
+    pub fn set_lr(&mut self, lr: f32) -> crate::Result<()> {
+        self.core.set_lr(lr)
+    }
+
+    /// Current version.
+    pub fn version(&self) -> u64 {
+        self.core.version()
+    }
+
+    /// Current values.
+    pub fn values(&self) -> &Arc<Vec<f32>> {
+        self.core.values()
+    }
+
+    /// Workers connected (past Hello).
+    pub fn connected(&self) -> usize {
+        self.connected
+    }
+
+    /// Updates applied so far, keyed by how many gradients each merged (sync: K for a full
+    /// aggregate, fewer for a flush; 1 in the other modes).
+    pub fn updates(&self) -> &BTreeMap<usize, u64> {
+        &self.updates
+    }
+
+    /// Changes so far that may release a waiting pull; drivers compare it before and after a
+    /// call to know whether to wake the other sessions of this shard.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The SSP clock (read-only).
+    pub fn clock(&self) -> &SspClock {
+        &self.clock
+    }
+
+    fn record(&mut self, outcome: &Outcome) {
+        if let Outcome::Applied { merged, .. } = outcome {
+            *self.updates.entry(*merged).or_default() += 1;
+            self.epoch += 1;
+        }
+    }
+
+    pub(super) fn join(&mut self, worker: u64, now: f64) {
+        self.connected += 1;
+        self.clock.join(worker, now);
+        self.epoch += 1;
+    }
+
+    /// Rule 2 of the sync flush decisions (module doc).
+    pub(super) fn leave(&mut self, worker: u64) {
+        self.connected = self.connected.saturating_sub(1);
+        self.clock.leave(worker);
+        self.epoch += 1;
+        if matches!(self.cfg.setup.consistency, Consistency::Sync { .. })
+            && self.core.pending() > 0
+            && self.core.pending() >= self.connected
+        {
+            self.flush();
+        }
+    }
+
+    pub(super) fn seen(&mut self, worker: u64, now: f64) {
+        if matches!(self.cfg.setup.consistency, Consistency::Ssp { .. }) {
+            let before = self.clock.clock(worker);
+            self.clock.seen(worker, now);
+            if self.clock.clock(worker) != before {
+                self.epoch += 1;
+            }
+        }
+    }
+
+    /// Sync: applies the partial aggregate now (rules 1 to 3).
+    pub(super) fn flush(&mut self) {
+        if let Some(o) = self.core.flush() {
+            self.record(&o);
+        }
+    }
+
+    /// Validates `grad` (length, finite) into scratch and applies it (rule 1 included).
+    pub(super) fn push(
+        &mut self,
+        worker: u64,
+        base_version: u64,
+        grad: Payload<'_>,
+        samples: u32,
+        now: f64,
+    ) -> Outcome {
+        if let Err(e) = grad.copy_into(&mut self.scratch) {
+            return Outcome::Rejected {
+                code: ErrorCode::from(&e),
+                message: e.to_string(),
+            };
+        }
+        // `zeno`'s norm ratio is taken against the same per-worker reference as the norm
+        // bound, so a worker pushing faster than the others cannot set "the usual norm".
+        let mut ratio = None;
+        let checked = self.guard(samples).and_then(|norm| {
+            // The worker's norm counts in the reference whether or not this push passes, so
+            // honest workers that arrive after a flooder are not locked out by its median.
+            // Only when the norm bound or `zeno` will use it (a sort over up to 64 workers).
+            let g = self.cfg.setup.guard;
+            let bound_on = g.norm_factor > 0.0 && self.accepted >= NORM_WARMUP as u64;
+            let zeno_on = matches!(
+                self.cfg.setup.aggregation,
+                crate::robust::Aggregation::Zeno { .. }
+            ) && self.accepted >= crate::robust::ZENO_NORM_WARMUP as u64;
+            let reference = if bound_on || zeno_on {
+                self.reference_norm()
+            } else {
+                None
+            };
+            let verdict = self.norm_check(norm, reference);
+            if let Some(m) = reference.filter(|&m| zeno_on && m > 0.0) {
+                ratio = Some(f64::from(norm) / f64::from(m));
+            }
+            self.note_norm(worker, norm);
+            verdict.map(|()| norm)
+        });
+        if let Err(message) = checked {
+            return Outcome::Rejected {
+                code: ErrorCode::OutOfBounds,
+                message,
+            };
+        }
+        let scale = if self.cfg.setup.pseudo_gradients {
+            1.0 / self.connected.max(1) as f32
+        } else {
+            1.0
+        };
+        let outcome = self
+            .core
+            .push_judged(worker, base_version, &self.scratch, scale, ratio);
+        self.record(&outcome);
+        if matches!(outcome, Outcome::Applied { .. } | Outcome::Buffered { .. }) {
+            self.accepted += 1;
+            self.clock.tick(worker, now);
+            self.epoch += 1;
+        }
+        if let Outcome::Buffered { pending, .. } = outcome {
+            if pending >= self.connected {
+                self.flush();
+            }
+        }
+        outcome
+    }
+
+    /// Whether `worker`'s pull for `min_version` may be answered now; if not, the time by which
+    /// to check again (besides any [`ShardState::epoch`] change).
+    pub(super) fn gate(&mut self, worker: u64, min_version: u64, now: f64, since: f64) -> Gate {
+        match self.cfg.setup.consistency {
+            Consistency::Async => Gate::Open,
+            Consistency::Ssp { .. } => {
+                self.seen(worker, now);
+                if self.clock.may_read(worker, now) {
+                    Gate::Open
+                } else {
+                    let expiry = self
+                        .clock
+                        .next_expiry(now)
+                        .map_or(SSP_RECHECK, |t| (t - now).clamp(0.0, SSP_RECHECK));
+                    Gate::Wait(now + expiry + SSP_SLACK)
+                }
+            }
+            Consistency::Sync { .. } => {
+                if self.core.version() >= min_version {
+                    Gate::Open
+                } else {
+                    Gate::Wait(since + self.cfg.setup.sync_timeout)
+                }
+            }
+        }
+    }
+
+    /// The reader's and the slowest active SSP clock, for the read log.
+    pub(super) fn read_view(&self, worker: u64, now: f64) -> (Option<u64>, Option<u64>) {
+        match self.cfg.setup.consistency {
+            Consistency::Ssp { .. } => self.clock.read_view(worker, now),
+            _ => (None, None),
+        }
+    }
+}
+
+/// The answer to a Hello's identity.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Admission {
+    /// Go ahead.
+    Admitted,
+    /// No such worker joined the run.
+    Unknown,
+    /// The worker joined, but the credential is missing or not its own.
+    BadCredential,
+    /// The worker is quarantined ([`ErrorCode::Quarantined`]); the text says why.
+    Quarantined(String),
+}
+
+/// A copy of an accepted push the driver asked for ([`ShardAccess::sample`]), for a spot
+/// check: the gradient as the shard decoded it, and what the push says it was computed from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SampledPush {
+    /// The pusher.
+    pub worker: u64,
+    /// The shard it was pushed to.
+    pub shard: u32,
+    /// The push's base version.
+    pub base_version: u64,
+    /// Examples it claims.
+    pub samples: u32,
+    /// Where its batches came from.
+    pub tag: wire::PushTag,
+    /// The encoding this connection's `Params` are sent in: the worker computed on the
+    /// parameters as decoded from it.
+    pub pull_encoding: Encoding,
+    /// The decoded gradient slice.
+    pub grad: Vec<f32>,
+}
+
+pub(super) enum Gate {
+    Open,
+    Wait(f64),
+}
+
+/// How a session reaches the state of its shard. Drivers decide how it is stored and locked.
+pub trait ShardAccess {
+    /// The last published values and their version. Must not wait for an update in progress
+    /// (the server serves it from an `ArcSwap`): this is what keeps async pulls lock-free.
+    fn snapshot(&self) -> (u64, Arc<Vec<f32>>);
+    /// Runs `f` with exclusive access to the shared state; the driver publishes a new snapshot
+    /// afterwards when the version moved, and wakes the other sessions when the epoch moved.
+    fn with<R>(&mut self, f: impl FnOnce(&mut ShardState) -> R) -> R;
+    /// Whether `worker` may speak on this shard: it joined the run (`POST /api/join` on the
+    /// server) and, where the driver requires one, `credential` is the one its join handed out.
+    fn admit(&self, worker: u64, credential: Option<&str>) -> Admission;
+    /// Whether this shard spot-checks pushes: Welcomes say so, and every push must then carry
+    /// a [`wire::PushTag`] (default: no).
+    fn spot_checks(&self) -> bool {
+        false
+    }
+    /// Whether the driver wants a copy of this accepted, tagged push (default: no).
+    fn sample(&self, _worker: u64, _tag: &wire::PushTag) -> bool {
+        false
+    }
+    /// Takes the copy [`ShardAccess::sample`] asked for.
+    fn take_sample(&mut self, _push: SampledPush) {}
+    /// The shard's consistency mode now ([`ShardState::consistency`]; an operator may switch
+    /// it while sessions run). Drivers whose [`ShardAccess::with`] takes a lock should answer
+    /// without it: async pulls ask on every pull.
+    fn mode(&mut self) -> Consistency {
+        self.with(|s| ShardState::consistency(s))
+    }
+}
+
+impl ShardAccess for ShardState {
+    fn snapshot(&self) -> (u64, Arc<Vec<f32>>) {
+        (self.version(), self.values().clone())
+    }
+    fn with<R>(&mut self, f: impl FnOnce(&mut ShardState) -> R) -> R {
+        f(self)
+    }
+    fn admit(&self, _worker: u64, _credential: Option<&str>) -> Admission {
+        Admission::Admitted
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::session::testing::{hello, pull, sent, state};
+    use crate::session::{Action, Record, ShardSession};
+
+    /// The flush-on-leave rule (module doc, rule 2): with sync:4 and four workers, two
+    /// gradients buffered and one worker leaving, the shard keeps waiting for the two that can
+    /// still push; when the next one leaves, the two buffered equal the two left: flush.
+    #[test]
+    fn sync_flushes_on_leave_only_when_no_more_gradients_can_come() {
+        let mut sh = state(Consistency::Sync { k: 4 }, 1);
+        let mut s: Vec<ShardSession> = (0..4).map(|_| ShardSession::new(*sh.config())).collect();
+        for (i, x) in s.iter_mut().enumerate() {
+            x.handle_frame(&mut sh, &hello(1, i as u64 + 1), 0.0);
+        }
+        s[0].handle_frame(&mut sh, &wire::encode_push(2, 1, 0, 8, &[1.0]), 0.0);
+        s[1].handle_frame(&mut sh, &wire::encode_push(2, 1, 0, 8, &[3.0]), 0.0);
+        assert_eq!(sh.core().pending(), 2);
+        s[3].handle_close(&mut sh);
+        assert_eq!(
+            (sh.version(), sh.core().pending()),
+            (0, 2),
+            "two can still push"
+        );
+        s[2].handle_close(&mut sh);
+        assert_eq!(sh.version(), 1, "two buffered, two connected: flush");
+        assert_eq!(**sh.values(), vec![-2.0]);
+        assert_eq!(sh.updates().get(&2), Some(&1));
+    }
+
+    /// Issue 10: a worker caught cheating has its pending pushes dropped. In sync:3 with three
+    /// workers, the cheat's push and an honest one are buffered; expelling the cheat takes its
+    /// push out before its leaving could apply the round, and the round applies the honest
+    /// pushes only. Without droppable rounds (a running sum) nothing can be taken out.
+    #[test]
+    fn an_expelled_workers_pending_sync_pushes_are_dropped_from_the_round() {
+        let mut sh = state(Consistency::Sync { k: 3 }, 1);
+        sh.set_droppable(true).unwrap();
+        let mut s: Vec<ShardSession> = (0..3).map(|_| ShardSession::new(*sh.config())).collect();
+        for (i, x) in s.iter_mut().enumerate() {
+            x.handle_frame(&mut sh, &hello(1, i as u64 + 1), 0.0);
+        }
+        s[0].handle_frame(&mut sh, &wire::encode_push(2, 1, 0, 8, &[1000.0]), 0.0);
+        s[1].handle_frame(&mut sh, &wire::encode_push(2, 1, 0, 8, &[2.0]), 0.0);
+        assert_eq!(sh.core().pending(), 2);
+        for x in s.iter_mut() {
+            sent(x);
+        }
+        s[0].expel(
+            &mut sh,
+            ErrorCode::Quarantined,
+            "failed a spot check".into(),
+        );
+        let mut dropped = Vec::new();
+        let mut frames = Vec::new();
+        while let Some(a) = s[0].poll_action() {
+            match a {
+                Action::Record(Record::Dropped { worker, pushes }) => {
+                    dropped.push((worker, pushes))
+                }
+                Action::Send(f) => frames.push(f),
+                _ => {}
+            }
+        }
+        assert_eq!(dropped, [(1, 1)]);
+        assert_eq!(frames.len(), 1, "the quarantined error frame");
+        assert_eq!(
+            (sh.version(), sh.core().pending(), sh.connected()),
+            (0, 1, 2),
+            "the honest push waits for the third"
+        );
+        s[2].handle_frame(&mut sh, &wire::encode_push(2, 1, 0, 8, &[4.0]), 0.0);
+        assert_eq!(sh.version(), 1);
+        assert_eq!(**sh.values(), vec![-3.0], "the mean of 2 and 4 only");
+        assert_eq!(sh.updates().get(&2), Some(&1));
+
+        // Leaving alone (no expel) keeps a push: it was honest as far as anyone knows.
+        let mut sh = state(Consistency::Sync { k: 3 }, 1);
+        sh.set_droppable(true).unwrap();
+        let mut s: Vec<ShardSession> = (0..3).map(|_| ShardSession::new(*sh.config())).collect();
+        for (i, x) in s.iter_mut().enumerate() {
+            x.handle_frame(&mut sh, &hello(1, i as u64 + 1), 0.0);
+        }
+        s[0].handle_frame(&mut sh, &wire::encode_push(2, 1, 0, 8, &[6.0]), 0.0);
+        s[0].handle_close(&mut sh);
+        assert_eq!(sh.core().pending(), 1);
+        // Two buffered, two connected: the round (6 and 2) is applied.
+        s[1].handle_frame(&mut sh, &wire::encode_push(2, 1, 0, 8, &[2.0]), 0.0);
+        assert_eq!(**sh.values(), vec![-4.0]);
+
+        // A running-sum round cannot be split: nothing is dropped, and it says so.
+        let mut sh = state(Consistency::Sync { k: 2 }, 1);
+        let mut s: Vec<ShardSession> = (0..2).map(|_| ShardSession::new(*sh.config())).collect();
+        for (i, x) in s.iter_mut().enumerate() {
+            x.handle_frame(&mut sh, &hello(1, i as u64 + 9), 0.0);
+        }
+        s[0].handle_frame(&mut sh, &wire::encode_push(2, 1, 0, 8, &[1.0]), 0.0);
+        assert_eq!(sh.drop_pending(9), 0);
+        assert_eq!(sh.core().pending(), 1);
+    }
+
+    /// The admin API's consistency change (issue 9): sessions read the mode from the shared
+    /// state, so a switch reaches open connections, and a pull parked under the old mode is
+    /// re-checked under the new one.
+    #[test]
+    fn consistency_changes_reach_open_sessions() {
+        let mut sh = state(Consistency::Sync { k: 2 }, 1);
+        let mut a = ShardSession::new(*sh.config());
+        let mut b = ShardSession::new(*sh.config());
+        a.handle_frame(&mut sh, &hello(1, 1), 0.0);
+        b.handle_frame(&mut sh, &hello(1, 2), 0.0);
+        a.handle_frame(&mut sh, &wire::encode_push(2, 1, 0, 8, &[1.0]), 0.1);
+        a.handle_frame(&mut sh, &pull(3, 1), 0.1);
+        assert!(a.is_waiting());
+        // sync -> async: the pending aggregate is applied first, the parked pull answered.
+        let epoch = sh.epoch();
+        sh.set_consistency(Consistency::Async).unwrap();
+        assert!(sh.epoch() > epoch);
+        assert_eq!((sh.version(), sh.core().pending()), (1, 0));
+        assert_eq!(sh.updates().get(&1), Some(&1), "a flush of one");
+        a.handle_update(&mut sh, 0.2);
+        assert_eq!(sent(&mut a), ["welcome 1", "ack 2 v0", "params 3 v1"]);
+        // Async now: a stale push is applied, not refused as late.
+        b.handle_frame(&mut sh, &wire::encode_push(2, 1, 0, 8, &[1.0]), 0.3);
+        assert_eq!(sent(&mut b), ["welcome 1", "ack 2 v2"]);
+        // async -> ssp:1: clocks are levelled, then the bound holds a runner back.
+        sh.set_consistency(Consistency::Ssp { bound: 1 }).unwrap();
+        for rid in [4, 5] {
+            let v = sh.version();
+            a.handle_frame(&mut sh, &wire::encode_push(rid, 1, v, 8, &[0.5]), 0.4);
+        }
+        a.handle_frame(&mut sh, &pull(6, 0), 0.4);
+        assert!(a.is_waiting(), "two ahead of b with S = 1");
+        // ssp -> sync is refused with a reason, and changes nothing.
+        let e = sh.set_consistency(Consistency::Sync { k: 2 }).unwrap_err();
+        assert!(e.contains("pull the current version"), "{e}");
+        assert_eq!(sh.consistency(), Consistency::Ssp { bound: 1 });
+        // ssp:1 -> ssp:4: the runner may read again.
+        sh.set_consistency(Consistency::Ssp { bound: 4 }).unwrap();
+        a.handle_update(&mut sh, 0.5);
+        assert_eq!(sent(&mut a), ["ack 4 v3", "ack 5 v4", "params 6 v4"]);
+        // sync:K -> sync:K' is allowed only from sync.
+        let mut sh = state(Consistency::Sync { k: 3 }, 1);
+        let mut c = ShardSession::new(*sh.config());
+        c.handle_frame(&mut sh, &hello(1, 1), 0.0);
+        sh.set_consistency(Consistency::Sync { k: 2 }).unwrap();
+        assert_eq!(sh.core().consistency(), Consistency::Sync { k: 2 });
+        // The aggregation rule must fit the new mode: Krum with f = 1 needs K >= 5, and a round
+        // rule has no meaning in async. Refused, and nothing changes.
+        let mut sh = state(Consistency::Sync { k: 5 }, 1);
+        sh.cfg.setup.aggregation = crate::robust::Aggregation::Krum { f: 1 };
+        for to in [Consistency::Sync { k: 4 }, Consistency::Async] {
+            let e = sh.set_consistency(to).unwrap_err();
+            assert!(e.contains("Krum") || e.contains("round rule"), "{to}: {e}");
+            assert_eq!(sh.consistency(), Consistency::Sync { k: 5 });
+        }
+        sh.set_consistency(Consistency::Sync { k: 7 }).unwrap();
+    }
+
+    #[test]
+    fn ssp_pull_waits_for_the_sleeper_to_expire() {
+        let mut sh = state(Consistency::Ssp { bound: 1 }, 1);
+        let mut a = ShardSession::new(*sh.config());
+        let mut b = ShardSession::new(*sh.config());
+        a.handle_frame(&mut sh, &hello(1, 1), 0.0);
+        b.handle_frame(&mut sh, &hello(1, 2), 0.0);
+        for rid in [2, 3] {
+            let v = sh.version();
+            a.handle_frame(&mut sh, &wire::encode_push(rid, 1, v, 8, &[0.0]), 0.1);
+        }
+        a.handle_frame(&mut sh, &pull(4, 0), 0.2);
+        assert!(a.is_waiting(), "two ahead of a silent worker with S = 1");
+        let t = a.poll_timeout().unwrap();
+        assert!(
+            t <= 1.2 + SSP_SLACK + 1e-9,
+            "re-checks within a second: {t}"
+        );
+        let mut now = 0.2;
+        while a.is_waiting() {
+            now = a.poll_timeout().unwrap();
+            a.handle_timeout(&mut sh, now);
+        }
+        assert!(
+            now > 5.0,
+            "released only after b's heartbeat expired: {now}"
+        );
+        assert_eq!(
+            sent(&mut a),
+            ["welcome 1", "ack 2 v1", "ack 3 v2", "params 4 v2"]
+        );
+    }
+}

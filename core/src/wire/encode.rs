@@ -1,0 +1,499 @@
+//! Encoding frames: [`encode`] for every [`Message`], and the data encoders that write
+//! straight from a slice ([`encode_params`], [`encode_push`] and their `_as` / `_tagged` forms).
+
+use super::{ErrorBody, ErrorCode, Header, Kind, Message, PushTag, HEADER_LEN};
+use crate::codec::{self, Encoding, ErrorFeedback};
+use crate::error::{Error, Result};
+use serde::Serialize;
+
+fn frame(mut h: Header, meta: &[u8], payload: &[u8]) -> Vec<u8> {
+    h.meta_len = meta.len() as u32;
+    if h.count == 0 {
+        h.count = (payload.len() / 4) as u32;
+    }
+    let mut out = Vec::with_capacity(HEADER_LEN + meta.len() + payload.len());
+    h.write(&mut out);
+    out.extend_from_slice(meta);
+    out.extend_from_slice(payload);
+    out
+}
+
+fn header(kind: Kind, request_id: u32, shard: u32, aux: u32, version: u64) -> Header {
+    Header {
+        kind,
+        encoding: Encoding::F32,
+        request_id,
+        shard,
+        aux,
+        version,
+        meta_len: 0,
+        count: 0,
+    }
+}
+
+fn json<T: Serialize>(v: &T) -> Vec<u8> {
+    // Serialising these plain structs cannot fail.
+    serde_json::to_vec(v).unwrap_or_default()
+}
+
+/// Appends `values` as little-endian bytes.
+fn f32_bytes(values: &[f32]) -> std::borrow::Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        std::borrow::Cow::Borrowed(bytemuck::cast_slice(values))
+    } else {
+        std::borrow::Cow::Owned(values.iter().flat_map(|v| v.to_le_bytes()).collect())
+    }
+}
+
+/// Encodes a `Params` frame straight from a slice.
+pub fn encode_params(request_id: u32, shard: u32, version: u64, values: &[f32]) -> Vec<u8> {
+    frame(
+        header(Kind::Params, request_id, shard, 0, version),
+        &[],
+        &f32_bytes(values),
+    )
+}
+
+/// Encodes a `Push` frame straight from a slice.
+pub fn encode_push(
+    request_id: u32,
+    shard: u32,
+    base_version: u64,
+    samples: u32,
+    grad: &[f32],
+) -> Vec<u8> {
+    frame(
+        header(Kind::Push, request_id, shard, samples, base_version),
+        &[],
+        &f32_bytes(grad),
+    )
+}
+
+/// Encodes a data frame of `kind` whose payload is `values` in `encoding`, appending the
+/// payload straight after the header (no intermediate copy). With `feedback`, the values are
+/// first corrected by the residual of earlier lossy pushes and the new residual is kept
+/// ([`ErrorFeedback::encode_with_feedback`]).
+#[allow(clippy::too_many_arguments)]
+fn encode_data(
+    kind: Kind,
+    encoding: Encoding,
+    request_id: u32,
+    shard: u32,
+    aux: u32,
+    version: u64,
+    values: &[f32],
+    feedback: Option<&mut ErrorFeedback>,
+    meta: &[u8],
+) -> Result<Vec<u8>> {
+    // Frames carry no block size: on the wire int8 blocks are always DEFAULT_INT8_BLOCK values
+    // (docs/protocol.md section 8). Another block size would make a frame no receiver decodes.
+    if let Encoding::Int8Block { block } = encoding {
+        if block != codec::DEFAULT_INT8_BLOCK {
+            return Err(Error::Malformed(format!(
+                "int8 blocks of {block} cannot be sent: frames carry blocks of {}",
+                codec::DEFAULT_INT8_BLOCK
+            )));
+        }
+    }
+    let h = Header {
+        encoding,
+        count: u32::try_from(values.len())
+            .map_err(|_| Error::Malformed("payload of more than 2^32 values".into()))?,
+        meta_len: meta.len() as u32,
+        ..header(kind, request_id, shard, aux, version)
+    };
+    let mut out = Vec::with_capacity(HEADER_LEN + meta.len() + encoding.encoded_len(values.len()));
+    h.write(&mut out);
+    out.extend_from_slice(meta);
+    match feedback {
+        Some(ef) => ef.encode_with_feedback(values, encoding, &mut out)?,
+        None => encoding.encode(values, &mut out)?,
+    }
+    Ok(out)
+}
+
+/// Encodes a `Params` frame in `encoding`.
+///
+/// # Errors
+/// [`Error::NotFinite`] when a value cannot be encoded (callers hold finite parameters).
+pub fn encode_params_as(
+    encoding: Encoding,
+    request_id: u32,
+    shard: u32,
+    version: u64,
+    values: &[f32],
+) -> Result<Vec<u8>> {
+    encode_data(
+        Kind::Params,
+        encoding,
+        request_id,
+        shard,
+        0,
+        version,
+        values,
+        None,
+        &[],
+    )
+}
+
+/// Encodes a `Push` frame in `encoding`, with error feedback when given.
+///
+/// # Errors
+/// [`Error::NotFinite`] for a gradient that cannot be encoded (the feedback is unchanged).
+pub fn encode_push_as(
+    encoding: Encoding,
+    request_id: u32,
+    shard: u32,
+    base_version: u64,
+    samples: u32,
+    grad: &[f32],
+    feedback: Option<&mut ErrorFeedback>,
+) -> Result<Vec<u8>> {
+    encode_data(
+        Kind::Push,
+        encoding,
+        request_id,
+        shard,
+        samples,
+        base_version,
+        grad,
+        feedback,
+        &[],
+    )
+}
+
+/// [`encode_push_as`] with a [`PushTag`] meta (to a shard whose Welcome had `spot_checks`).
+///
+/// # Errors
+/// As [`encode_push_as`].
+#[allow(clippy::too_many_arguments)]
+pub fn encode_push_tagged(
+    encoding: Encoding,
+    request_id: u32,
+    shard: u32,
+    base_version: u64,
+    samples: u32,
+    grad: &[f32],
+    feedback: Option<&mut ErrorFeedback>,
+    tag: &PushTag,
+) -> Result<Vec<u8>> {
+    encode_data(
+        Kind::Push,
+        encoding,
+        request_id,
+        shard,
+        samples,
+        base_version,
+        grad,
+        feedback,
+        &json(tag),
+    )
+}
+
+/// Encodes an `Error` frame.
+pub fn encode_error(
+    request_id: u32,
+    shard: u32,
+    code: ErrorCode,
+    message: impl Into<String>,
+) -> Vec<u8> {
+    encode(&Message::Error {
+        request_id,
+        shard,
+        error: ErrorBody {
+            code,
+            message: message.into(),
+        },
+    })
+}
+
+/// Encodes any message.
+pub fn encode(msg: &Message<'_>) -> Vec<u8> {
+    match msg {
+        Message::Hello {
+            request_id,
+            shard,
+            hello,
+        } => frame(
+            header(Kind::Hello, *request_id, *shard, 0, 0),
+            &json(hello),
+            &[],
+        ),
+        Message::Welcome {
+            request_id,
+            shard,
+            welcome,
+        } => frame(
+            header(Kind::Welcome, *request_id, *shard, 0, welcome.version),
+            &json(welcome),
+            &[],
+        ),
+        Message::Pull {
+            request_id,
+            shard,
+            min_version,
+        } => frame(
+            header(Kind::Pull, *request_id, *shard, 0, *min_version),
+            &[],
+            &[],
+        ),
+        Message::Params {
+            request_id,
+            shard,
+            version,
+            values,
+        } => frame(
+            Header {
+                encoding: values.encoding(),
+                count: values.len() as u32,
+                ..header(Kind::Params, *request_id, *shard, 0, *version)
+            },
+            &[],
+            values.bytes(),
+        ),
+        Message::Push {
+            request_id,
+            shard,
+            base_version,
+            samples,
+            grad,
+        } => frame(
+            Header {
+                encoding: grad.encoding(),
+                count: grad.len() as u32,
+                ..header(Kind::Push, *request_id, *shard, *samples, *base_version)
+            },
+            &[],
+            grad.bytes(),
+        ),
+        Message::Ack {
+            request_id,
+            shard,
+            version,
+            staleness,
+        } => frame(
+            header(Kind::Ack, *request_id, *shard, *staleness, *version),
+            &[],
+            &[],
+        ),
+        Message::Error {
+            request_id,
+            shard,
+            error,
+        } => frame(
+            header(Kind::Error, *request_id, *shard, error.code as u32, 0),
+            &json(error),
+            &[],
+        ),
+        Message::Bye { shard, bye } => frame(header(Kind::Bye, 0, *shard, 0, 0), &json(bye), &[]),
+        Message::Report { shard, report } => {
+            frame(header(Kind::Report, 0, *shard, 0, 0), &json(report), &[])
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::partition::KeyRange;
+    use crate::wire::*;
+
+    const LIMIT: usize = 1 << 20;
+
+    fn all_messages(payload: &[u8]) -> Vec<Message<'_>> {
+        vec![
+            Message::Hello {
+                request_id: 1,
+                shard: 2,
+                hello: Hello {
+                    protocol: PROTOCOL_VERSION,
+                    worker_id: 77,
+                    client: ClientKind::Browser,
+                    ..Default::default()
+                },
+            },
+            Message::Welcome {
+                request_id: 1,
+                shard: 2,
+                welcome: Welcome {
+                    protocol: 1,
+                    range: KeyRange { start: 10, end: 20 },
+                    version: 5,
+                    pull_encoding: Default::default(),
+                    push_encoding: Default::default(),
+                    reports: false,
+                    spot_checks: false,
+                },
+            },
+            Message::Pull {
+                request_id: 9,
+                shard: 0,
+                min_version: 3,
+            },
+            Message::Params {
+                request_id: 9,
+                shard: 0,
+                version: 42,
+                values: Payload::f32(payload),
+            },
+            Message::Push {
+                request_id: 10,
+                shard: 3,
+                base_version: 41,
+                samples: 32,
+                grad: Payload::f32(payload),
+            },
+            Message::Ack {
+                request_id: 10,
+                shard: 3,
+                version: 43,
+                staleness: 2,
+            },
+            Message::Error {
+                request_id: 10,
+                shard: 3,
+                error: ErrorBody {
+                    code: ErrorCode::NotFinite,
+                    message: "nan at 3".into(),
+                },
+            },
+            Message::Bye {
+                shard: 1,
+                bye: Bye {
+                    reason: "shutdown".into(),
+                },
+            },
+        ]
+    }
+
+    #[test]
+    fn every_message_round_trips() {
+        let values = [1.5f32, -2.0, 0.0, 3.25];
+        let payload = encode_params(0, 0, 0, &values)[HEADER_LEN..].to_vec();
+        for m in all_messages(&payload) {
+            let bytes = encode(&m);
+            assert_eq!(decode(&bytes, LIMIT).unwrap(), m);
+        }
+        let p = encode_push(10, 3, 41, 32, &values);
+        match decode(&p, LIMIT).unwrap() {
+            Message::Push {
+                grad,
+                samples,
+                base_version,
+                ..
+            } => {
+                assert_eq!(grad.iter().collect::<Vec<_>>(), values);
+                assert_eq!((samples, base_version), (32, 41));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn encoded_frames_round_trip_and_say_their_encoding() {
+        let v: Vec<f32> = (0..600).map(|i| (i as f32 - 300.0) * 0.01).collect();
+        for enc in [Encoding::F32, Encoding::Bf16, Encoding::INT8] {
+            let f = encode_push_as(enc, 7, 1, 9, 32, &v, None).unwrap();
+            assert_eq!(f.len(), HEADER_LEN + enc.encoded_len(v.len()));
+            assert_eq!(f[3] >> 4, enc.id(), "the kind byte's high nibble");
+            let Message::Push {
+                request_id: 7,
+                shard: 1,
+                base_version: 9,
+                samples: 32,
+                grad,
+            } = decode(&f, LIMIT).unwrap()
+            else {
+                panic!("{enc}")
+            };
+            assert_eq!((grad.encoding(), grad.len()), (enc, 600));
+            let mut out = vec![0.0; 600];
+            grad.copy_into(&mut out).unwrap();
+            assert!(grad.iter().zip(&out).all(|(a, b)| a == *b), "iter agrees");
+            let tol = match enc {
+                Encoding::F32 => 0.0,
+                Encoding::Bf16 => 3.0 / 256.0,
+                Encoding::Int8Block { .. } => 3.0 / 254.0,
+            };
+            assert!(
+                v.iter().zip(&out).all(|(a, b)| (a - b).abs() <= tol),
+                "{enc}"
+            );
+            // Re-encoding the decoded message gives the same bytes.
+            assert_eq!(encode(&decode(&f, LIMIT).unwrap()), f);
+            let p = encode_params_as(enc, 8, 1, 3, &v).unwrap();
+            assert!(matches!(
+                decode(&p, LIMIT).unwrap(),
+                Message::Params { request_id: 8, version: 3, values, .. } if values.encoding() == enc
+            ));
+        }
+        // An encoding nibble on a kind without a payload, or an unknown one, is refused.
+        let mut pull = encode(&Message::Pull {
+            request_id: 1,
+            shard: 0,
+            min_version: 0,
+        });
+        pull[3] |= 1 << 4;
+        assert!(matches!(decode(&pull, LIMIT), Err(Error::UnknownKind(_))));
+        let mut push = encode_push(1, 0, 0, 1, &[1.0; 4]);
+        push[3] |= 9 << 4;
+        assert!(matches!(decode(&push, LIMIT), Err(Error::Malformed(_))));
+        // An int8 frame with a NaN scale decodes as a frame but is refused when copied out.
+        let mut q = encode_push_as(Encoding::INT8, 1, 0, 0, 1, &[1.0; 4], None).unwrap();
+        q[HEADER_LEN..HEADER_LEN + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+        let Message::Push { grad, .. } = decode(&q, LIMIT).unwrap() else {
+            panic!()
+        };
+        assert!(grad.copy_into(&mut [0.0; 4]).is_err());
+        // Error feedback carries the rounding residual into the next push.
+        let mut ef = ErrorFeedback::new(4);
+        let g = [0.001, 1.0, -1.0, 0.5];
+        encode_push_as(Encoding::INT8, 1, 0, 0, 1, &g, Some(&mut ef)).unwrap();
+        assert!(ef.residual().iter().any(|&r| r != 0.0));
+    }
+
+    #[test]
+    fn a_push_tag_rides_in_the_meta_and_bad_tags_are_malformed() {
+        let v = [0.5f32, -1.0, 2.0];
+        let tag = PushTag {
+            batch: 1234,
+            versions: vec![7, 9],
+        };
+        for enc in [Encoding::F32, Encoding::Bf16, Encoding::INT8] {
+            let f = encode_push_tagged(enc, 3, 1, 9, 64, &v, None, &tag).unwrap();
+            let Message::Push {
+                base_version: 9,
+                samples: 64,
+                grad,
+                ..
+            } = decode(&f, LIMIT).unwrap()
+            else {
+                panic!("{enc}")
+            };
+            assert_eq!(grad.len(), 3);
+            assert_eq!(push_tag(&f).unwrap(), Some(tag.clone()));
+        }
+        let plain = encode_push(3, 1, 9, 64, &v);
+        assert_eq!(push_tag(&plain).unwrap(), None);
+        // No versions, too many versions, and meta that is no tag are refused by decode.
+        for bad in [
+            PushTag {
+                batch: 1,
+                versions: vec![],
+            },
+            PushTag {
+                batch: 1,
+                versions: vec![0; MAX_TAG_VERSIONS + 1],
+            },
+        ] {
+            let f = encode_push_tagged(Encoding::F32, 3, 1, 9, 64, &v, None, &bad).unwrap();
+            assert!(matches!(decode(&f, LIMIT), Err(Error::Malformed(_))));
+            assert!(push_tag(&f).is_err());
+        }
+        let mut f = encode_push_tagged(Encoding::F32, 3, 1, 9, 64, &v, None, &tag).unwrap();
+        f[HEADER_LEN] = b'[';
+        assert!(matches!(decode(&f, LIMIT), Err(Error::Malformed(_))));
+        assert_eq!(ErrorCode::from_u32(19), Some(ErrorCode::Quarantined));
+        assert!(ErrorCode::Quarantined.is_fatal());
+    }
+}
