@@ -5,9 +5,69 @@
 use super::handler::{self, Inbound, Outbound};
 use super::Shard;
 use crate::registry::Registry;
+use crate::support::limits::{client_ip, Limits};
 use axum::extract::ws::{CloseFrame, Message as WsMessage, WebSocket, WebSocketUpgrade};
-use axum::response::Response;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
 use futures_util::{SinkExt, StreamExt};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Upgrades a request that arrived through the hardened listener (`crate::net::serve`, which
+/// counted its TCP connection and holds `slot` for it) to a socket of `shard` under every
+/// per-connection limit of `limits`: behind `--trust-proxy` the per-IP connection cap is
+/// taken here by the forwarded address (429 when full), and the handler enforces the push
+/// rates (per connection and per IP) and the Hello and idle deadlines. `crowdgrad serve` and
+/// `crowdgrad shard` both serve their shard endpoints through this.
+#[allow(clippy::too_many_arguments)] // the two handles and the request's three parts
+pub fn limited_socket(
+    upgrade: WebSocketUpgrade,
+    shard: Shard,
+    registry: Registry,
+    shutdown: tokio::sync::watch::Receiver<bool>,
+    tracker: tokio_util::task::TaskTracker,
+    limits: &Arc<Limits>,
+    peer: SocketAddr,
+    headers: &HeaderMap,
+    slot: impl Send + 'static,
+) -> Response {
+    let trust_proxy = limits.cfg.trust_proxy;
+    let ip = client_ip(headers, peer, trust_proxy);
+    let ip_slot = if trust_proxy {
+        match limits.connect_ip(ip) {
+            Some(g) => Some(g),
+            None => {
+                let mut r = (
+                    StatusCode::TOO_MANY_REQUESTS,
+                    axum::Json(serde_json::json!({
+                        "error": "too many connections from your address"
+                    })),
+                )
+                    .into_response();
+                let secs = Duration::from_secs(1).as_secs();
+                r.headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+                return r;
+            }
+        }
+    } else {
+        None
+    };
+    let conn = handler::ConnLimits {
+        limits: limits.clone(),
+        ip,
+    };
+    shard_socket_with(
+        upgrade,
+        shard,
+        registry,
+        shutdown,
+        tracker,
+        (slot, ip_slot),
+        Some(conn),
+    )
+}
 
 /// Upgrades `upgrade` to a connection to `shard`, served by [`handler::serve`] in a task
 /// tracked by `tracker` and holding `permit` until it ends: the one shard endpoint of

@@ -23,10 +23,11 @@ use crate::registry::Registry;
 use crate::shard::report::{ShardReport, ShardStatus};
 use crate::shard::Shard;
 use axum::extract::ws::WebSocketUpgrade;
-use axum::extract::{Path, State};
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::extract::{ConnectInfo, Path, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use axum::Extension;
 use axum::{Json, Router};
 use clap::Args;
 use crowdgrad_core::model::Model;
@@ -73,9 +74,15 @@ pub struct ShardArgs {
     /// must carry the credential the coordinator derived from it.
     #[arg(long, env = "CROWDGRAD_RUN_SECRET", hide_env_values = true)]
     pub run_secret: String,
-    /// Most simultaneous WebSocket connections.
+    /// Most simultaneous TCP connections (WebSockets included): past it a connection is
+    /// refused before anything is read from it.
     #[arg(long, default_value_t = 4_096)]
     pub max_connections: usize,
+    /// Per-IP connection caps, push rates, header, Hello and idle deadlines: the same limits,
+    /// flags and defaults as `crowdgrad serve` (join and download rates do not apply: a shard
+    /// process serves neither).
+    #[command(flatten)]
+    pub limits: crate::support::limits::LimitArgs,
     /// The run's shard checkpoints: a directory or `s3://BUCKET/PREFIX`; this shard writes
     /// its own under `shard-{index}/` in it and, on start, resumes from the newest valid one
     /// there (values, optimizer state, version). No checkpoints without it.
@@ -91,7 +98,7 @@ pub struct ShardArgs {
 
 /// Checked [`ShardArgs`].
 #[derive(Clone)]
-pub struct ShardConfig {
+pub struct ShardProcConfig {
     /// Listen address.
     pub listen: SocketAddr,
     /// This shard's index.
@@ -106,13 +113,15 @@ pub struct ShardConfig {
     pub secret: Vec<u8>,
     /// Connection limit.
     pub max_connections: usize,
+    /// Per-IP, rate and timeout limits (as `serve`'s).
+    pub limits: crate::support::limits::LimitConfig,
     /// Checkpoint policy, if any.
     pub checkpoint: Option<checkpoint::ShardCheckpointConfig>,
 }
 
-impl std::fmt::Debug for ShardConfig {
+impl std::fmt::Debug for ShardProcConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ShardConfig")
+        f.debug_struct("ShardProcConfig")
             .field("listen", &self.listen)
             .field("index", &self.index)
             .field("training", &self.training)
@@ -126,7 +135,7 @@ impl ShardArgs {
     ///
     /// # Errors
     /// [`Error::Config`] naming the bad flag.
-    pub fn check(self) -> Result<ShardConfig> {
+    pub fn check(self) -> Result<ShardProcConfig> {
         let training = self.training.check(1)?;
         if matches!(
             training.aggregation,
@@ -182,7 +191,7 @@ impl ShardArgs {
                 })
             }
         };
-        Ok(ShardConfig {
+        Ok(ShardProcConfig {
             listen: self.listen,
             index: self.index,
             training,
@@ -192,6 +201,7 @@ impl ShardArgs {
                 .as_bytes()
                 .to_vec(),
             max_connections: self.max_connections,
+            limits: self.limits.check()?,
             checkpoint,
         })
     }
@@ -230,6 +240,7 @@ struct ShardProc {
     shutdown: watch::Receiver<bool>,
     tracker: TaskTracker,
     connections: Arc<Semaphore>,
+    limits: Arc<crate::support::limits::Limits>,
     metrics: Arc<crate::registry::metrics::Metrics>,
     started: Instant,
 }
@@ -241,7 +252,7 @@ struct ShardProc {
 /// A model that does not fit, or a failing listener.
 pub async fn run(
     listener: TcpListener,
-    cfg: ShardConfig,
+    cfg: ShardProcConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
     let spec = spec_of(&cfg.training, cfg.inputs, cfg.classes)?;
@@ -277,6 +288,7 @@ pub async fn run(
         shutdown: stop_rx,
         tracker: TaskTracker::new(),
         connections: Arc::new(Semaphore::new(cfg.max_connections)),
+        limits: crate::support::limits::Limits::new(cfg.limits),
         metrics: Arc::default(),
         started: Instant::now(),
     });
@@ -309,14 +321,19 @@ pub async fn run(
         model = %proc.spec.model,
         "shard process serving"
     );
-    let served = axum::serve(listener, router)
-        .with_graceful_shutdown(async move {
-            shutdown.await;
-            tracing::info!("shard shutting down: closing worker connections");
-            let _ = stop_tx.send(true);
-        })
-        .await
-        .map_err(|e| Error::io("serving", e));
+    // The same hardened accept loop as `serve` (crate::net): every TCP connection counted
+    // against --max-connections and the per-IP cap before a byte is read, header deadline.
+    let caps = crate::net::Caps {
+        limits: proc.limits.clone(),
+        connections: proc.connections.clone(),
+    };
+    crate::net::serve(listener, router, caps, None, async move {
+        shutdown.await;
+        tracing::info!("shard shutting down: closing worker connections");
+        let _ = stop_tx.send(true);
+    })
+    .await;
+    let served: Result<()> = Ok(());
     proc.tracker.close();
     let _ = tokio::time::timeout(DRAIN, proc.tracker.wait()).await;
     // Every connection is done: the final checkpoint holds every acknowledged push.
@@ -345,6 +362,9 @@ fn error(status: StatusCode, message: impl Into<String>) -> Response {
 async fn ws(
     State(p): State<Arc<ShardProc>>,
     Path(id): Path<usize>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    Extension(slot): Extension<Arc<crate::net::ConnSlot>>,
+    headers: HeaderMap,
     upgrade: WebSocketUpgrade,
 ) -> Response {
     if id != p.shard.id() as usize {
@@ -356,16 +376,16 @@ async fn ws(
     if *p.shutdown.borrow() {
         return error(StatusCode::SERVICE_UNAVAILABLE, "shard is shutting down");
     }
-    let Ok(permit) = p.connections.clone().try_acquire_owned() else {
-        return error(StatusCode::SERVICE_UNAVAILABLE, "too many connections");
-    };
-    crate::shard::socket::shard_socket(
+    crate::shard::socket::limited_socket(
         upgrade,
         p.shard.clone(),
         p.registry.clone(),
         p.shutdown.clone(),
         p.tracker.clone(),
-        permit,
+        &p.limits,
+        peer,
+        &headers,
+        slot,
     )
 }
 

@@ -7,7 +7,6 @@ mod ledger;
 use crate::coordinator::app::App;
 use crate::net::ConnSlot;
 use crate::registry::{MAX_PAGE, RECENT_WORKERS};
-use crate::shard::handler::{self};
 use crate::support::limits::client_ip;
 use axum::body::Bytes;
 use axum::extract::ws::WebSocketUpgrade;
@@ -360,35 +359,17 @@ async fn ws(
     if *app.shutdown.borrow() {
         return error(StatusCode::SERVICE_UNAVAILABLE, "server is shutting down");
     }
-    // The TCP connection was counted when accepted (crate::net); the socket keeps its
-    // slot. Behind a trusted proxy, per-IP counts are taken here, by the forwarded address.
-    let ip = client_ip(&headers, peer, app.cfg.limits.trust_proxy);
-    let ip_slot = if app.cfg.limits.trust_proxy {
-        match app.limits.connect_ip(ip) {
-            Some(g) => Some(g),
-            None => {
-                return limited(
-                    Duration::from_secs(1),
-                    "too many connections from your address",
-                )
-            }
-        }
-    } else {
-        None
-    };
-    let held = (slot, ip_slot);
-    let conn = handler::ConnLimits {
-        limits: app.limits.clone(),
-        ip,
-    };
-    crate::shard::socket::shard_socket_with(
+    // The TCP connection was counted when accepted (crate::net); the socket keeps its slot.
+    crate::shard::socket::limited_socket(
         upgrade,
         shard,
         app.registry.clone(),
         app.shutdown.clone(),
         app.tracker.clone(),
-        held,
-        Some(conn),
+        &app.limits,
+        peer,
+        &headers,
+        slot,
     )
 }
 
