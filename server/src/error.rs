@@ -16,9 +16,16 @@ pub enum Error {
         /// The underlying error.
         source: std::io::Error,
     },
-    /// Invalid configuration given on the command line.
+    /// Invalid configuration given by the user: a flag, the run file, a file a flag names
+    /// (a TLS certificate, an identity file), or a setup that cannot run at this size. The
+    /// message names the flag to change.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// A child process or the machine did not do what a command needed: a server that did
+    /// not start or print its address, a network namespace that could not be made. Not the
+    /// user's configuration.
+    #[error("process: {0}")]
+    Process(String),
     /// Obtaining or validating a dataset failed.
     #[error("data: {0}")]
     Data(String),

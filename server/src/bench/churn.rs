@@ -205,7 +205,7 @@ impl Server {
         let out = child
             .stdout
             .take()
-            .ok_or_else(|| Error::Config("no server stdout".into()))?;
+            .ok_or_else(|| Error::Process("no server stdout".into()))?;
         let (tx, rx) = std::sync::mpsc::channel();
         // Reads the address, then keeps draining stdout so the server never blocks on it.
         std::thread::spawn(move || {
@@ -223,16 +223,16 @@ impl Server {
             url: String::new(),
             addr: "127.0.0.1:0"
                 .parse()
-                .map_err(|_| Error::Config("addr".into()))?,
+                .map_err(|_| Error::Process("addr".into()))?,
         };
         server.url = rx
             .recv_timeout(Duration::from_secs(60))
-            .map_err(|_| Error::Config("the server did not start within 60 s".into()))?;
+            .map_err(|_| Error::Process("the server did not start within 60 s".into()))?;
         server.addr = server
             .url
             .trim_start_matches("http://")
             .parse()
-            .map_err(|_| Error::Config(format!("server url {}", server.url)))?;
+            .map_err(|_| Error::Process(format!("server url {}", server.url)))?;
         Ok(server)
     }
 

@@ -200,7 +200,7 @@ impl Netns {
         let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let name = format!("{prefix}-{}-{seq}", std::process::id());
         ip(&["netns", "add", &name]).map_err(|e| {
-            Error::Config(format!(
+            Error::Process(format!(
                 "cannot create a network namespace (shaping the link needs root): {e}"
             ))
         })?;
@@ -208,14 +208,14 @@ impl Netns {
         ip(&[
             "netns", "exec", &ns.name, "ip", "link", "set", "lo", "up", "mtu", "1500",
         ])
-        .map_err(Error::Config)?;
+        .map_err(Error::Process)?;
         if let Some(r) = rate_mbit {
             let rate = format!("{r}mbit");
             ip(&[
                 "netns", "exec", &ns.name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
                 "rate", &rate, "burst", "64kb", "latency", "2000ms",
             ])
-            .map_err(|e| Error::Config(format!("cannot shape the namespace's loopback: {e}")))?;
+            .map_err(|e| Error::Process(format!("cannot shape the namespace's loopback: {e}")))?;
         }
         Ok(ns)
     }
@@ -365,7 +365,7 @@ pub fn start_server(mut serve: Command, timeout: Duration) -> Result<(Child, Str
     let out = server
         .stdout
         .take()
-        .ok_or_else(|| Error::Config("no server stdout".into()))?;
+        .ok_or_else(|| Error::Process("no server stdout".into()))?;
     // Killed if it does not come up.
     let mut guard = Children(vec![server]);
     let (tx, rx) = mpsc::channel();
@@ -385,7 +385,7 @@ pub fn start_server(mut serve: Command, timeout: Duration) -> Result<(Child, Str
     });
     let url = rx
         .recv_timeout(timeout)
-        .map_err(|_| Error::Config(format!("the server did not start within {timeout:?}")))?;
+        .map_err(|_| Error::Process(format!("the server did not start within {timeout:?}")))?;
     Ok((guard.0.remove(0), url))
 }
 

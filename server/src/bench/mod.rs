@@ -260,7 +260,7 @@ pub async fn roundtrip(data: TrainTest, params: usize, iters: usize) -> Result<R
     let server = crate::start(
         "127.0.0.1:0"
             .parse()
-            .map_err(|_| Error::Config("addr".into()))?,
+            .map_err(|_| Error::Process("addr".into()))?,
         cfg,
         data,
     )

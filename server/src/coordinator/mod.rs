@@ -312,7 +312,7 @@ impl Running {
         }
         (&mut self.task)
             .await
-            .unwrap_or_else(|e| Err(Error::Config(format!("server task failed: {e}"))))
+            .unwrap_or_else(|e| Err(Error::Task(format!("server task: {e}"))))
     }
 }
 
