@@ -1,6 +1,6 @@
 //! `crowdgrad work`'s flags and their checked form, [`WorkOptions`].
 
-use super::{default_threads, identity_from_file, Timeouts, WorkOptions};
+use super::options::{default_threads, identity_from_file, Timeouts, WorkOptions};
 use crate::error::{Error, Result};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -132,7 +132,10 @@ mod tests {
     }
 
     fn parse(args: &[&str]) -> Result<WorkOptions> {
-        let mut all = vec!["work", "--id", "tester-0001"];
+        let mut all = vec!["work"];
+        if !args.contains(&"--id") {
+            all.extend(["--id", "tester-0001"]);
+        }
         all.extend_from_slice(args);
         Cli::try_parse_from(all)
             .expect("flags parse")
@@ -145,7 +148,7 @@ mod tests {
         for (args, says) in [
             (&["--connect-timeout", "0"][..], "--connect-timeout"),
             (&["--reply-timeout", "NaN"][..], "--reply-timeout"),
-            (&["--seconds", "-1"][..], "--seconds"),
+            (&["--seconds=-1"][..], "--seconds"),
             (&["--fault", "frobnicate"][..], "--fault"),
             (&["--id", "x"][..], "--id"),
         ] {
