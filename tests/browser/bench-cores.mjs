@@ -13,20 +13,15 @@
 // the server and every Chromium thread at nice -15, to measure on a machine busy with other
 // work (Chromium resets its renderers to nice 0, so renicing the script is not enough).
 // Plain headless Chromium over a raw DevTools pipe with only the Runtime domain (cdp.mjs), as
-// the figures phase of e2e.mjs.
+// the figures phase of e2e.mjs; processes, paths and waits from harness.mjs.
 
-import { spawn } from 'node:child_process';
 import fs from 'node:fs';
-import os from 'node:os';
 import path from 'node:path';
-import { fileURLToPath } from 'node:url';
-import { CHROMIUM, PipeBrowser, freePort, sleep, waitFor } from './cdp.mjs';
+import {
+  CHROMIUM, SERVER, WEB, deadline, freePort, killChildrenOnExit, openBrowser, runCapture, sleep,
+  startServer, stopChild, tmpDir, waitFor,
+} from './harness.mjs';
 
-const ROOT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '../..');
-const TARGET = process.env.CARGO_TARGET_DIR || path.join(ROOT, 'target');
-const SERVER = process.env.CROWDGRAD_BIN || path.join(TARGET, 'release/crowdgrad');
-const WEB = path.join(ROOT, 'web');
-const DATA = path.join(ROOT, 'data/mnist');
 const argv = process.argv.slice(2);
 const flag = (name, def) => {
   const i = argv.indexOf(name);
@@ -37,30 +32,14 @@ const SECONDS = flag('--seconds', 8);
 const RENICE = argv.includes('--renice');
 const LIMIT_S = Number(process.env.BENCH_TIMEOUT_S || 900);
 
+// Progress goes to stderr: stdout is the table.
 const log = (msg) => console.error(msg);
-const children = new Set();
-function track(child) {
-  children.add(child);
-  child.exited = new Promise((r) => child.on('exit', (code, signal) => { children.delete(child); r({ code, signal }); }));
-  return child;
-}
-process.on('exit', () => { for (const c of children) { try { c.kill('SIGKILL'); } catch { /* gone */ } } });
-setTimeout(() => { log(`gave up after ${LIMIT_S} s`); process.exit(1); }, LIMIT_S * 1000).unref();
-
-async function stopChild(child) {
-  if (child.exitCode !== null || child.signalCode !== null) return;
-  child.kill('SIGTERM');
-  if (!(await Promise.race([child.exited, sleep(10_000).then(() => null)]))) child.kill('SIGKILL');
-}
+killChildrenOnExit();
+deadline(LIMIT_S, () => { log(`gave up after ${LIMIT_S} s`); process.exit(1); });
 
 /// `pid` and every process below it (Chromium's renderers, its zygotes' children).
 async function descendants(pid) {
-  const out = await new Promise((r) => {
-    let o = '';
-    const c = spawn('ps', ['-eo', 'pid=,ppid=']);
-    c.stdout.on('data', (d) => { o += d; });
-    c.on('exit', () => r(o));
-  });
+  const out = await runCapture('ps', ['-eo', 'pid=,ppid='], { check: false });
   const kids = new Map();
   for (const line of out.trim().split('\n')) {
     const [p, pp] = line.trim().split(/\s+/).map(Number);
@@ -73,9 +52,9 @@ async function descendants(pid) {
 }
 
 function renice(pids) {
-  return new Promise((r) => spawn('sh', ['-c',
+  return runCapture('sh', ['-c',
     `for p in ${pids}; do for t in /proc/$p/task/*; do renice -n -15 -p \${t##*/} >/dev/null 2>&1; done; done`],
-  { stdio: 'ignore' }).on('exit', r));
+  { check: false });
 }
 
 const median = (xs) => { const s = [...xs].sort((a, b) => a - b); return s[Math.floor((s.length - 1) / 2)]; };
@@ -85,13 +64,11 @@ async function main() {
     if (!fs.existsSync(f)) throw new Error(`missing ${f}`);
   }
   const port = await freePort();
-  const base = `http://127.0.0.1:${port}`;
-  const server = track(spawn(SERVER, ['serve', '--addr', `127.0.0.1:${port}`, '--data-dir', DATA, '--web-dir', WEB],
-    { cwd: ROOT, stdio: 'ignore' }));
-  const st = await waitFor('the server', async () => (await fetch(`${base}/api/status`)).json(), 120_000, 200);
+  const server = await startServer(port, 'bench-cores', [], { timeoutMs: 120_000, say: log });
+  const { base, status: st } = server;
   if (RENICE) await renice(String(server.pid));
-  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-bench-cores-'));
-  const browser = await PipeBrowser.launch(dir, { track, stop: stopChild });
+  const dir = tmpDir('crowdgrad-bench-cores-');
+  const browser = await openBrowser(dir);
   try {
     const n = await browser.evaluate('navigator.hardwareConcurrency');
     const ks = Array.from({ length: n }, (_, i) => i + 1);

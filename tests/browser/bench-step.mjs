@@ -23,24 +23,19 @@
 // the median of the rounds is reported, because the machine is shared. A benchmark, not a
 // test: it prints figures and fails only when something does not run.
 
-import { spawn } from 'node:child_process';
 import fs from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
-import { fileURLToPath } from 'node:url';
 import zlib from 'node:zlib';
-import { CHROMIUM, PipeBrowser, freePort, sleep, waitFor } from './cdp.mjs';
+import {
+  CHROMIUM, ROOT, SERVER, TARGET, WEB, deadline, freePort, getStatus, killChildren, killChildrenOnExit,
+  log, openBrowser, runCapture, sleep, startServer, stopChild, tmpDir, waitFor,
+} from './harness.mjs';
 
-const ROOT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '../..');
-const TARGET = process.env.CARGO_TARGET_DIR || path.join(ROOT, 'target');
-const SERVER = process.env.CROWDGRAD_BIN || path.join(TARGET, 'release/crowdgrad');
 const NATIVE = {
   avx2: path.join(TARGET, 'release/examples/step_time'),
   sse2: path.join(TARGET, 'sse2/release/examples/step_time'),
 };
-const WEB = path.join(ROOT, 'web');
-const DATA = path.join(ROOT, 'data/mnist');
-const OUT = path.join(TARGET, 'browser');
 const LIMIT_S = Number(process.env.BENCH_TIMEOUT_S || 1200);
 
 const argv = process.argv.slice(2);
@@ -62,9 +57,6 @@ const MODELS = [
   { model: 'cnn', batch: 32, shards: 2, steps: 20 },
 ];
 
-const started = Date.now();
-const since = () => `${((Date.now() - started) / 1000).toFixed(1)}s`;
-const log = (msg) => console.log(`[${since()}] ${msg}`);
 const median = (v) => {
   const s = [...v].sort((a, b) => a - b);
   return s.length ? (s.length % 2 ? s[(s.length - 1) / 2] : (s[s.length / 2 - 1] + s[s.length / 2]) / 2) : NaN;
@@ -72,78 +64,12 @@ const median = (v) => {
 const kib = (n) => `${(n / 1024).toFixed(1)} KiB`;
 const gzipSize = (file) => zlib.gzipSync(fs.readFileSync(file), { level: 9 }).length;
 
-const children = new Set();
-function killChildren() {
-  for (const c of children) {
-    try { c.kill('SIGKILL'); } catch { /* gone */ }
-  }
-  children.clear();
-}
-process.on('exit', killChildren);
-for (const sig of ['SIGINT', 'SIGTERM']) process.on(sig, () => { killChildren(); process.exit(130); });
-setTimeout(() => {
+killChildrenOnExit();
+deadline(LIMIT_S, () => {
   console.error(`bench-step: not done within ${LIMIT_S} s`);
   killChildren();
   process.exit(1);
-}, LIMIT_S * 1000).unref();
-
-function track(child) {
-  children.add(child);
-  child.exited = new Promise((r) => child.on('exit', (code, signal) => {
-    children.delete(child);
-    r({ code, signal });
-  }));
-  return child;
-}
-
-async function stopChild(child) {
-  if (!child || child.exitCode !== null || child.signalCode !== null) return;
-  child.kill('SIGTERM');
-  const r = await Promise.race([child.exited, sleep(10_000).then(() => null)]);
-  if (!r) {
-    child.kill('SIGKILL');
-    await child.exited;
-  }
-}
-
-/// Runs `cmd args` to completion (bounded) and returns its stdout.
-function runCapture(cmd, args, timeoutMs = 300_000) {
-  return new Promise((resolve, reject) => {
-    const child = track(spawn(cmd, args, { cwd: ROOT, stdio: ['ignore', 'pipe', 'pipe'] }));
-    let out = '';
-    let err = '';
-    child.stdout.on('data', (d) => { out += d; });
-    child.stderr.on('data', (d) => { err += d; });
-    const timer = setTimeout(() => child.kill('SIGKILL'), timeoutMs);
-    child.on('exit', (code, signal) => {
-      clearTimeout(timer);
-      if (code === 0) resolve(out);
-      else reject(new Error(`${path.relative(ROOT, cmd)} ${args.join(' ')} exited with ${signal || code}: ${err.trim()}`));
-    });
-  });
-}
-
-async function getStatus(base) {
-  const r = await fetch(`${base}/api/status`, { signal: AbortSignal.timeout(3_000) });
-  if (!r.ok) throw new Error(`/api/status answered ${r.status}`);
-  return r.json();
-}
-
-async function startServer(port) {
-  const base = `http://127.0.0.1:${port}`;
-  fs.mkdirSync(OUT, { recursive: true });
-  const logFile = path.join(OUT, 'server-bench-step.log');
-  const fd = fs.openSync(logFile, 'w');
-  const child = track(spawn(SERVER,
-    ['serve', '--addr', `127.0.0.1:${port}`, '--data-dir', DATA, '--web-dir', WEB],
-    { cwd: ROOT, stdio: ['ignore', fd, fd] }));
-  fs.closeSync(fd);
-  await waitFor('the server to answer /api/status', async () => {
-    if (child.exitCode !== null) throw new Error(`server exited with ${child.exitCode}; see ${logFile}`);
-    return getStatus(base);
-  }, 180_000, 200);
-  return { child, base };
-}
+});
 
 /// Runs `jobs` in a fresh dedicated module Web Worker of the page that loads build `b`: its
 /// `wasm` module (a URL under /pkg) with its JS `glue`.
@@ -217,9 +143,10 @@ async function main() {
   log(`load average ${load} on ${os.cpus().length} cores; ${ROUNDS} rounds`);
 
   const port = await freePort();
-  const { child: server, base } = await startServer(port);
+  const server = await startServer(port, 'bench-step');
+  const { base } = server;
   const st = await getStatus(base);
-  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-bench-step-'));
+  const dir = tmpDir('crowdgrad-bench-step-');
   let browser = null;
   // wasm[build][kernel][model] = [round values]; native[which][model] = [...]
   // Keys: `build/kernel` (wasm) or `avx2`/`sse2` (native), then `/sparse-choice`.
@@ -235,7 +162,7 @@ async function main() {
   let nativeMaxDensity = null;
   const tab = {};
   try {
-    browser = await PipeBrowser.launch(dir, { track, stop: stopChild });
+    browser = await openBrowser(dir);
     await browser.send('Page.navigate', { url: `${base}/` }, browser.session);
     await waitFor('the page to load', () => browser.evaluate(
       "document.readyState === 'complete' && !!window.crowdgrad"), 30_000, 100);

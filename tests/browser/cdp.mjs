@@ -1,5 +1,6 @@
 // The plain Chrome DevTools Protocol client the browser scripts share (e2e.mjs, bench-step.mjs,
-// bench-cores.mjs), and the bounded waits every script uses (tls.mjs too).
+// bench-cores.mjs), and the bounded waits every script uses (tls.mjs too), all of which reach
+// them through harness.mjs (which also holds the processes, the server and the checks).
 //
 // Why not Playwright for these runs: Playwright enables the CDP Network domain on every page and
 // worker, so Chromium mirrors every WebSocket frame to it as base64 and the tab loses most of
@@ -14,7 +15,6 @@
 // it with its own `track` (killed when the script exits) and ends it with its own `stop`.
 
 import { spawn } from 'node:child_process';
-import net from 'node:net';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 
@@ -50,19 +50,6 @@ export async function waitFor(what, fn, timeoutMs, intervalMs = 250) {
     await sleep(intervalMs);
   }
   throw new Error(`timed out after ${timeoutMs / 1000} s waiting for ${what}${last ? ` (last error: ${last.message})` : ''}`);
-}
-
-/// A TCP port free on 127.0.0.1 a moment ago.
-export function freePort() {
-  return new Promise((resolve, reject) => {
-    const s = net.createServer();
-    s.unref();
-    s.on('error', reject);
-    s.listen(0, '127.0.0.1', () => {
-      const { port } = s.address();
-      s.close(() => resolve(port));
-    });
-  });
 }
 
 /// A minimal CDP client over Chromium's --remote-debugging-pipe, attached to one page

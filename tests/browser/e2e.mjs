@@ -27,56 +27,35 @@
 // `--model softmax` (15 KB shards), and the figures come from a plain headless Chromium driven
 // over a raw CDP pipe with only the Runtime domain (cdp.mjs), against the default model.
 //
-// Environment: CROWDGRAD_BIN (server binary, default target/release/crowdgrad), CHROMIUM
-// (default /usr/bin/chromium), E2E_TIMEOUT_S (overall bound, default 900), E2E_ONLY=cores (only
-// phase 5), identity (only the identity phase), overlap (only the --overlap on tab) or remote
-// (only the tab against shard processes).
+// The phases run in the order of the PHASES table at the end of this file.
+//
+// Environment: CROWDGRAD_BIN (server binary, default $CARGO_TARGET_DIR/release/crowdgrad),
+// CHROMIUM (default /usr/bin/chromium), E2E_TIMEOUT_S (overall bound, default 900), E2E_ONLY=NAME
+// (only the phases of PHASES named NAME or NAME-something, a comma-separated list of names
+// allowed): cores (phase 5), identity (only the identity phase), overlap (only the --overlap on
+// tab) or remote (only the tab against shard processes), and so on.
 
-import { spawn } from 'node:child_process';
 import fs from 'node:fs';
-import os from 'node:os';
 import path from 'node:path';
-import { fileURLToPath } from 'node:url';
 import zlib from 'node:zlib';
 import { chromium } from 'playwright-core';
-import { CHROMIUM, CHROMIUM_ARGS, PipeBrowser, freePort, sleep, waitFor } from './cdp.mjs';
+import {
+  CHROMIUM, CHROMIUM_ARGS, OUT, ROOT, SERVER, TARGET, WEB, check, deadline, finish, freePort,
+  getStatus, killChildren, killChildrenOnExit, log, openBrowser, runCapture, sleep, spawnLogged,
+  startServer, stopChild, tmpDir, waitFor,
+} from './harness.mjs';
 
-const ROOT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '../..');
-const TARGET = process.env.CARGO_TARGET_DIR || path.join(ROOT, 'target');
-const SERVER = process.env.CROWDGRAD_BIN || path.join(TARGET, 'release/crowdgrad');
 const STEP_TIME = path.join(TARGET, 'release/examples/step_time');
-const WEB = path.join(ROOT, 'web');
-const DATA = path.join(ROOT, 'data/mnist');
-const OUT = path.join(TARGET, 'browser');
 const LIMIT_S = Number(process.env.E2E_TIMEOUT_S || 900);
 // Errors the browser itself logs while the server is down on purpose (phase 3).
 const EXPECTED_WHILE_DOWN = /ERR_CONNECTION_REFUSED|ERR_CONNECTION_RESET|ERR_EMPTY_RESPONSE|ERR_INCOMPLETE_CHUNKED_ENCODING|WebSocket connection to .* failed|WebSocket is closed before the connection is established/;
 
-const started = Date.now();
-const since = () => `${((Date.now() - started) / 1000).toFixed(1)}s`;
-const log = (msg) => console.log(`[${since()}] ${msg}`);
+// ------------------------------------------------------------------ figures and cleanup
 
-// ------------------------------------------------------------------ results and cleanup
-
-const results = [];
 const figures = {};
 
-function check(name, ok, detail = '') {
-  results.push({ name, ok: !!ok });
-  console.log(`${ok ? 'ok  ' : 'FAIL'} ${name}${detail ? ` (${detail})` : ''}`);
-  return !!ok;
-}
-
-const children = new Set();
 let context = null;
 let userDataDir = null;
-
-function killChildren() {
-  for (const c of children) {
-    try { c.kill('SIGKILL'); } catch { /* already gone */ }
-  }
-  children.clear();
-}
 
 async function cleanup() {
   if (context) {
@@ -88,61 +67,14 @@ async function cleanup() {
   if (userDataDir) fs.rmSync(userDataDir, { recursive: true, force: true });
 }
 
-function finish(code) {
-  const passed = results.filter((r) => r.ok).length;
-  const failed = results.length - passed;
-  console.log(`${passed} passed, ${failed} failed`);
-  process.exit(failed > 0 || code !== 0 ? 1 : 0);
-}
-
-process.on('exit', killChildren);
-for (const sig of ['SIGINT', 'SIGTERM']) {
-  process.on(sig, () => { killChildren(); process.exit(130); });
-}
-const watchdog = setTimeout(async () => {
+killChildrenOnExit();
+deadline(LIMIT_S, async () => {
   check(`whole test within ${LIMIT_S} s`, false, 'overall time limit hit');
   await cleanup();
   finish(1);
-}, LIMIT_S * 1000);
-watchdog.unref();
+});
 
 // ------------------------------------------------------------------ helpers
-
-/// Registers `child` for cleanup and gives it an `exited` promise.
-function track(child) {
-  children.add(child);
-  child.exited = new Promise((r) => child.on('exit', (code, signal) => {
-    children.delete(child);
-    r({ code, signal });
-  }));
-  return child;
-}
-
-function spawnLogged(name, cmd, args) {
-  const file = path.join(OUT, `${name}.log`);
-  const fd = fs.openSync(file, 'w');
-  const child = track(spawn(cmd, args, { cwd: ROOT, stdio: ['ignore', fd, fd] }));
-  fs.closeSync(fd);
-  child.logFile = file;
-  return child;
-}
-
-async function stopChild(child, what) {
-  if (child.exitCode !== null || child.signalCode !== null) return;
-  child.kill('SIGTERM');
-  const r = await Promise.race([child.exited, sleep(10_000).then(() => null)]);
-  if (!r) {
-    log(`${what} ignored SIGTERM for 10 s; killing it`);
-    child.kill('SIGKILL');
-    await child.exited;
-  }
-}
-
-async function getStatus(base) {
-  const r = await fetch(`${base}/api/status`, { signal: AbortSignal.timeout(3_000) });
-  if (!r.ok) throw new Error(`/api/status answered ${r.status}`);
-  return r.json();
-}
 
 // Issue 10: the server's spot checks of `kind` workers' pushes (cosine and norm ratio of the
 // pushed slice to the server's own recomputation) and whether any check failed or anybody was
@@ -157,20 +89,6 @@ function spotChecks(st, kind) {
     + `1 - cosine max ${Math.max(...cos).toExponential(2)}, norm ratio ${Math.min(...ratio).toFixed(5)}..${Math.max(...ratio).toFixed(5)}; `
     + `${st.spot_checks.passed} passed, ${st.spot_checks.failed} failed, ${st.reputation.quarantined} quarantined`;
   return { ok, text };
-}
-
-async function startServer(port, tag, extra = []) {
-  const base = `http://127.0.0.1:${port}`;
-  const child = spawnLogged(`server-${tag}`, SERVER,
-    ['serve', '--addr', `127.0.0.1:${port}`, '--data-dir', DATA, '--web-dir', WEB, ...extra]);
-  child.on('exit', (code, signal) => log(`server ${tag} exited (${signal || code})`));
-  // Generous: on a first run the server fetches MNIST itself.
-  await waitFor(`server ${tag} to answer /api/status`, async () => {
-    if (child.exitCode !== null) throw new Error(`server exited with ${child.exitCode}; see ${child.logFile}`);
-    return getStatus(base);
-  }, 180_000, 200);
-  log(`server ${tag} up at ${base}`);
-  return child;
 }
 
 const digits = (text) => Number(String(text || '').replace(/[^0-9]/g, '') || 0);
@@ -219,35 +137,21 @@ async function main() {
   figures['wasm bundle (raw / gzip -9)'] = `${kib(fs.statSync(wasmFile).size)} / ${kib(gzipSize(wasmFile))}`;
   figures['JS glue (raw / gzip -9)'] = `${kib(fs.statSync(glueFile).size)} / ${kib(gzipSize(glueFile))}`;
 
-  // E2E_ONLY=overlap: only the issue 8 overlap tab.
-  if (process.env.E2E_ONLY === 'overlap') {
-    await overlapTab();
-    return;
+  for (const [name, run] of selected(PHASES, process.env.E2E_ONLY)) {
+    await run();
   }
-  // E2E_ONLY=remote: only the issue 9 remote-shard tab.
-  if (process.env.E2E_ONLY === 'remote') {
-    await remoteShardTab();
-    return;
-  }
-  // E2E_ONLY=identity: only the issue 9 identity phase.
-  if (process.env.E2E_ONLY === 'identity') {
-    await identityTab();
-    return;
-  }
-  // E2E_ONLY=cores: only the issue 11 phases (while working on them).
-  if (process.env.E2E_ONLY === 'cores') {
-    await coresTab();
-    await coresFigures();
-    return;
-  }
+}
 
+/// Phases 1-3 (playwright-core, the softmax run): two tabs and a native worker train together;
+/// the page's controls; a tab closes; the server restarts.
+async function functional() {
   const port = await freePort();
   const base = `http://127.0.0.1:${port}`;
   // Half the rounds spot-checked (issue 10): honest tabs and the native worker must pass.
   const FUNCTIONAL = ['--model', 'softmax', '--spot-check', '0.5'];
   let server = await startServer(port, 1, FUNCTIONAL);
 
-  userDataDir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-e2e-'));
+  userDataDir = tmpDir('crowdgrad-e2e-');
   context = await chromium.launchPersistentContext(userDataDir, {
     executablePath: CHROMIUM,
     headless: true,
@@ -507,15 +411,6 @@ async function main() {
 
   await stopChild(server, 'server');
   await cleanup();
-
-  await measureFigures();
-  await cnnTab();
-  await localStepsTab();
-  await overlapTab();
-  await remoteShardTab();
-  await identityTab();
-  await coresTab();
-  await coresFigures();
 }
 
 // ------------------------------------------------------------------ issue 9: identity and ledger
@@ -534,13 +429,13 @@ async function identityTab() {
   phase = 'identity';
   const port = await freePort();
   const base = `http://127.0.0.1:${port}`;
-  const ck = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-e2e-ck-'));
+  const ck = tmpDir('crowdgrad-e2e-ck-');
   const flags = ['--model', 'softmax', '--checkpoint-dir', ck, '--checkpoint-every', '1'];
   let server = await startServer(port, 'identity-1', flags);
-  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-identity-'));
+  const dir = tmpDir('crowdgrad-identity-');
   let browser = null;
   try {
-    browser = await PipeBrowser.launch(dir, PIPE);
+    browser = await openBrowser(dir);
     const stored = () => browser.evaluate("localStorage.getItem('crowdgrad.identity')");
     const shownMine = async () => digits(await browser.evaluate("document.getElementById('me-samples').textContent"));
     await openPage(browser, `${base}/`);
@@ -600,9 +495,6 @@ async function identityTab() {
 
 // ------------------------------------------------------------------ phase 4: figures
 
-// The pipe browsers (cdp.mjs) are this script's children like the servers.
-const PIPE = { track, stop: (child) => stopChild(child, 'figures browser') };
-
 /// Opens the page at `base` in the pipe browser, waits for it (`the ${what} page to load`) and
 /// clicks Contribute with one Web Worker (the phases below measure one core).
 async function contributeOneCore(browser, base, what) {
@@ -626,10 +518,10 @@ async function measureFigures() {
   const base = `http://127.0.0.1:${port}`;
   const server = await startServer(port, 'figures');
   const st = await getStatus(base);
-  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-figures-'));
+  const dir = tmpDir('crowdgrad-figures-');
   let browser = null;
   try {
-    browser = await PipeBrowser.launch(dir, PIPE);
+    browser = await openBrowser(dir);
     await contributeOneCore(browser, base, 'figures');
     const first = await waitFor('the figures tab\'s first push', () => browser.evaluate(
       'window.crowdgrad.volunteer.firstPushAt && JSON.stringify(window.crowdgrad.volunteer)'), 60_000, 100);
@@ -651,7 +543,8 @@ async function measureFigures() {
     await stopChild(server, 'figures server');
     if (fs.existsSync(STEP_TIME) && modelFlag) {
       const out = await runCapture(STEP_TIME,
-        ['--model', modelFlag, '--batch', String(st.batch_size), '--shards', String(st.shards.length)]);
+        ['--model', modelFlag, '--batch', String(st.batch_size), '--shards', String(st.shards.length)],
+        { timeoutMs: 60_000, check: false });
       const json = out.split('\n').find((l) => l.startsWith('{'));
       if (json) {
         const n = JSON.parse(json);
@@ -676,12 +569,12 @@ async function cnnTab() {
   const port = await freePort();
   const base = `http://127.0.0.1:${port}`;
   const server = await startServer(port, 'cnn', ['--model', 'cnn', '--eval-every', '2']);
-  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-cnn-'));
+  const dir = tmpDir('crowdgrad-cnn-');
   let browser = null;
   try {
     const st = await getStatus(base);
     check('the server runs the CNN', String(st.model).startsWith('conv:16x5x5'), String(st.model));
-    browser = await PipeBrowser.launch(dir, PIPE);
+    browser = await openBrowser(dir);
     await contributeOneCore(browser, base, 'CNN');
     await firstPush(browser, 'CNN');
     const acc = await waitFor('the CNN to pass 80% test accuracy', async () => {
@@ -710,10 +603,10 @@ async function localStepsTab() {
   const base = `http://127.0.0.1:${port}`;
   const server = await startServer(port, 'local-steps', ['--local-steps', '4',
     '--pull-encoding', 'bf16', '--push-encoding', 'int8_block', '--eval-every', '1', '--spot-check', '1']);
-  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-local-'));
+  const dir = tmpDir('crowdgrad-local-');
   let browser = null;
   try {
-    browser = await PipeBrowser.launch(dir, PIPE);
+    browser = await openBrowser(dir);
     await contributeOneCore(browser, base, 'local-steps');
     await firstPush(browser, 'local-steps');
     const first = (await getStatus(base)).eval_history[0];
@@ -758,10 +651,10 @@ async function overlapTab() {
   const port = await freePort();
   const base = `http://127.0.0.1:${port}`;
   const server = await startServer(port, 'overlap', ['--overlap', 'on', '--eval-every', '1']);
-  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-overlap-'));
+  const dir = tmpDir('crowdgrad-overlap-');
   let browser = null;
   try {
-    browser = await PipeBrowser.launch(dir, PIPE);
+    browser = await openBrowser(dir);
     await contributeOneCore(browser, base, 'overlap');
     await firstPush(browser, 'overlap');
     await sleep(8_000);
@@ -790,7 +683,7 @@ async function remoteShardTab() {
   phase = 'remote-shard';
   const SECRET = 'e2e-run-secret-0123456789abcdef';
   const ports = [await freePort(), await freePort()];
-  const ckpt = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-shard-ckpt-'));
+  const ckpt = tmpDir('crowdgrad-shard-ckpt-');
   const startShard = async (i) => {
     const child = spawnLogged(`shard-${i}`, SERVER, ['shard', '--listen', `127.0.0.1:${ports[i]}`,
       '--index', String(i), '--shards', '2', '--run-secret', SECRET,
@@ -805,7 +698,7 @@ async function remoteShardTab() {
   const shards = [];
   const port = await freePort();
   const base = `http://127.0.0.1:${port}`;
-  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-remote-'));
+  const dir = tmpDir('crowdgrad-remote-');
   let server = null;
   let browser = null;
   const version = (s, i) => Number((s.remote_shards && s.remote_shards[i] && s.remote_shards[i].version) || 0);
@@ -814,7 +707,7 @@ async function remoteShardTab() {
     shards.push(await startShard(0), await startShard(1));
     server = await startServer(port, 'remote', ['--shard-urls',
       `ws://127.0.0.1:${ports[0]},ws://127.0.0.1:${ports[1]}`, '--run-secret', SECRET, '--eval-every', '1']);
-    browser = await PipeBrowser.launch(dir, PIPE);
+    browser = await openBrowser(dir);
     await contributeOneCore(browser, base, 'remote-shard');
     await waitFor('the tab to train on both shard processes', async () => {
       const s = await getStatus(base);
@@ -885,10 +778,10 @@ async function coresTab() {
   const port = await freePort();
   const base = `http://127.0.0.1:${port}`;
   const server = await startServer(port, 'cores', ['--model', 'softmax']);
-  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-cores-'));
+  const dir = tmpDir('crowdgrad-cores-');
   let browser = null;
   try {
-    browser = await PipeBrowser.launch(dir, PIPE);
+    browser = await openBrowser(dir);
     await openPage(browser, `${base}/`);
     const offer = JSON.parse(await browser.evaluate(`JSON.stringify({
       n: navigator.hardwareConcurrency,
@@ -985,12 +878,12 @@ async function coresFigures() {
   const port = await freePort();
   const base = `http://127.0.0.1:${port}`;
   const server = await startServer(port, 'cores-figures');
-  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-cores-fig-'));
+  const dir = tmpDir('crowdgrad-cores-fig-');
   let browser = null;
   const MEASURE_MS = 10_000;
   try {
     const st = await getStatus(base);
-    browser = await PipeBrowser.launch(dir, PIPE);
+    browser = await openBrowser(dir);
     const run = async (query, k) => {
       await openPage(browser, `${base}/${query}`);
       // Loopback threads take the run's model and batch from the status: wait for it.
@@ -1043,14 +936,31 @@ async function coresFigures() {
   }
 }
 
-function runCapture(cmd, args) {
-  return new Promise((resolve) => {
-    const child = track(spawn(cmd, args, { cwd: ROOT, stdio: ['ignore', 'pipe', 'inherit'] }));
-    let out = '';
-    child.stdout.on('data', (d) => { out += d; });
-    const timer = setTimeout(() => child.kill('SIGKILL'), 60_000);
-    child.on('exit', () => { clearTimeout(timer); resolve(out); });
-  });
+// ------------------------------------------------------------------ the phases, in order
+
+/// Name -> phase, run in this order. `E2E_ONLY=NAME` runs the phases named NAME or NAME-...
+/// (so `cores` is phase 5 and its figures); a comma-separated list selects several.
+const PHASES = [
+  ['functional', functional],
+  ['figures', measureFigures],
+  ['cnn', cnnTab],
+  ['local-steps', localStepsTab],
+  ['overlap', overlapTab],
+  ['remote', remoteShardTab],
+  ['identity', identityTab],
+  ['cores', coresTab],
+  ['cores-figures', coresFigures],
+];
+
+/// The entries of `phases` that `only` selects (every one when it is empty); throws on a name
+/// that selects nothing.
+function selected(phases, only) {
+  if (!only) return phases;
+  const names = only.split(',').map((n) => n.trim()).filter(Boolean);
+  const picked = phases.filter(([name]) => names.some((n) => name === n || name.startsWith(`${n}-`)));
+  const unknown = names.filter((n) => !phases.some(([name]) => name === n || name.startsWith(`${n}-`)));
+  if (unknown.length) throw new Error(`E2E_ONLY: no phase named ${unknown.join(', ')} (phases: ${phases.map(([n]) => n).join(', ')})`);
+  return picked;
 }
 
 let code = 0;

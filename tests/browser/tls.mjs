@@ -12,81 +12,49 @@
 // Everything binds 127.0.0.1, every wait is bounded (TLS_TIMEOUT_S, default 240), child
 // processes are killed on exit, and the last line is `N passed, M failed`.
 
-import { execFileSync, spawn } from 'node:child_process';
 import fs from 'node:fs';
-import os from 'node:os';
 import path from 'node:path';
-import { fileURLToPath } from 'node:url';
 import { chromium } from 'playwright-core';
-import { CHROMIUM, freePort, sleep, waitFor } from './cdp.mjs';
+import {
+  CHROMIUM, OUT, check, deadline, finish, freePort, getStatus, killChildren, killChildrenOnExit,
+  runCapture, sleep, startServer, tmpDir, waitFor,
+} from './harness.mjs';
 
 // Only this test's own status requests go to the self-signed server.
 process.env.NODE_TLS_REJECT_UNAUTHORIZED = '0';
 
-const ROOT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '../..');
-const TARGET = process.env.CARGO_TARGET_DIR || path.join(ROOT, 'target');
-const SERVER = process.env.CROWDGRAD_BIN || path.join(TARGET, 'release/crowdgrad');
-const OUT = path.join(TARGET, 'browser');
 const LIMIT_S = Number(process.env.TLS_TIMEOUT_S || 240);
 const TOKEN = 'tls-e2e-Vq3k9';
 
-const results = [];
-const check = (name, ok, detail = '') => {
-  results.push(!!ok);
-  console.log(`${ok ? 'ok  ' : 'FAIL'} ${name}${detail ? ` (${detail})` : ''}`);
-};
-const children = new Set();
 let context = null;
 let tmp = null;
 
-function finish() {
-  const passed = results.filter(Boolean).length;
-  console.log(`${passed} passed, ${results.length - passed} failed`);
-  process.exit(results.length > 0 && passed === results.length ? 0 : 1);
-}
-
 async function cleanup() {
   if (context) await Promise.race([context.close().catch(() => {}), sleep(10_000)]);
-  for (const c of children) {
-    try { c.kill('SIGKILL'); } catch { /* gone */ }
-  }
+  killChildren();
   if (tmp) fs.rmSync(tmp, { recursive: true, force: true });
 }
 
-process.on('exit', () => children.forEach((c) => { try { c.kill('SIGKILL'); } catch { /* gone */ } }));
-const watchdog = setTimeout(async () => {
+killChildrenOnExit();
+deadline(LIMIT_S, async () => {
   check(`whole test within ${LIMIT_S} s`, false);
   await cleanup();
   finish();
-}, LIMIT_S * 1000);
-watchdog.unref();
-
-async function status(base) {
-  const r = await fetch(`${base}/api/status`, { signal: AbortSignal.timeout(3_000) });
-  if (!r.ok) throw new Error(`status ${r.status}`);
-  return r.json();
-}
+});
 
 async function main() {
   fs.mkdirSync(OUT, { recursive: true });
-  tmp = fs.mkdtempSync(path.join(os.tmpdir(), 'crowdgrad-tls-'));
+  tmp = tmpDir('crowdgrad-tls-');
   const cert = path.join(tmp, 'cert.pem');
   const key = path.join(tmp, 'key.pem');
-  execFileSync('openssl', ['req', '-x509', '-newkey', 'ec', '-pkeyopt', 'ec_paramgen_curve:P-256',
+  await runCapture('openssl', ['req', '-x509', '-newkey', 'ec', '-pkeyopt', 'ec_paramgen_curve:P-256',
     '-nodes', '-days', '2', '-subj', '/CN=localhost',
-    '-addext', 'subjectAltName=IP:127.0.0.1,DNS:localhost', '-keyout', key, '-out', cert],
-  { stdio: 'ignore' });
+    '-addext', 'subjectAltName=IP:127.0.0.1,DNS:localhost', '-keyout', key, '-out', cert]);
 
   const port = await freePort();
-  const base = `https://127.0.0.1:${port}`;
-  const logFd = fs.openSync(path.join(OUT, 'server-tls.log'), 'w');
-  const server = spawn(SERVER, ['serve', '--addr', `127.0.0.1:${port}`, '--model', 'softmax',
-    '--data-dir', path.join(ROOT, 'data/mnist'), '--web-dir', path.join(ROOT, 'web'),
-    '--tls-cert', cert, '--tls-key', key],
-  { cwd: ROOT, stdio: ['ignore', logFd, logFd], env: { ...process.env, CROWDGRAD_JOIN_TOKEN: TOKEN } });
-  children.add(server);
-  await waitFor('the https server', () => status(base), 120_000, 200);
-  console.log(`server up at ${base}`);
+  const server = await startServer(port, 'tls', ['--model', 'softmax', '--tls-cert', cert, '--tls-key', key],
+    { scheme: 'https', env: { CROWDGRAD_JOIN_TOKEN: TOKEN }, timeoutMs: 120_000 });
+  const { base } = server;
 
   tmp && fs.mkdirSync(path.join(tmp, 'profile'));
   context = await chromium.launchPersistentContext(path.join(tmp, 'profile'), {
@@ -118,7 +86,7 @@ async function main() {
   const fieldShown = await other.locator('#join-token-label').isVisible();
   check('the page offers a token field for a private run', fieldShown);
 
-  const s = await status(base);
+  const s = await getStatus(base);
   const browsers = s.totals.workers.browser;
   check('exactly one browser worker registered', browsers.registered === 1, JSON.stringify(browsers));
   check('the refused join is counted', s.limits.joins_unauthorized >= 1, JSON.stringify(s.limits));

@@ -5,9 +5,7 @@ use crate::util::{config, connect, credential, get, join, recv, send, server, st
 use crowdgrad::support::credential::Secret;
 use crowdgrad::worker::{WorkOptions, WorkerThread};
 use crowdgrad_core::spec::JoinRequest;
-use crowdgrad_core::wire::{
-    self, ClientKind, ErrorCode, Hello, Message as Frame, PROTOCOL_VERSION,
-};
+use crowdgrad_core::wire::{self, ClientKind, ErrorCode, Message as Frame};
 use std::time::Duration;
 
 const TOKEN: &str = "class-of-2025-Zq8x";
@@ -102,18 +100,13 @@ async fn a_private_run_refuses_joins_without_the_token_and_trains_with_it() {
     running.stop().await.expect("stops");
 }
 
-fn hello(worker_id: u64, credential: Option<String>) -> Vec<u8> {
-    wire::encode(&Frame::Hello {
-        request_id: 5,
-        shard: 0,
-        hello: Hello {
-            protocol: PROTOCOL_VERSION,
-            worker_id,
-            client: ClientKind::Native,
-            credential,
-            ..Default::default()
-        },
-    })
+/// `worker_id`'s Hello to shard 0 carrying `credential`, request id 5 (what [`first_reply`]
+/// matches).
+fn hello_with(worker_id: u64, credential: Option<String>) -> Vec<u8> {
+    crate::util::hello(worker_id)
+        .request_id(5)
+        .credential(credential)
+        .frame()
 }
 
 /// The reply to `frame` as the first frame on a fresh socket: an error code, or `None` for a
@@ -161,20 +154,23 @@ async fn a_hello_needs_its_own_workers_credential() {
         Some("not-a-credential".into()),
     ] {
         assert_eq!(
-            first_reply(&running, hello(a, cred.clone())).await,
+            first_reply(&running, hello_with(a, cred.clone())).await,
             Some(ErrorCode::Unauthorized),
             "{cred:?}"
         );
     }
     // A worker nobody joined as is unknown, whatever it carries.
     assert_eq!(
-        first_reply(&running, hello(424_242, Some(cred_a.clone()))).await,
+        first_reply(&running, hello_with(424_242, Some(cred_a.clone()))).await,
         Some(ErrorCode::UnknownWorker)
     );
     // Each with its own credential is welcome.
-    assert_eq!(first_reply(&running, hello(a, Some(cred_a))).await, None);
     assert_eq!(
-        first_reply(&running, hello(b, credential(&url, b))).await,
+        first_reply(&running, hello_with(a, Some(cred_a))).await,
+        None
+    );
+    assert_eq!(
+        first_reply(&running, hello_with(b, credential(&url, b))).await,
         None
     );
     let s = status(&url).await;

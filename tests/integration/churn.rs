@@ -16,8 +16,7 @@
 //! recorded in docs/benchmarks.md; the test only asserts a bound that cannot flake on a busy CI
 //! machine (1 s).
 
-use crate::stall::crowdgrad_bin;
-use crate::util::mnist_dir;
+use crate::util::{binary, mnist_dir};
 use crowdgrad::bench::churn::{churn, Churn, ChurnArgs};
 
 const MIB_SLACK: f64 = 32.0;
@@ -33,7 +32,7 @@ fn run(rounds: usize, round_seconds: f64) -> Churn {
         data_dir: mnist_dir(),
         serve_args: Vec::new(),
     };
-    let c = churn(&crowdgrad_bin(), &args).expect("the churn runs");
+    let c = churn(&binary(), &args).expect("the churn runs");
     println!("{c:#?}");
     assert_eq!(c.failures, 0, "{:?}", c.failure_reasons);
     assert_eq!(

@@ -7,7 +7,7 @@ use crowdgrad::config::ServeConfig;
 use crowdgrad::sim::shard::{Output, ShardDriver};
 use crowdgrad_core::partition::partition;
 use crowdgrad_core::shard::{Consistency, StalenessPolicy};
-use crowdgrad_core::wire::{self, Bye, ClientKind, Hello, Message as Frame, PROTOCOL_VERSION};
+use crowdgrad_core::wire::{self, Bye, Message as Frame, PROTOCOL_VERSION};
 use futures_util::{SinkExt, StreamExt};
 use std::collections::{BTreeMap, BinaryHeap};
 use std::time::Duration;
@@ -75,17 +75,13 @@ fn describe(frame: &[u8]) -> String {
     }
 }
 
+/// `worker`'s Hello (no credential: [`with_credential`] adds it on the server's side).
 fn hello(rid: u32, shard: u32, worker: u64, protocol: u32) -> Vec<u8> {
-    wire::encode(&Frame::Hello {
-        request_id: rid,
-        shard,
-        hello: Hello {
-            protocol,
-            worker_id: worker,
-            client: ClientKind::Native,
-            ..Default::default()
-        },
-    })
+    crate::util::hello(worker)
+        .request_id(rid)
+        .shard(shard)
+        .protocol(protocol)
+        .frame()
 }
 
 fn pull(rid: u32, shard: u32, min_version: u64) -> Vec<u8> {
@@ -109,18 +105,17 @@ fn bye(shard: u32) -> Vec<u8> {
 /// simulator admits every joined worker; the server wants the credential too).
 fn with_credential(url: &str, frame: Vec<u8>) -> Vec<u8> {
     match wire::decode(&frame, usize::MAX) {
+        // Every Hello of a script is made by [`hello`]: the same frame with the credential.
         Ok(Frame::Hello {
             request_id,
             shard,
-            mut hello,
-        }) if hello.credential.is_none() => {
-            hello.credential = crate::util::credential(url, hello.worker_id);
-            wire::encode(&Frame::Hello {
-                request_id,
-                shard,
-                hello,
-            })
-        }
+            hello,
+        }) if hello.credential.is_none() => crate::util::hello(hello.worker_id)
+            .request_id(request_id)
+            .shard(shard)
+            .protocol(hello.protocol)
+            .credential(crate::util::credential(url, hello.worker_id))
+            .frame(),
         _ => frame,
     }
 }

@@ -3,55 +3,30 @@
 //! point), real MNIST, real files, a real S3-compatible server (moto) and Python's
 //! `safetensors` + numpy, installed by the test itself in a venv under target/.
 
-use crate::util::{get, mnist_dir, wait_for};
+use crate::util::{crowdgrad as crowdgrad_cmd, get, mnist_dir, root, target_dir, wait_for, Proc};
 use crowdgrad::checkpoint::format::Checkpoint;
 use crowdgrad::worker::{WorkOptions, WorkerThread};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn binary() -> PathBuf {
-    let b = root().join("target/release/crowdgrad");
-    assert!(
-        b.exists(),
-        "{} is missing: run `cargo build --release -p crowdgrad` first (cargo xtask test does)",
-        b.display()
-    );
-    b
-}
-
-/// A fresh scratch directory under target/tmp.
+/// A fresh scratch directory ([`crate::util::scratch`]).
 fn scratch(name: &str) -> PathBuf {
-    let d = root()
-        .join("target/tmp/durability")
-        .join(format!("{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).expect("scratch dir");
-    d
+    crate::util::scratch("durability", name)
 }
 
-/// A `crowdgrad serve` child process; killed when dropped.
+/// A `crowdgrad serve` process ([`Proc`]: killed when dropped) and the URL it listens on.
 struct Server {
-    child: Child,
+    proc: Proc,
     url: String,
-    out: PathBuf,
-    err: PathBuf,
 }
 
 impl Server {
     /// Starts `crowdgrad serve` with `args` (after the defaults: loopback on any port, MNIST,
     /// the web dir, evaluation every 0.5 s) and waits for it to listen.
-    fn start(logs: &Path, tag: &str, args: &[&str], envs: &[(&str, String)]) -> Server {
-        let (out, err) = (
-            logs.join(format!("{tag}.out")),
-            logs.join(format!("{tag}.err")),
-        );
-        let mut c = Command::new(binary());
+    fn start(tag: &str, args: &[&str], envs: &[(&str, String)]) -> Server {
+        let mut c = crowdgrad_cmd();
         c.arg("serve")
             .args(if args.contains(&"--addr") {
                 &[][..]
@@ -65,42 +40,13 @@ impl Server {
             .arg(root().join("web"))
             .args(args)
             .env_remove("CROWDGRAD_ADMIN_TOKEN")
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(std::fs::File::create(&out).expect("stdout file"))
-            .stderr(std::fs::File::create(&err).expect("stderr file"));
+            .env("RUST_LOG", "info");
         for (k, v) in envs {
             c.env(k, v);
         }
-        let mut child = c.spawn().expect("spawn crowdgrad serve");
-        let started = Instant::now();
-        loop {
-            let text = std::fs::read_to_string(&out).unwrap_or_default();
-            if let Some(line) = text
-                .lines()
-                .find(|l| l.starts_with("crowdgrad listening on "))
-            {
-                let url = line["crowdgrad listening on ".len()..].trim().to_string();
-                return Server {
-                    child,
-                    url,
-                    out,
-                    err,
-                };
-            }
-            if let Ok(Some(status)) = child.try_wait() {
-                panic!(
-                    "crowdgrad serve {args:?} exited with {status}: {}",
-                    std::fs::read_to_string(&err).unwrap_or_default()
-                );
-            }
-            assert!(
-                started.elapsed() < Duration::from_secs(60),
-                "crowdgrad serve did not listen within 60 s: {}",
-                std::fs::read_to_string(&err).unwrap_or_default()
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        let mut proc = Proc::spawn(c, &format!("durability-{tag}"));
+        let url = proc.listening(Duration::from_secs(60));
+        Server { proc, url }
     }
 
     /// The port it listens on.
@@ -110,44 +56,29 @@ impl Server {
 
     /// SIGKILL: a crash, nothing written on the way out.
     fn kill9(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.proc.kill();
     }
 
     /// Waits for the process to exit by itself.
-    fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
-        let started = Instant::now();
-        loop {
-            if let Some(s) = self.child.try_wait().expect("try_wait") {
-                return s;
-            }
-            assert!(
-                started.elapsed() < timeout,
-                "server did not exit in {timeout:?}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+    async fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
+        self.proc
+            .exit_within(timeout)
+            .await
+            .unwrap_or_else(|| panic!("server did not exit in {timeout:?}"))
     }
 
     fn stdout(&self) -> String {
-        std::fs::read_to_string(&self.out).unwrap_or_default()
+        self.proc.stdout()
     }
 
     fn stderr(&self) -> String {
-        std::fs::read_to_string(&self.err).unwrap_or_default()
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.proc.stderr()
     }
 }
 
 /// Runs `crowdgrad` with `args` to completion (60 s at most); returns status, stdout, stderr.
 fn crowdgrad(args: &[&str], envs: &[(&str, String)]) -> (ExitStatus, String, String) {
-    let mut c = Command::new(binary());
+    let mut c = crowdgrad_cmd();
     c.args(args).stdin(Stdio::null());
     for (k, v) in envs {
         c.env(k, v);
@@ -281,7 +212,7 @@ fn python_env() -> PathBuf {
     if let Some(p) = g.as_ref() {
         return p.clone();
     }
-    let venv = root().join("target/py-durability");
+    let venv = target_dir().join("py-durability");
     let bin = venv.join("bin");
     let ready = venv.join(".crowdgrad-ready");
     if !ready.exists() {
@@ -338,7 +269,6 @@ async fn kill_9_then_restart_continues_the_newest_valid_checkpoint() {
         "4",
     ];
     let mut first = Server::start(
-        &dir,
         "first",
         &[&common[..], &["--checkpoint-every", "0.5"]].concat(),
         &[],
@@ -397,7 +327,6 @@ async fn kill_9_then_restart_continues_the_newest_valid_checkpoint() {
     // Restart on another port, where no worker can reach it: the parameters must be the
     // checkpoint's bit for bit.
     let mut second = Server::start(
-        &dir,
         "second",
         &[&common[..], &["--checkpoint-every", "3600"]].concat(),
         &[],
@@ -493,7 +422,6 @@ async fn kill_9_then_restart_continues_the_newest_valid_checkpoint() {
 
     // Back on the original port: the worker, which kept retrying, reconnects by itself.
     let third = Server::start(
-        &dir,
         "third",
         &[
             &common[..],
@@ -542,7 +470,7 @@ async fn kill_9_then_restart_continues_the_newest_valid_checkpoint() {
     let mut third = third;
     let (st, so, se) = crowdgrad(&["ctl", "--server", &url, "--token", token, "drain"], &[]);
     assert!(st.success(), "ctl drain: {so} {se}");
-    let status = third.wait_exit(Duration::from_secs(30));
+    let status = third.wait_exit(Duration::from_secs(30)).await;
     assert!(
         status.success(),
         "drain exits 0: {status}; {}",
@@ -586,7 +514,6 @@ async fn admin_calls_need_the_token_which_is_never_logged() {
     let dir = scratch("admin");
     let ck = dir.join("ck");
     let mut server = Server::start(
-        &dir,
         "server",
         &[
             "--checkpoint-dir",
@@ -702,7 +629,7 @@ async fn admin_calls_need_the_token_which_is_never_logged() {
     // ctl stop: exit 0 with a final checkpoint.
     let (st, so, se) = crowdgrad(&["ctl", "--server", &url, "--token", &token, "stop"], &[]);
     assert!(st.success(), "{so} {se}");
-    let code = server.wait_exit(Duration::from_secs(30));
+    let code = server.wait_exit(Duration::from_secs(30)).await;
     assert!(code.success(), "{code}");
     assert_eq!(checkpoints(&ck).len(), 2);
     assert!(!server.stderr().contains(&token));
@@ -718,7 +645,6 @@ async fn another_model_or_layout_is_refused_unless_resharded() {
     let ck = ck.to_str().expect("utf-8");
     let token = "durability-admin-token-layout-0";
     let server = Server::start(
-        &dir,
         "two",
         &[
             "--checkpoint-dir",
@@ -777,7 +703,6 @@ async fn another_model_or_layout_is_refused_unless_resharded() {
     // Nothing was written by the refused starts.
     assert_eq!(checkpoints(Path::new(ck)).len(), 1);
     let three = Server::start(
-        &dir,
         "three",
         &[
             "--checkpoint-dir",
@@ -808,13 +733,9 @@ async fn checkpoints_go_to_s3_and_resume_from_there() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").expect("port");
         l.local_addr().expect("addr").port()
     };
-    let moto_log = std::fs::File::create(dir.join("moto.log")).expect("log");
-    let mut moto = Command::new(bin.join("moto_server"))
-        .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-        .stdout(moto_log.try_clone().expect("log"))
-        .stderr(moto_log)
-        .spawn()
-        .expect("moto_server");
+    let mut moto = Command::new(bin.join("moto_server"));
+    moto.args(["-H", "127.0.0.1", "-p", &port.to_string()]);
+    let moto = Proc::spawn(moto, "moto");
     let endpoint = format!("http://127.0.0.1:{port}");
     let started = Instant::now();
     loop {
@@ -845,7 +766,6 @@ async fn checkpoints_go_to_s3_and_resume_from_there() {
     let loc = "s3://crowdgrad-test/runs/one";
     let token = "durability-admin-token-s3-00000";
     let mut first = Server::start(
-        &dir,
         "first",
         &[
             "--checkpoint-dir",
@@ -868,7 +788,6 @@ async fn checkpoints_go_to_s3_and_resume_from_there() {
     let written = b["written"]["versions"].clone();
     first.kill9();
     let second = Server::start(
-        &dir,
         "second",
         &["--checkpoint-dir", loc, "--checkpoint-every", "3600"],
         &env,
@@ -906,6 +825,5 @@ async fn checkpoints_go_to_s3_and_resume_from_there() {
     .flat_map(|n| tensors[*n].clone())
     .collect();
     assert!(flat == live, "the export from S3 is the resumed model");
-    let _ = moto.kill();
-    let _ = moto.wait();
+    drop(moto);
 }

@@ -5,83 +5,28 @@
 //! shown in the status and the metrics. Nothing in the faulty worker's join says it is faulty:
 //! the server finds out by itself.
 
-use crate::stall::crowdgrad_bin;
-use crate::util::{config, get, post, server, status, wait_for};
+use crate::util::{config, crowdgrad, get, join_as, server, status, wait_for, Proc};
 use crowdgrad::worker::{WorkOptions, WorkerThread};
 use crowdgrad_core::robust::Aggregation;
 use crowdgrad_core::shard::Consistency;
-use crowdgrad_core::spec::JoinRequest;
-use crowdgrad_core::wire::ClientKind;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-/// A `crowdgrad work` process, killed when dropped (a failing test leaves nothing behind);
-/// its stdout and stderr go to files, read once it exited.
-struct Work {
-    child: Option<Child>,
-    out: PathBuf,
-    err: PathBuf,
+/// A `crowdgrad work --json --threads 1 <args>` process ([`Proc`]: killed when dropped).
+fn work(tag: &str, args: &[&str]) -> Proc {
+    let mut c = crowdgrad();
+    c.args(["work", "--json", "--threads", "1"]).args(args);
+    Proc::spawn(c, &format!("faults-{tag}"))
 }
 
-impl Work {
-    fn spawn(tag: &str, args: &[&str]) -> Self {
-        let dir = std::env::temp_dir();
-        let stem = format!("crowdgrad-faults-{}-{tag}", std::process::id());
-        let (out, err) = (
-            dir.join(format!("{stem}.out")),
-            dir.join(format!("{stem}.err")),
+/// Waits (bounded) for a worker process to exit: (succeeded, stdout, stderr).
+async fn finish(mut w: Proc, within: Duration) -> (bool, String, String) {
+    let Some(st) = w.exit_within(within).await else {
+        panic!(
+            "the worker did not exit within {within:?}; stderr: {}",
+            w.stderr()
         );
-        let child = Command::new(crowdgrad_bin())
-            .args(["work", "--json", "--threads", "1"])
-            .args(args)
-            .stdout(Stdio::from(
-                std::fs::File::create(&out).expect("stdout file"),
-            ))
-            .stderr(Stdio::from(
-                std::fs::File::create(&err).expect("stderr file"),
-            ))
-            .spawn()
-            .expect("worker starts");
-        Self {
-            child: Some(child),
-            out,
-            err,
-        }
-    }
-
-    /// Waits (bounded) for the process to exit: (succeeded, stdout, stderr).
-    async fn finish(mut self, within: Duration) -> (bool, String, String) {
-        let mut c = self.child.take().expect("child");
-        let t0 = Instant::now();
-        let st = loop {
-            if let Some(st) = c.try_wait().expect("wait") {
-                break st;
-            }
-            if t0.elapsed() > within {
-                let _ = c.kill();
-                let _ = c.wait();
-                panic!(
-                    "the worker did not exit within {within:?}; stderr: {}",
-                    std::fs::read_to_string(&self.err).unwrap_or_default()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        };
-        let read = |p: &PathBuf| std::fs::read_to_string(p).unwrap_or_default();
-        (st.success(), read(&self.out), read(&self.err))
-    }
-}
-
-impl Drop for Work {
-    fn drop(&mut self) {
-        if let Some(c) = &mut self.child {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        let _ = std::fs::remove_file(&self.out);
-        let _ = std::fs::remove_file(&self.err);
-    }
+    };
+    (st.success(), w.stdout(), w.stderr())
 }
 
 /// The `--json` summary a worker printed.
@@ -104,10 +49,10 @@ async fn signflip_run(aggregation: Aggregation, faulty: usize, steps: u64) -> f6
     let url = running.url();
     let n = steps.to_string();
     // Paced, so the run outlasts the faulty process's start (join, download, parse).
-    let honest: Vec<Work> = (0..4 - faulty)
+    let honest: Vec<Proc> = (0..4 - faulty)
         .map(|i| {
             let name = format!("volunteer-{i}");
-            Work::spawn(
+            work(
                 &format!("{aggregation}-{faulty}-h{i}"),
                 &[
                     "--server",
@@ -129,10 +74,10 @@ async fn signflip_run(aggregation: Aggregation, faulty: usize, steps: u64) -> f6
     // The faulty ones join once the honest ones train, and stop 50 steps before them: a round
     // of fewer pushes than faults (a lone attacker) is applied as it is by any rule.
     let bad_steps = (steps - 50).to_string();
-    let bad: Vec<Work> = (0..faulty)
+    let bad: Vec<Proc> = (0..faulty)
         .map(|i| {
             let name = format!("volunteer-{}", 4 - faulty + i);
-            Work::spawn(
+            work(
                 &format!("{aggregation}-{faulty}-f{i}"),
                 &[
                     "--server",
@@ -167,7 +112,7 @@ async fn signflip_run(aggregation: Aggregation, faulty: usize, steps: u64) -> f6
         );
     }
     for (i, b) in bad.into_iter().enumerate() {
-        let (ok, out, err) = b.finish(Duration::from_secs(120)).await;
+        let (ok, out, err) = finish(b, Duration::from_secs(120)).await;
         assert!(ok, "faulty worker {i}: {err}");
         assert!(
             err.contains("WARNING: this is a FAULTY worker (--fault signflip:10)"),
@@ -178,7 +123,7 @@ async fn signflip_run(aggregation: Aggregation, faulty: usize, steps: u64) -> f6
         assert!(s["stats"]["pushes_accepted"].as_u64() > Some(0), "{s}");
     }
     for (i, h) in honest.into_iter().enumerate() {
-        let (ok, out, err) = h.finish(Duration::from_secs(120)).await;
+        let (ok, out, err) = finish(h, Duration::from_secs(120)).await;
         assert!(ok, "honest worker {i}: {err}");
         assert!(!err.contains("FAULTY"), "{err}");
         let s = summary("honest", &out);
@@ -217,16 +162,6 @@ async fn work_fault_signflip_wrecks_the_mean_and_the_median_outvotes_it() {
     );
 }
 
-async fn join_as(base: &str, identity: &str) -> (u16, Vec<u8>) {
-    let mut req = JoinRequest::new(ClientKind::Native);
-    req.identity = Some(identity.into());
-    post(
-        format!("{base}/api/join"),
-        serde_json::to_vec(&req).expect("json"),
-    )
-    .await
-}
-
 /// `crowdgrad work --fault shuffled_labels` (real gradients of the wrong task, norms in range)
 /// next to an honest worker, 10% of the rounds spot-checked: the faulty process is quarantined
 /// and gives up (exit status non-zero, refused), its identity's rejoin gets 403, the status
@@ -248,7 +183,7 @@ async fn work_fault_shuffled_labels_is_caught_by_spot_checks_and_quarantined() {
         s["spot_checks"]["passed"].as_u64() >= Some(3)
     })
     .await;
-    let bad = Work::spawn(
+    let bad = work(
         "shuffled",
         &[
             "--server",
@@ -261,7 +196,7 @@ async fn work_fault_shuffled_labels_is_caught_by_spot_checks_and_quarantined() {
             "shuffled_labels",
         ],
     );
-    let (ok, out, err) = bad.finish(Duration::from_secs(90)).await;
+    let (ok, out, err) = finish(bad, Duration::from_secs(90)).await;
     assert!(!ok, "a quarantined worker gives up with an error: {err}");
     assert!(
         err.contains("WARNING: this is a FAULTY worker (--fault shuffled_labels)"),
@@ -314,7 +249,7 @@ async fn work_fault_shuffled_labels_is_caught_by_spot_checks_and_quarantined() {
 /// A bad `--fault` is refused before the worker contacts anyone.
 #[test]
 fn work_refuses_an_unknown_fault() {
-    let out = Command::new(crowdgrad_bin())
+    let out = crowdgrad()
         .args([
             "work",
             "--server",

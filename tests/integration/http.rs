@@ -1,6 +1,8 @@
 //! The HTTP API: join, data partitions, status, the paged worker list, static page.
 
-use crate::util::{config, get, hello, join, post, recv, send, server, status, wait_for};
+use crate::util::{
+    config, get, handshake, join, post, recv, send, server, status, try_join, wait_for,
+};
 use crowdgrad::worker::{WorkOptions, WorkerThread};
 use crowdgrad_core::data::Dataset;
 use crowdgrad_core::spec::JoinRequest;
@@ -44,11 +46,7 @@ async fn bad_join_requests_get_clear_errors() {
     assert!(String::from_utf8_lossy(&body).contains("bad join request"));
     let mut req = JoinRequest::new(ClientKind::Browser);
     req.protocol = 77;
-    let (c, body) = post(
-        format!("{url}/api/join"),
-        serde_json::to_vec(&req).expect("json"),
-    )
-    .await;
+    let (c, body) = try_join(&url, &req).await;
     assert_eq!(c, 400);
     assert!(String::from_utf8_lossy(&body).contains("protocol 77"));
     assert_eq!(
@@ -154,8 +152,7 @@ async fn workers_are_paged_and_the_status_stays_small() {
     for _ in 0..130 {
         joined.push(join(&url).await.worker_id);
     }
-    let browser = serde_json::to_vec(&JoinRequest::new(ClientKind::Browser)).expect("json");
-    let (c, reply) = post(format!("{url}/api/join"), browser).await;
+    let (c, reply) = try_join(&url, &JoinRequest::new(ClientKind::Browser)).await;
     assert_eq!(c, 200);
     joined.push(json(&reply)["worker_id"].as_u64().expect("id"));
     let newest_first: Vec<u64> = joined.iter().rev().copied().collect();
@@ -262,14 +259,14 @@ async fn a_refused_frame_is_not_a_rejected_push() {
     let url = running.url();
     let me = join(&url).await.worker_id;
 
-    let (mut ws, _) = hello(&running, me, 0).await;
+    let (mut ws, _) = handshake(&running, me, 0).await;
     ws.send(Message::Text("hello?".into())).await.expect("send");
     let reply = recv(&mut ws).await.expect("an error frame");
     assert!(matches!(
         wire::decode(&reply, usize::MAX).expect("decodes"),
         Frame::Error { error, .. } if error.code == ErrorCode::Malformed
     ));
-    let (mut ws, _) = hello(&running, me, 0).await;
+    let (mut ws, _) = handshake(&running, me, 0).await;
     let pull = wire::encode(&Frame::Pull {
         request_id: 4,
         shard: 1,

@@ -1,7 +1,7 @@
 //! Issue 10, limits: every limit refused with its documented error frame or HTTP status,
 //! counted in `/api/status` (`limits`), and other clients unaffected.
 
-use crate::util::{config, connect, hello, join, recv, send, server, status};
+use crate::util::{config, connect, handshake, join, recv, send, server, status};
 use crowdgrad_core::spec::JoinRequest;
 use crowdgrad_core::wire::{self, ClientKind, ErrorCode, Message as Frame};
 use std::io::{Read, Write};
@@ -188,7 +188,7 @@ async fn slow_headers_silent_sockets_and_missing_hellos_are_closed() {
 
     // A worker that says Hello and then nothing: Bye (idle), then Close.
     let me = join(&url).await.worker_id;
-    let (mut ws, _) = hello(&running, me, 0).await;
+    let (mut ws, _) = handshake(&running, me, 0).await;
     let frame = recv(&mut ws).await.expect("a bye");
     match wire::decode(&frame, usize::MAX).expect("decodes") {
         Frame::Bye { bye, .. } => assert!(bye.reason.starts_with("idle"), "{}", bye.reason),
@@ -216,7 +216,7 @@ async fn pushes_over_the_rate_are_busy_counted_and_not_applied() {
     let calm = join(&url).await;
     let n = flood.run.shards[0].range.len();
     let grad = vec![1e-4f32; n];
-    let (mut ws, _) = hello(&running, flood.worker_id, 0).await;
+    let (mut ws, _) = handshake(&running, flood.worker_id, 0).await;
     // 20 pushes at once: the bucket holds 5.
     for i in 0..20u32 {
         send(&mut ws, wire::encode_push(100 + i, 0, 0, 32, &grad)).await;
@@ -233,7 +233,7 @@ async fn pushes_over_the_rate_are_busy_counted_and_not_applied() {
     assert!((5..=7).contains(&acks), "{acks} acks");
     assert_eq!(acks + busy, 20);
     // The socket stays open (busy is not fatal) and the other worker is not held back.
-    let (mut other, v) = hello(&running, calm.worker_id, 0).await;
+    let (mut other, v) = handshake(&running, calm.worker_id, 0).await;
     assert_eq!(v, acks as u64, "only accepted pushes were applied");
     send(&mut other, wire::encode_push(1, 0, v, 32, &grad)).await;
     let f = recv(&mut other).await.expect("ack");

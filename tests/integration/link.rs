@@ -1,4 +1,4 @@
-//! Issue 8: training over a 20 Mbit/s link. The real `crowdgrad` binary (target/release) runs a
+//! Issue 8: training over a 20 Mbit/s link. The real `crowdgrad` binary ([`util::binary`]) runs a
 //! server and a native worker inside a private network namespace whose loopback is shaped with
 //! `tc tbf` to 20 Mbit/s (`crowdgrad::bench::link::Netns`, the guard `crowdgrad bench link`
 //! uses). The worker must negotiate compressed frames, `--local-steps auto` must pick H > 1,
@@ -7,35 +7,10 @@
 //! Creating a namespace needs root (CI runs as root). Without it the test FAILS, saying why,
 //! unless `CROWDGRAD_ALLOW_NO_NETNS=1` explicitly allows skipping it.
 
-use crate::util::mnist_dir;
-use crowdgrad::bench::link::{start_server, Netns};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use crate::util::{self, mnist_dir, Proc};
+use crowdgrad::bench::link::Netns;
+use std::process::Command;
 use std::time::{Duration, Instant};
-
-fn binary() -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary");
-    let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
-    let bin = dir.join("crowdgrad");
-    assert!(
-        bin.exists(),
-        "{} is missing: run `cargo build --release -p crowdgrad` first (cargo xtask test does)",
-        bin.display()
-    );
-    bin
-}
-
-/// Kills the processes when dropped (before the namespace guard, declared earlier, goes).
-struct Kill(Vec<Child>);
-
-impl Drop for Kill {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
 
 /// A namespace shaped to 20 Mbit/s, or `None` when skipping is explicitly allowed.
 fn shaped_namespace() -> Option<Netns> {
@@ -78,7 +53,7 @@ fn a_worker_on_a_20_mbit_link_negotiates_compression_and_auto_picks_h_over_1() {
         qdisc.contains("tbf") && qdisc.contains("rate 20Mbit"),
         "{qdisc}"
     );
-    let bin = binary();
+    let bin = util::binary();
     let mut serve = ns.command(&bin);
     serve
         .args([
@@ -94,17 +69,12 @@ fn a_worker_on_a_20_mbit_link_negotiates_compression_and_auto_picks_h_over_1() {
         // The defaults' compression (bf16 pulls, int8 block pushes), said out loud.
         .args(["--local-steps", "auto", "--pull-encoding", "bf16"])
         .args(["--push-encoding", "int8_block"]);
-    let (server, url) = start_server(serve, Duration::from_secs(60)).expect("server starts");
-    let mut procs = Kill(vec![server]);
-    let worker = ns
-        .command(&bin)
-        .args(["work", "--quiet", "--server", &url, "--seconds", "80"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("worker starts");
-    procs.0.push(worker);
+    // Killed when dropped, before the namespace guard (declared earlier) goes.
+    let mut server = Proc::spawn(serve, "link-serve");
+    let url = server.listening(Duration::from_secs(60));
+    let mut work = ns.command(&bin);
+    work.args(["work", "--quiet", "--server", &url, "--seconds", "80"]);
+    let procs = vec![server, Proc::spawn(work, "link-work")];
 
     // Poll every 2 s (each status read crosses the shaped link, so not more often).
     let deadline = Instant::now() + Duration::from_secs(75);

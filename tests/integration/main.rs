@@ -16,6 +16,7 @@ mod ops;
 mod protocol;
 mod remote;
 mod robust;
+mod scaffolding;
 mod shardproc;
 mod sim;
 mod spotcheck;

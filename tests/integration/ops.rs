@@ -2,33 +2,10 @@
 //! (the example runs, flags override it, bad files are refused naming the key) and JSON logs.
 //! The run-file tests spawn the real `crowdgrad` binary.
 
-use crate::util;
+use crate::util::{self, Proc};
 use crowdgrad::worker::{WorkOptions, WorkerThread};
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-
-/// The release binary next to this test binary (`cargo xtask test` builds it first).
-pub fn binary() -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let bin = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .map(|d| d.join("crowdgrad"))
-        .expect("target dir");
-    assert!(
-        bin.exists(),
-        "{} is missing: run `cargo build --release -p crowdgrad` first",
-        bin.display()
-    );
-    bin
-}
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
 
 /// Parses an OpenMetrics text body into `name{labels}` → value; panics on a malformed line.
 pub fn parse_metrics(text: &str) -> HashMap<String, f64> {
@@ -127,55 +104,16 @@ async fn metrics_parse_and_counters_rise_health_and_ready() {
     running.stop().await.unwrap();
 }
 
-/// A `crowdgrad serve` child: killed on drop.
-struct Serve {
-    child: Child,
-    base: String,
-    stderr: std::sync::mpsc::Receiver<String>,
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Spawns `crowdgrad <args>` and waits (at most 60 s) for its `... listening on URL` line.
-fn spawn_listening(args: &[String]) -> Serve {
-    let mut child = Command::new(binary())
-        .args(args)
-        .current_dir(repo())
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn crowdgrad");
-    let (tx, rx) = std::sync::mpsc::channel();
-    let out = child.stdout.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines().map_while(Result::ok) {
-            if let Some((_, url)) = line.split_once(" listening on ") {
-                let _ = tx.send(url.trim().to_string());
-            }
-        }
-    });
-    let (etx, erx) = std::sync::mpsc::channel();
-    let err = child.stderr.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(err).lines().map_while(Result::ok) {
-            let _ = etx.send(line);
-        }
-    });
-    let base = rx
-        .recv_timeout(Duration::from_secs(60))
-        .expect("the child prints its address within 60 s");
-    let base = base.replace("ws://", "http://");
-    Serve {
-        child,
-        base,
-        stderr: erx,
-    }
+/// Spawns `crowdgrad <args>` (with `RUST_LOG=info`) and waits (at most 60 s) for its
+/// `... listening on URL` line; returns it and its HTTP base URL.
+fn spawn_listening(args: &[String]) -> (Proc, String) {
+    let mut c = util::crowdgrad();
+    c.args(args).env("RUST_LOG", "info");
+    let mut serve = Proc::spawn(c, "ops-serve");
+    let base = serve
+        .listening(Duration::from_secs(60))
+        .replace("ws://", "http://");
+    (serve, base)
 }
 
 fn strings(a: &[&str]) -> Vec<String> {
@@ -186,7 +124,7 @@ fn strings(a: &[&str]) -> Vec<String> {
 async fn the_example_run_file_runs_flags_override_it_and_logs_are_json() {
     let data = util::mnist_dir();
     util::mnist();
-    let serve = spawn_listening(&strings(&[
+    let (serve, base) = spawn_listening(&strings(&[
         "--log-format",
         "json",
         "serve",
@@ -199,26 +137,26 @@ async fn the_example_run_file_runs_flags_override_it_and_logs_are_json() {
         "--data-dir",
         data.to_str().unwrap(),
     ]));
-    let s = util::status(&serve.base).await;
+    let s = util::status(&base).await;
     assert_eq!(s["batch_size"], 16, "the flag wins over the file's 32");
     let cfg = &s["config"];
     assert_eq!(cfg["training"]["batch_size"], 16);
     assert_eq!(cfg["training"]["model"], "mlp:128", "from the file");
     assert_eq!(cfg["limits"]["max_workers"], 10000);
     // It trains.
-    let mut o = WorkOptions::new(&serve.base);
+    let mut o = WorkOptions::new(&base);
     o.steps = Some(300);
     let summary = tokio::task::spawn_blocking(move || WorkerThread::spawn(o).join())
         .await
         .unwrap()
         .expect("worker ran");
     assert_eq!(summary.stats.steps, 300);
-    util::wait_for(&serve.base, Duration::from_secs(30), "an evaluation", |s| {
+    util::wait_for(&base, Duration::from_secs(30), "an evaluation", |s| {
         s["eval"]["accuracy"].as_f64().unwrap_or(0.0) > 0.5
     })
     .await;
     // Every log line so far is one JSON object.
-    let lines: Vec<String> = serve.stderr.try_iter().collect();
+    let lines = serve.stderr_lines();
     assert!(!lines.is_empty(), "no log lines");
     for l in &lines {
         let v: serde_json::Value =
@@ -232,7 +170,7 @@ fn refused(file_text: &str, flags: &[&str]) -> String {
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join(format!("run-{}.toml", file_text.len()));
     std::fs::write(&file, file_text).unwrap();
-    let out = Command::new(binary())
+    let out = util::crowdgrad()
         .args([
             "serve",
             "--config",
@@ -241,7 +179,6 @@ fn refused(file_text: &str, flags: &[&str]) -> String {
             "127.0.0.1:0",
         ])
         .args(flags)
-        .current_dir(repo())
         .output()
         .expect("run crowdgrad");
     assert!(!out.status.success(), "{file_text:?} was accepted");
@@ -268,7 +205,7 @@ fn bad_run_files_are_refused_naming_the_key() {
 
 /// `crowdgrad ctl ... set-consistency MODE`: (exit success, stdout, stderr).
 fn ctl_set_consistency(base: &str, token: &str, mode: &str) -> (bool, String, String) {
-    let out = Command::new(binary())
+    let out = util::crowdgrad()
         .args([
             "ctl",
             "--server",

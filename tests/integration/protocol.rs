@@ -1,11 +1,9 @@
 //! The wire protocol over a real server: every kind of bad input gets a clear error frame, the
 //! connection is closed, the shard is unchanged, and the server keeps serving other workers.
 
-use crate::util::{config, connect, hello, join, recv, send, server, status};
+use crate::util::{config, connect, handshake, hello, join, recv, send, server, status};
 use crowdgrad::Running;
-use crowdgrad_core::wire::{
-    self, ClientKind, ErrorCode, Hello, Message as Frame, HEADER_LEN, MAX_META_LEN,
-};
+use crowdgrad_core::wire::{self, ErrorCode, Message as Frame, HEADER_LEN, MAX_META_LEN};
 use futures_util::SinkExt;
 use tokio_tungstenite::tungstenite::Message;
 
@@ -15,7 +13,7 @@ fn decode(frame: &[u8]) -> Frame<'_> {
 
 /// A healthy worker can still pull and push on shard 0 and the push is applied.
 async fn still_serving(running: &Running, worker: u64) {
-    let (mut ws, version) = hello(running, worker, 0).await;
+    let (mut ws, version) = handshake(running, worker, 0).await;
     let n = join_len(running).await;
     send(&mut ws, wire::encode_push(5, 0, version, 1, &vec![0.0; n])).await;
     let ack = recv(&mut ws).await.expect("ack");
@@ -66,7 +64,7 @@ async fn rejected_with(
     let before = status(&url).await;
     let (_, params_before) = crate::util::get(format!("{url}/api/params")).await;
     let mut ws = if handshake {
-        hello(&running, me, 0).await.0
+        crate::util::handshake(&running, me, 0).await.0
     } else {
         connect(&running, 0).await
     };
@@ -183,16 +181,7 @@ async fn unknown_wire_version() {
 
 #[tokio::test]
 async fn wrong_protocol_version_in_hello() {
-    let f = wire::encode(&Frame::Hello {
-        request_id: 4,
-        shard: 0,
-        hello: Hello {
-            protocol: 99,
-            worker_id: 1,
-            client: ClientKind::Native,
-            ..Default::default()
-        },
-    });
+    let f = hello(1).request_id(4).protocol(99).frame();
     rejected(false, bin(f), ErrorCode::ProtocolVersion, 4).await;
 }
 
@@ -240,16 +229,7 @@ async fn push_before_hello() {
 
 #[tokio::test]
 async fn unknown_worker_id() {
-    let f = wire::encode(&Frame::Hello {
-        request_id: 3,
-        shard: 0,
-        hello: Hello {
-            protocol: 1,
-            worker_id: 424_242,
-            client: ClientKind::Native,
-            ..Default::default()
-        },
-    });
+    let f = hello(424_242).request_id(3).protocol(1).frame();
     rejected(false, bin(f), ErrorCode::UnknownWorker, 3).await;
 }
 
@@ -279,7 +259,7 @@ async fn text_message() {
 async fn graceful_shutdown_says_bye_and_closes() {
     let running = server(config()).await;
     let me = join(&running.url()).await.worker_id;
-    let (mut ws, _) = hello(&running, me, 1).await;
+    let (mut ws, _) = handshake(&running, me, 1).await;
     let stopping = tokio::spawn(running.stop());
     let bye = recv(&mut ws).await.expect("a Bye frame");
     assert!(matches!(decode(&bye), Frame::Bye { shard: 1, .. }));
@@ -295,7 +275,7 @@ async fn staleness_is_recorded_and_a_bounded_policy_rejects_without_closing() {
     let running = server(cfg).await;
     let url = running.url();
     let me = join(&url).await.worker_id;
-    let (mut ws, v0) = hello(&running, me, 0).await;
+    let (mut ws, v0) = handshake(&running, me, 0).await;
     let g = vec![0.0f32; SHARD0];
     for (req, expect_staleness) in [(1u32, 0u32), (2, 1)] {
         send(&mut ws, wire::encode_push(req, 0, v0, 32, &g)).await;
@@ -341,28 +321,13 @@ async fn hello_from(running: &Running, worker: u64, from: [u8; 4]) -> (crate::ut
         .expect("bind a loopback address");
     let tcp = socket.connect(running.addr).await.expect("connect");
     let url = format!("ws://{}/ws/shard/0", running.addr);
-    let (mut ws, _) = tokio_tungstenite::client_async(
+    let (ws, _) = tokio_tungstenite::client_async(
         url.as_str(),
         tokio_tungstenite::MaybeTlsStream::Plain(tcp),
     )
     .await
     .expect("upgrade");
-    let h = wire::encode(&Frame::Hello {
-        request_id: 1,
-        shard: 0,
-        hello: Hello {
-            protocol: wire::PROTOCOL_VERSION,
-            worker_id: worker,
-            client: ClientKind::Native,
-            credential: crate::util::credential(&running.url(), worker),
-            ..Default::default()
-        },
-    });
-    send(&mut ws, h).await;
-    match decode(&recv(&mut ws).await.expect("welcome")) {
-        Frame::Welcome { welcome, .. } => (ws, welcome.version),
-        other => panic!("expected Welcome, got {other:?}"),
-    }
+    crate::util::handshake_on(ws, &running.url(), worker, 0).await
 }
 
 /// How often shard 0 counted `code`, as a rejected push or a refused frame.
@@ -396,7 +361,7 @@ async fn refused_open(
     let url = running.url();
     let me = join(&url).await.worker_id;
     let other = join(&url).await.worker_id;
-    let (mut ws, _) = hello(&running, me, 0).await;
+    let (mut ws, _) = handshake(&running, me, 0).await;
     for f in warmup {
         send(&mut ws, f).await;
         recv(&mut ws).await.expect("a reply to each warm-up frame");
@@ -535,17 +500,10 @@ async fn hello_with_a_forged_credential() {
         config(),
         false,
         |_, me| {
-            bin(wire::encode(&Frame::Hello {
-                request_id: 6,
-                shard: 0,
-                hello: Hello {
-                    protocol: wire::PROTOCOL_VERSION,
-                    worker_id: me,
-                    client: ClientKind::Native,
-                    credential: Some(format!("{me}.forged")),
-                    ..Default::default()
-                },
-            }))
+            bin(hello(me)
+                .request_id(6)
+                .credential(Some(format!("{me}.forged")))
+                .frame())
         },
         ErrorCode::Unauthorized,
         6,

@@ -5,77 +5,53 @@
 //! to the other shard meanwhile, the restarted shard continues from its newest checkpoint and
 //! the run recovers without a coordinator restart.
 
-use crate::ops::binary;
-use crate::util;
+use crate::util::{self, Proc};
 use crowdgrad::shardproc::checkpoint::ShardCheckpoint;
 use crowdgrad::worker::{WorkOptions, WorkerThread};
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 const SECRET: &str = "integration-run-secret-0123456789";
 
+/// A `crowdgrad shard` process and the address it listens on.
 struct ShardProc {
-    child: Child,
+    proc: Proc,
     addr: String,
-}
-
-impl Drop for ShardProc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// Starts shard `index` of 2 on `listen`, checkpointing every second into `ckpt`, and waits
 /// for its address line.
 fn shard(index: usize, listen: &str, ckpt: &std::path::Path) -> ShardProc {
-    let mut child = Command::new(binary())
-        .args([
-            "shard",
-            "--listen",
-            listen,
-            "--index",
-            &index.to_string(),
-            "--of",
-            "2",
-            "--checkpoint-every",
-            "1",
-            "--checkpoint-dir",
-        ])
-        .arg(ckpt)
-        .env("CROWDGRAD_RUN_SECRET", SECRET)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn crowdgrad shard");
-    let out = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines().map_while(Result::ok) {
-            if let Some((_, url)) = line.split_once(" listening on ws://") {
-                let _ = tx.send(url.trim().to_string());
-            }
-        }
-    });
-    let addr = rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("the shard prints its address");
-    ShardProc { child, addr }
+    let mut c = util::crowdgrad();
+    c.args([
+        "shard",
+        "--listen",
+        listen,
+        "--index",
+        &index.to_string(),
+        "--of",
+        "2",
+        "--checkpoint-every",
+        "1",
+        "--checkpoint-dir",
+    ])
+    .arg(ckpt)
+    .env("CROWDGRAD_RUN_SECRET", SECRET)
+    .env("RUST_LOG", "warn");
+    let mut proc = Proc::spawn(c, &format!("shard-{index}"));
+    let url = proc.listening(Duration::from_secs(30));
+    let addr = url
+        .strip_prefix("ws://")
+        .unwrap_or_else(|| panic!("the shard listens on ws://: {url}"))
+        .to_string();
+    ShardProc { proc, addr }
 }
 
-/// A scratch directory under target/tmp, removed when dropped.
+/// A scratch directory ([`util::scratch`]), removed when dropped.
 struct Scratch(std::path::PathBuf);
 
 impl Scratch {
     fn new(name: &str) -> Self {
-        let d = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../target/tmp/remote")
-            .join(format!("{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).expect("scratch dir");
-        Self(d)
+        Self(util::scratch("remote", name))
     }
 
     fn path(&self) -> &std::path::Path {
@@ -133,23 +109,17 @@ async fn remote_shards_reach_in_process_accuracy_and_survive_a_kill() {
     );
     // A Hello without the credential is refused by the shard process.
     {
-        use crowdgrad_core::wire::{self, ClientKind, ErrorCode, Hello, Message};
+        use crowdgrad_core::wire::{self, ErrorCode, Message};
         use futures_util::{SinkExt, StreamExt};
         let url = format!("ws://{}/ws/shard/0", s0.addr);
         let (mut ws, _) = tokio_tungstenite::connect_async(url.as_str())
             .await
             .unwrap();
-        let hello = wire::encode(&Message::Hello {
-            request_id: 3,
-            shard: 0,
-            hello: Hello {
-                protocol: 1,
-                worker_id: joined.worker_id,
-                client: ClientKind::Native,
-                credential: Some("00".repeat(32)),
-                ..Default::default()
-            },
-        });
+        let hello = util::hello(joined.worker_id)
+            .request_id(3)
+            .protocol(1)
+            .credential(Some("00".repeat(32)))
+            .frame();
         ws.send(tokio_tungstenite::tungstenite::Message::Binary(
             hello.into(),
         ))
@@ -199,8 +169,7 @@ async fn remote_shards_reach_in_process_accuracy_and_survive_a_kill() {
         }
     };
     let addr = s1.addr.clone();
-    let _ = s1.child.kill();
-    let _ = s1.child.wait();
+    s1.proc.kill();
     // What it had written when it died (it may have written one more after `saved`).
     let saved = newest_checkpoint(dir.path(), 1).unwrap_or(saved);
     util::wait_for(

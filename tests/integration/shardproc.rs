@@ -7,9 +7,7 @@ use crate::util;
 use clap::Parser;
 use crowdgrad::shardproc::{ShardArgs, ShardProcConfig};
 use crowdgrad::support::credential::RunSecret;
-use crowdgrad_core::wire::{
-    self, ClientKind, ErrorCode, Hello, Message as Frame, PROTOCOL_VERSION,
-};
+use crowdgrad_core::wire::{self, ErrorCode, Message as Frame};
 use futures_util::{SinkExt, StreamExt};
 use std::io::{Read, Write};
 use std::net::SocketAddr;
@@ -164,17 +162,9 @@ async fn a_shard_process_rate_limits_pushes() {
         .await
         .expect("connect");
     let worker = 7;
-    let hello = wire::encode(&Frame::Hello {
-        request_id: 1,
-        shard: 0,
-        hello: Hello {
-            protocol: PROTOCOL_VERSION,
-            worker_id: worker,
-            client: ClientKind::Native,
-            credential: Some(RunSecret::shared(SECRET).issue(worker)),
-            ..Default::default()
-        },
-    });
+    let hello = util::hello(worker)
+        .credential(Some(RunSecret::shared(SECRET).issue(worker)))
+        .frame();
     ws.send(Message::Binary(hello.into())).await.expect("send");
     let len = match wire::decode(&next(&mut ws).await, usize::MAX).expect("decodes") {
         Frame::Welcome { welcome, .. } => welcome.range.len(),

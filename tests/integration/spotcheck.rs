@@ -3,25 +3,19 @@
 //! check, with gradient pushes and with local rounds, in every push encoding; a worker that
 //! computes real gradients on shuffled labels, and one that sends noise, are caught,
 //! quarantined within a bounded number of pushes, refused afterwards, and shown in
-//! `/api/status` and `/metrics`. The attackers are test clients driving the real
-//! `crowdgrad_core::worker::Worker` over WebSockets, changing only their labels or their
-//! pushes. Each test prints the cosine / norm-ratio figures it measured (docs/benchmarks.md,
-//! "Spot checks", records them).
+//! `/api/status` and `/metrics`. The attackers are the real worker with a `core::fault` fault
+//! (`shuffled_labels`, `noise`), as `crowdgrad work --fault` runs it. Each test prints the
+//! cosine / norm-ratio figures it measured (docs/benchmarks.md, "Spot checks", records them).
 
-use crate::util::{config, get, post, server, status, wait_for};
+use crate::util::{config, get, join_as, server, status, wait_for};
 use crowdgrad::config::ServeConfig;
 use crowdgrad::worker::{WorkOptions, WorkerThread};
 use crowdgrad::Running;
 use crowdgrad_core::codec::Encoding;
-use crowdgrad_core::data::{encode_idx, parse_idx, Dataset};
+use crowdgrad_core::fault::Fault;
 use crowdgrad_core::local::LocalSteps;
-use crowdgrad_core::rng::Rng;
-use crowdgrad_core::spec::{JoinRequest, JoinResponse};
-use crowdgrad_core::wire::{self, ClientKind, ErrorCode, Message as Frame};
-use crowdgrad_core::worker::Worker;
-use futures_util::{SinkExt, StreamExt};
+use crowdgrad_core::wire::{self, ErrorCode, Message as Frame};
 use std::time::Duration;
-use tokio_tungstenite::tungstenite::Message;
 
 fn spot_config(fraction: f64) -> ServeConfig {
     let mut c = config();
@@ -123,151 +117,50 @@ async fn honest_native_workers_pass_every_spot_check_in_every_encoding_and_with_
     honest_run(c, "honest native, H = 4 (adam inner), push int8_block", 100).await;
 }
 
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Fault {
-    /// Real gradients on a fixed permutation of its partition's labels.
-    ShuffledLabels,
-    /// Gaussian noise of the honest push's norm in place of every push.
-    Noise,
-}
-
 /// What became of an attacker.
 #[derive(Debug)]
 struct Attack {
     worker_id: u64,
     /// Rounds it pushed before its connection was closed.
     rounds: u64,
-    /// The error frame that closed it, if any.
-    closed_by: Option<(ErrorCode, String)>,
+    /// The error frame that closed it, if any: its code's name and message.
+    closed_by: Option<(String, String)>,
 }
 
-fn shuffle_labels(labels: &[u8]) -> Vec<u8> {
-    let mut arr = parse_idx(labels).expect("labels parse");
-    Rng::new(99).shuffle(&mut arr.data);
-    encode_idx(&arr.dims, &arr.data)
-}
-
-/// `push` with its values replaced by noise of the same norm (tag and encoding kept).
-fn noise(push: Vec<u8>, rng: &mut Rng) -> Vec<u8> {
-    let Ok(Frame::Push {
-        request_id,
-        shard,
-        base_version,
-        samples,
-        grad,
-    }) = wire::decode(&push, usize::MAX)
-    else {
-        return push;
-    };
-    let honest: Vec<f32> = grad.iter().collect();
-    let norm = honest.iter().map(|v| v * v).sum::<f32>().sqrt();
-    let mut fake: Vec<f32> = (0..honest.len()).map(|_| rng.normal() as f32).collect();
-    let n = fake.iter().map(|v| v * v).sum::<f32>().sqrt().max(1e-12);
-    fake.iter_mut().for_each(|v| *v *= norm / n);
-    let tag = wire::push_tag(&push).expect("tag").expect("tagged");
-    let e = grad.encoding();
-    wire::encode_push_tagged(
-        e,
-        request_id,
-        shard,
-        base_version,
-        samples,
-        &fake,
-        None,
-        &tag,
-    )
-    .expect("encodes")
-}
-
-async fn join_as(base: &str, identity: &str) -> (u16, Vec<u8>) {
-    let mut req = JoinRequest::new(ClientKind::Native);
-    req.identity = Some(identity.into());
-    post(
-        format!("{base}/api/join"),
-        serde_json::to_vec(&req).expect("json"),
-    )
-    .await
-}
-
-/// Joins as `identity` and trains with `fault` until a shard closes the connection or
-/// `max_rounds` rounds were pushed.
+/// The real worker (`crowdgrad::worker::work`, what `crowdgrad work --fault` runs) joining as
+/// `identity` with `fault` (core's [`Fault`]): it trains until a shard closes it with a fatal
+/// error and its identity's rejoin is refused, or it pushed `max_rounds` rounds (one step per
+/// round: the runs here push every gradient), or 60 s passed.
 async fn attack(running: &Running, identity: &str, fault: Fault, max_rounds: u64) -> Attack {
-    let base = running.url();
-    let (code, reply) = join_as(&base, identity).await;
-    assert_eq!(code, 200, "{}", String::from_utf8_lossy(&reply));
-    let join: JoinResponse = serde_json::from_slice(&reply).expect("join reply");
-    let (_, images) = get(format!("{base}{}", join.partition.images)).await;
-    let (_, labels) = get(format!("{base}{}", join.partition.labels)).await;
-    let labels = match fault {
-        Fault::ShuffledLabels => shuffle_labels(&labels),
-        Fault::Noise => labels,
-    };
-    let data = Dataset::from_idx(&images, &labels).expect("partition");
-    let worker_id = join.worker_id;
-    let mut w = Worker::new(join, data, ClientKind::Native, None).expect("worker");
-    let mut socks = Vec::new();
-    for i in 0..w.shard_count() {
-        socks.push(crate::util::connect(running, i as u32).await);
-        w.connected(i);
-    }
-    let mut rng = Rng::new(5);
-    let start = std::time::Instant::now();
-    loop {
-        while let Some(out) = w.poll_transmit() {
-            let is_push = out.frame.len() > 3 && out.frame[3] & 0x0f == wire::Kind::Push as u8;
-            let frame = match fault {
-                Fault::Noise if is_push => noise(out.frame, &mut rng),
-                _ => out.frame,
-            };
-            let _ = socks[out.shard].send(Message::Binary(frame.into())).await;
-        }
-        if w.ready() {
-            w.step().expect("step");
-            continue;
-        }
-        let rounds = w.stats().rounds;
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "the attacker ran 60 s without being stopped ({rounds} rounds)"
-        );
-        if rounds >= max_rounds {
-            return Attack {
-                worker_id,
-                rounds,
-                closed_by: None,
-            };
-        }
-        let next = futures_util::future::select_all(socks.iter_mut().map(|s| s.next()));
-        let (msg, shard, _) = tokio::time::timeout(Duration::from_secs(10), next)
-            .await
-            .expect("a frame within 10 s");
-        let bytes: Vec<u8> = match msg {
-            Some(Ok(Message::Binary(b))) => b.into(),
-            Some(Ok(_)) => continue,
-            Some(Err(_)) | None => {
-                return Attack {
-                    worker_id,
-                    rounds,
-                    closed_by: None,
-                }
-            }
-        };
-        if let Ok(Frame::Error { error, .. }) = wire::decode(&bytes, usize::MAX) {
-            if error.code.is_fatal() {
-                return Attack {
-                    worker_id,
-                    rounds,
-                    closed_by: Some((error.code, error.message)),
-                };
-            }
-        }
-        if w.receive(shard, &bytes).is_err() {
-            return Attack {
-                worker_id,
-                rounds,
-                closed_by: None,
-            };
-        }
+    let mut o = WorkOptions::new(running.url());
+    o.identity = Some(identity.into());
+    o.fault = Some(fault);
+    o.steps = Some(max_rounds);
+    o.duration = Some(Duration::from_secs(60));
+    o.max_backoff = Duration::from_millis(500);
+    o.threads = 1;
+    let s = tokio::task::spawn_blocking(move || WorkerThread::spawn(o).join())
+        .await
+        .expect("the attacker's thread")
+        .expect("the attacker ran");
+    assert_eq!(
+        s.stats.local_steps.max(1),
+        1,
+        "a step is a round here: {s:?}"
+    );
+    // A shard's fatal error ends the session and is the last error the shards reported
+    // (`shard I: CODE: message`); the rejoin that follows is refused (403), which ends the run.
+    let closed_by = s
+        .refused
+        .then_some(s.stats.last_error.as_deref())
+        .flatten()
+        .and_then(|e| e.split_once(": "))
+        .and_then(|(_, rest)| rest.split_once(": "))
+        .map(|(code, why)| (code.to_string(), why.to_string()));
+    Attack {
+        worker_id: *s.worker_ids.first().expect("it joined"),
+        rounds: s.stats.rounds,
+        closed_by,
     }
 }
 
@@ -279,7 +172,7 @@ async fn assert_caught(running: &Running, a: &Attack, identity: &str, bound: u64
         .closed_by
         .clone()
         .unwrap_or_else(|| panic!("{label}: not stopped after {} rounds: {a:?}", a.rounds));
-    assert_eq!(code, ErrorCode::Quarantined, "{label}: {why}");
+    assert_eq!(code, ErrorCode::Quarantined.name(), "{label}: {why}");
     assert!(
         a.rounds <= bound,
         "{label}: caught only after {} rounds",
@@ -317,15 +210,10 @@ async fn assert_caught(running: &Running, a: &Attack, identity: &str, bound: u64
     let (code, body) = join_as(&url, identity).await;
     assert_eq!(code, 403, "{label}: {}", String::from_utf8_lossy(&body));
     let mut ws = crate::util::connect(running, 0).await;
-    let hello = wire::encode(&Frame::Hello {
-        request_id: 3,
-        shard: 0,
-        hello: wire::Hello {
-            worker_id: a.worker_id,
-            credential: crate::util::credential(&url, a.worker_id),
-            ..Default::default()
-        },
-    });
+    let hello = crate::util::hello(a.worker_id)
+        .request_id(3)
+        .credential(crate::util::credential(&url, a.worker_id))
+        .frame();
     crate::util::send(&mut ws, hello).await;
     let reply = crate::util::recv(&mut ws).await.expect("an answer");
     match wire::decode(&reply, usize::MAX).expect("decodes") {
@@ -443,7 +331,7 @@ async fn a_quarantined_workers_pending_sync_pushes_are_dropped() {
         let joined = crate::util::join(&url).await;
         let mut socks = Vec::new();
         for shard in 0..2 {
-            let (ws, version) = crate::util::hello(&running, joined.worker_id, shard).await;
+            let (ws, version) = crate::util::handshake(&running, joined.worker_id, shard).await;
             assert_eq!(version, 0);
             socks.push(ws);
         }
@@ -454,8 +342,8 @@ async fn a_quarantined_workers_pending_sync_pushes_are_dropped() {
     }
     let a = attack(&running, "noise-in-sync-round", Fault::Noise, 400).await;
     assert_eq!(
-        a.closed_by.as_ref().map(|c| c.0),
-        Some(ErrorCode::Quarantined),
+        a.closed_by.as_ref().map(|c| c.0.as_str()),
+        Some(ErrorCode::Quarantined.name()),
         "{a:?}"
     );
     assert_eq!(
@@ -521,7 +409,7 @@ async fn pull_values(ws: &mut crate::util::Ws, shard: u32) -> (u64, Vec<u32>) {
 async fn untagged_pushes_are_refused_when_the_shards_spot_check() {
     let running = server(spot_config(0.01)).await;
     let joined = crate::util::join(&running.url()).await;
-    let (mut ws, version) = crate::util::hello(&running, joined.worker_id, 0).await;
+    let (mut ws, version) = crate::util::handshake(&running, joined.worker_id, 0).await;
     let len = joined.run.shards[0].range.len();
     crate::util::send(
         &mut ws,
@@ -541,15 +429,9 @@ async fn untagged_pushes_are_refused_when_the_shards_spot_check() {
     let plain = server(config()).await;
     let joined = crate::util::join(&plain.url()).await;
     let mut ws = crate::util::connect(&plain, 0).await;
-    let hello = wire::encode(&Frame::Hello {
-        request_id: 1,
-        shard: 0,
-        hello: wire::Hello {
-            worker_id: joined.worker_id,
-            credential: joined.credential.clone(),
-            ..Default::default()
-        },
-    });
+    let hello = crate::util::hello(joined.worker_id)
+        .credential(joined.credential.clone())
+        .frame();
     crate::util::send(&mut ws, hello).await;
     let reply = crate::util::recv(&mut ws).await.expect("welcome");
     match wire::decode(&reply, usize::MAX).expect("decodes") {

@@ -3,7 +3,7 @@
 //! stall deadline and recovers once the link is good again; and SIGTERM stops the real
 //! `crowdgrad work` binary within 2 s while it is stuck in a stalled partition download.
 
-use crate::util::{config, server, wait_for};
+use crate::util::{config, server, wait_for, Proc};
 use crowdgrad::worker::{WorkOptions, WorkerThread};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -115,31 +115,16 @@ async fn a_worker_on_a_stalled_download_gives_up_within_its_deadline_and_recover
     running.stop().await.expect("stops");
 }
 
-/// The `crowdgrad` binary next to this test binary (`cargo build --release -p crowdgrad`).
-pub fn crowdgrad_bin() -> std::path::PathBuf {
-    let exe = std::env::current_exe().expect("test binary");
-    let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
-    let bin = dir.join("crowdgrad");
-    assert!(
-        bin.exists(),
-        "{} is missing: run `cargo build --release -p crowdgrad` first (cargo xtask test does)",
-        bin.display()
-    );
-    bin
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_stops_a_worker_stuck_on_a_stalled_link_within_2_s() {
     let running = server(config()).await;
     // Every connection stalls 64 KiB in: the download never finishes; the stall deadline is
     // the default (30 s), far longer than the signal may take.
     let proxy = StallProxy::start(running.addr, 64 * 1024, usize::MAX).await;
-    let mut child = std::process::Command::new(crowdgrad_bin())
-        .args(["work", "--quiet", "--server", &proxy.url()])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("worker starts");
+    let mut child = Proc::crowdgrad(
+        "stalled-worker",
+        &["work", "--quiet", "--server", &proxy.url()],
+    );
     let t0 = Instant::now();
     while proxy.stalled.load(Ordering::SeqCst) == 0 {
         assert!(
@@ -149,26 +134,13 @@ async fn sigterm_stops_a_worker_stuck_on_a_stalled_link_within_2_s() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(
-        child.try_wait().expect("wait").is_none(),
-        "still waiting on the link"
-    );
+    assert!(child.running(), "still waiting on the link");
     let sent = Instant::now();
-    let kill = std::process::Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .expect("kill");
-    assert!(kill.success());
-    let status = loop {
-        if let Some(s) = child.try_wait().expect("wait") {
-            break s;
-        }
-        if sent.elapsed() > Duration::from_secs(5) {
-            let _ = child.kill();
-            panic!("the worker ignored SIGTERM for 5 s");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    child.terminate();
+    let status = child
+        .exit_within(Duration::from_secs(5))
+        .await
+        .expect("the worker stops on SIGTERM within 5 s");
     let took = sent.elapsed();
     assert!(took < Duration::from_secs(2), "stopped after {took:?}");
     assert!(status.success(), "{status:?}");

@@ -2,8 +2,7 @@
 //! trains as two worker loops that the server shows as one volunteer with two threads on one
 //! data partition, credited to one ledger identity; bad `threads` in a join are refused.
 
-use crate::stall::crowdgrad_bin;
-use crate::util::{config, get, post, server, status, wait_for};
+use crate::util::{config, get, server, status, try_join, wait_for, Proc};
 use crowdgrad_core::spec::{JoinRequest, Threads};
 use crowdgrad_core::wire::ClientKind;
 use std::time::{Duration, Instant};
@@ -17,8 +16,9 @@ async fn work_threads_2_trains_as_one_volunteer_with_two_threads() {
     let before = status(&url).await["eval"]["accuracy"]
         .as_f64()
         .unwrap_or(0.0);
-    let child = std::process::Command::new(crowdgrad_bin())
-        .args([
+    let mut child = Proc::crowdgrad(
+        "threads-2",
+        &[
             "work",
             "--json",
             "--threads",
@@ -29,22 +29,8 @@ async fn work_threads_2_trains_as_one_volunteer_with_two_threads() {
             IDENTITY,
             "--server",
             &url,
-        ])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("worker starts");
-    // Killed on any failure below, so a failing test leaves no process behind.
-    struct Reap(Option<std::process::Child>);
-    impl Drop for Reap {
-        fn drop(&mut self) {
-            if let Some(c) = &mut self.0 {
-                let _ = c.kill();
-                let _ = c.wait();
-            }
-        }
-    }
-    let mut child = Reap(Some(child));
+        ],
+    );
     let s = wait_for(
         &url,
         Duration::from_secs(60),
@@ -81,28 +67,16 @@ async fn work_threads_2_trains_as_one_volunteer_with_two_threads() {
     let text = ledger.to_string();
     assert!(text.contains(IDENTITY), "{text}");
     // SIGTERM stops both threads within 2 s, and the summary sums them.
-    let mut c = child.0.take().expect("child");
     let sent = Instant::now();
-    let kill = std::process::Command::new("kill")
-        .args(["-TERM", &c.id().to_string()])
-        .status()
-        .expect("kill");
-    assert!(kill.success());
-    let exit = loop {
-        if let Some(st) = c.try_wait().expect("wait") {
-            break st;
-        }
-        if sent.elapsed() > Duration::from_secs(5) {
-            let _ = c.kill();
-            panic!("the worker ignored SIGTERM for 5 s");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    child.terminate();
+    let exit = child
+        .exit_within(Duration::from_secs(5))
+        .await
+        .expect("the worker stops on SIGTERM within 5 s");
     let took = sent.elapsed();
     assert!(took < Duration::from_secs(2), "stopped after {took:?}");
     assert!(exit.success(), "{exit:?}");
-    let mut out = String::new();
-    std::io::Read::read_to_string(&mut c.stdout.take().expect("stdout"), &mut out).expect("output");
+    let out = child.stdout();
     let summary: serde_json::Value = serde_json::from_str(out.trim()).expect("summary JSON");
     assert_eq!(summary["threads"], 2, "{summary}");
     assert_eq!(summary["worker_ids"].as_array().map(Vec::len), Some(2));
@@ -139,11 +113,7 @@ async fn a_join_with_bad_threads_is_refused_and_registers_nobody() {
             index,
             count,
         });
-        let (code, body) = post(
-            format!("{url}/api/join"),
-            serde_json::to_vec(&req).expect("JSON"),
-        )
-        .await;
+        let (code, body) = try_join(&url, &req).await;
         let text = String::from_utf8_lossy(&body);
         assert_eq!(code, 400, "{volunteer} {index}/{count}: {text}");
         assert!(text.contains("threads."), "{text}");
