@@ -104,16 +104,16 @@ pub enum BenchCmd {
         serve_args: Vec<String>,
     },
     /// Training over plain loopback and a link shaped in a private network namespace (needs
-    /// root): samples/s, bytes per sample, time to 95%/97%, compute utilisation (issue 8).
+    /// root): samples/s, bytes per sample, time to 95%/97%, compute utilisation.
     Link(Box<crate::bench::link::LinkArgs>),
     /// 1,000 WebSocket connections joining and leaving one server: status p50/p99, server RSS
-    /// and open fds before, at peak and after each round (issue 10).
+    /// and open fds before, at peak and after each round.
     Churn(Box<crate::bench::churn::ChurnArgs>),
     /// Honest workers' samples/s with default limits, none and a tight push rate, without and
-    /// with a flooding attacker from 127.0.0.2 (issue 10).
+    /// with a flooding attacker from 127.0.0.2.
     Flood(Box<crate::bench::churn::FloodArgs>),
     /// Checkpoint time and size for the MLP and a 10M-parameter model, and training samples/s
-    /// with `--checkpoint-every 1` against none (issue 9).
+    /// with `--checkpoint-every 1` against none.
     Checkpoint(Box<crate::bench::checkpoint::CheckpointArgs>),
     /// Push + pull round trip over loopback for shards of these sizes.
     Roundtrip {

@@ -24,12 +24,12 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// Training flags shared by `crowdgrad serve` and `crowdgrad sim` (flattened into both).
+/// Training flags shared by `crowdgrad serve`, `crowdgrad shard` and `crowdgrad sim` (flattened into each).
 #[derive(Debug, Clone, Args)]
 pub struct TrainingArgs {
     /// Model: `softmax`, `mlp:W1[,W2...]` (ReLU hidden layers), `cnn`
     /// (conv:16x5x5,pool:2,conv:32x5x5,pool:2,dense:128) or a layer list such as
-    /// `conv:32x5x5,pool:2,dense:128` (README.md, "Models", has the grammar).
+    /// `conv:32x5x5,pool:2,dense:128` (docs/training.md, "Models", has the grammar).
     #[arg(long, default_value = "mlp:128")]
     pub model: String,
     /// Per-channel normalisation every worker applies to its batches and the evaluator to the
@@ -77,7 +77,7 @@ pub struct TrainingArgs {
     /// (lr / staleness), `dc:LAMBDA` (DC-ASGD delay compensation).
     #[arg(long, default_value = "accept")]
     pub staleness: String,
-    /// How shards combine pushes (issue 10): `mean`; in sync:K over the K pushes of a round
+    /// How shards combine pushes (docs/defences.md): `mean`; in sync:K over the K pushes of a round
     /// `median`, `trimmed_mean:B` (drop the floor(B x K) largest and smallest of each
     /// coordinate), `krum:F` (needs K >= 2F + 3) or `multikrum:F,M`; in async and ssp
     /// `consensus[:E]` (Zeno++-style: refuse, answered `disagrees`, a push whose cosine c with
