@@ -111,7 +111,7 @@ pub enum BenchCmd {
     Churn(Box<crate::bench::churn::ChurnArgs>),
     /// Honest workers' samples/s with default limits, none and a tight push rate, without and
     /// with a flooding attacker from 127.0.0.2.
-    Flood(Box<crate::bench::churn::FloodArgs>),
+    Flood(Box<crate::bench::flood::FloodArgs>),
     /// Checkpoint time and size for the MLP and a 10M-parameter model, and training samples/s
     /// with `--checkpoint-every 1` against none.
     Checkpoint(Box<crate::bench::checkpoint::CheckpointArgs>),

@@ -210,7 +210,7 @@ fn main() -> anyhow::Result<()> {
         } => crowdgrad::bench::churn::cli_churn(&args)?,
         Cmd::Bench {
             command: BenchCmd::Flood(args),
-        } => crowdgrad::bench::churn::cli_flood(&args)?,
+        } => crowdgrad::bench::flood::cli_flood(&args)?,
         Cmd::Bench {
             command: BenchCmd::Checkpoint(args),
         } => crowdgrad::bench::checkpoint::cli(&args)?,

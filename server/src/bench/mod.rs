@@ -13,7 +13,9 @@
 
 pub mod checkpoint;
 pub mod churn;
+pub mod flood;
 pub mod link;
+mod load;
 
 use crate::config::ServeConfig;
 use crate::error::{Error, Result};
