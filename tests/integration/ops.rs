@@ -101,6 +101,30 @@ async fn metrics_parse_and_counters_rise_health_and_ready() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let _ = tokio::task::spawn_blocking(move || w.join()).await;
+    // The run's main curve for Grafana: the evaluator's last accuracy and loss, the same as
+    // /api/status shows once the evaluations have caught up with the stopped worker.
+    let t0 = Instant::now();
+    loop {
+        let m = scrape(&base).await;
+        let status = util::status(&base).await;
+        if let (Some(acc), Some(loss), Some(eval)) = (
+            m.get("crowdgrad_test_accuracy"),
+            m.get("crowdgrad_test_loss"),
+            status["eval"].as_object(),
+        ) {
+            if *acc > 0.3 && eval["accuracy"].as_f64() == Some(*acc) {
+                assert!(*loss > 0.0 && loss.is_finite(), "loss {loss}");
+                break;
+            }
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "no test accuracy gauge matching the status: {:?}, status eval {}",
+            m.get("crowdgrad_test_accuracy"),
+            status["eval"]
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     running.stop().await.unwrap();
 }
 

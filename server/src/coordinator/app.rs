@@ -332,6 +332,12 @@ impl App {
             checkpoint: self.metrics.checkpoint(),
             uptime_s: self.started.elapsed().as_secs_f64(),
             now_unix: crate::registry::metrics::unix_now(),
+            test: self
+                .evals
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .last()
+                .map(|e| (e.accuracy, e.loss)),
         }
     }
 

@@ -24,6 +24,7 @@
 //! | `crowdgrad_remote_shard_up` | gauge | `shard` (coordinator with `--shard-urls`) |
 //! | `crowdgrad_checkpoint_size_bytes` / `crowdgrad_checkpoint_timestamp_seconds` / `crowdgrad_checkpoint_age_seconds` | gauge | (after the first checkpoint) |
 //! | `crowdgrad_uptime_seconds` | gauge | |
+//! | `crowdgrad_test_accuracy` / `crowdgrad_test_loss` | gauge | (coordinator, after the first evaluation) |
 //! | `crowdgrad_spot_checks_total` | counter | `result`: passed, failed, skipped_version, skipped_unknown, dropped_queue, dropped_quarantined (with `--spot-check`) |
 //! | `crowdgrad_spot_checks_sampled_total` | counter | (with `--spot-check`) |
 //! | `crowdgrad_workers_quarantined` / `crowdgrad_identities_quarantined` | gauge | |
@@ -110,6 +111,10 @@ pub struct Scrape {
     pub uptime_s: f64,
     /// Now, seconds since the Unix epoch (for the checkpoint's age).
     pub now_unix: f64,
+    /// The evaluator's last figures on the test set, (accuracy in [0, 1], mean loss): the
+    /// run's main curve for Grafana. `None` before the first evaluation and where nothing is
+    /// evaluated (a shard process).
+    pub test: Option<(f64, f64)>,
 }
 
 impl Collector for Scrape {
@@ -336,6 +341,20 @@ impl Collector for Scrape {
             "Seconds since the server started.",
             &[(Vec::new(), self.uptime_s)],
         )?;
+        if let Some((accuracy, loss)) = self.test {
+            gauge(
+                &mut enc,
+                "crowdgrad_test_accuracy",
+                "Accuracy of the current parameters on the test set at the last evaluation, 0 to 1.",
+                &[(Vec::new(), accuracy)],
+            )?;
+            gauge(
+                &mut enc,
+                "crowdgrad_test_loss",
+                "Mean loss of the current parameters on the test set at the last evaluation.",
+                &[(Vec::new(), loss)],
+            )?;
+        }
         Ok(())
     }
 }
@@ -429,6 +448,7 @@ mod tests {
             checkpoint: m.checkpoint(),
             uptime_s: 3.0,
             now_unix: 1010.0,
+            test: Some((0.9375, 0.25)),
         });
         for line in [
             "crowdgrad_pushes_applied_total{shard=\"1\"} 3",
@@ -446,6 +466,8 @@ mod tests {
             "crowdgrad_remote_shard_up{shard=\"1\"} 0.0",
             "crowdgrad_checkpoint_size_bytes 4096.0",
             "crowdgrad_checkpoint_age_seconds 10.0",
+            "crowdgrad_test_accuracy 0.9375",
+            "crowdgrad_test_loss 0.25",
             "# EOF",
         ] {
             assert!(

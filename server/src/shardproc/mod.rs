@@ -463,6 +463,7 @@ async fn metrics(State(p): State<Arc<ShardProc>>) -> Response {
         checkpoint: p.metrics.checkpoint(),
         uptime_s: p.started.elapsed().as_secs_f64(),
         now_unix: crate::registry::metrics::unix_now(),
+        test: None,
     };
     (
         [(header::CONTENT_TYPE, crate::registry::metrics::CONTENT_TYPE)],
