@@ -12,6 +12,10 @@ pub struct QuarantinePolicy {
     pub rejections: u32,
     /// The window.
     pub window: Duration,
+    /// Whether `out_of_bounds` refusals (the norm bound, the largest value) count too. Off by
+    /// default: an honest worker's unusual gradient is refused now and then, and must not get
+    /// it quarantined; the refusal alone already keeps the push out.
+    pub out_of_bounds: bool,
 }
 
 impl Default for QuarantinePolicy {
@@ -19,6 +23,7 @@ impl Default for QuarantinePolicy {
         Self {
             rejections: 0,
             window: Duration::from_secs(60),
+            out_of_bounds: false,
         }
     }
 }
@@ -47,13 +52,18 @@ pub struct SpotArgs {
     #[arg(long, default_value_t = 64)]
     pub spot_check_history: usize,
     /// Quarantine a worker after this many refused frames within --quarantine-window
-    /// (too_stale and busy never count); 0 turns it off. A failed spot check always
-    /// quarantines.
+    /// (too_stale and busy never count, out_of_bounds only with --quarantine-out-of-bounds);
+    /// 0 turns it off. A failed spot check always quarantines.
     #[arg(long, default_value_t = 0)]
     pub quarantine_rejections: u32,
     /// The window of --quarantine-rejections, seconds.
     #[arg(long, default_value_t = 60.0)]
     pub quarantine_window: f64,
+    /// Count out_of_bounds refusals (the norm bound, --max-push-value) toward
+    /// --quarantine-rejections too. Off by default: an honest worker's outlier gradient is
+    /// refused now and then and must not get it quarantined.
+    #[arg(long)]
+    pub quarantine_out_of_bounds: bool,
 }
 
 /// Checked spot-check and quarantine settings.
@@ -131,6 +141,7 @@ impl SpotArgs {
             quarantine: QuarantinePolicy {
                 rejections: self.quarantine_rejections,
                 window: Duration::from_secs_f64(self.quarantine_window),
+                out_of_bounds: self.quarantine_out_of_bounds,
             },
         })
     }

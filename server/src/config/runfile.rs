@@ -134,6 +134,11 @@ pub const KEYS: &[Key] = &[
         "quarantine_window",
         Kind::Float,
     ),
+    key(
+        "defence.quarantine_out_of_bounds",
+        "quarantine_out_of_bounds",
+        Kind::Bool,
+    ),
 ];
 
 /// The resolved configuration of a `serve` command line.

@@ -19,7 +19,9 @@
 //! Refused frames count towards quarantine only with `--quarantine-rejections N` (0, the
 //! default, turns it off): N refusals within `--quarantine-window` seconds quarantine the
 //! worker. `too_stale` and `busy` are the server's own policies, which honest workers meet
-//! under load, and never count; `quarantined` itself does not either.
+//! under load, and never count; `quarantined` itself does not either. `out_of_bounds` (the
+//! norm bound, the largest value) counts only with `--quarantine-out-of-bounds`: an honest
+//! worker's outlier gradient is refused now and then, and the refusal alone keeps it out.
 //!
 //! Bounded: at most [`MAX_TRACKED`] workers and [`MAX_TRACKED`] identities are kept; when full,
 //! the least recently touched worker that is not quarantined is forgotten (quarantined
@@ -285,10 +287,11 @@ impl Reputation {
     /// A shard refused a frame or push of `worker` with `code`; quarantines it when the policy
     /// says it keeps doing so.
     pub fn rejected(&self, worker: u64, code: ErrorCode) {
-        let counts = !matches!(
-            code,
-            ErrorCode::TooStale | ErrorCode::Busy | ErrorCode::Quarantined
-        );
+        let counts = match code {
+            ErrorCode::TooStale | ErrorCode::Busy | ErrorCode::Quarantined => false,
+            ErrorCode::OutOfBounds => self.policy.out_of_bounds,
+            _ => true,
+        };
         let now = Instant::now();
         let window = self.policy.window;
         let limit = self.policy.rejections as usize;
@@ -428,16 +431,30 @@ mod tests {
         let on = Reputation::new(QuarantinePolicy {
             rejections: 3,
             window: Duration::from_secs(60),
+            out_of_bounds: false,
         });
         for _ in 0..50 {
             on.rejected(2, ErrorCode::TooStale);
             on.rejected(2, ErrorCode::Busy);
+            // An honest worker's outlier: refused, never quarantined for it by default.
+            on.rejected(2, ErrorCode::OutOfBounds);
         }
         assert_eq!(on.quarantined(2), None);
-        on.rejected(2, ErrorCode::OutOfBounds);
+        assert_eq!(on.status(10).workers["2"].rejections["out_of_bounds"], 50);
+        on.rejected(2, ErrorCode::Malformed);
         on.rejected(2, ErrorCode::Replayed);
         assert_eq!(on.quarantined(2), None);
         on.rejected(2, ErrorCode::NotFinite);
         assert!(on.quarantined(2).unwrap().contains("not_finite"));
+        // Asked for: out_of_bounds counts like the others.
+        let strict = Reputation::new(QuarantinePolicy {
+            rejections: 3,
+            window: Duration::from_secs(60),
+            out_of_bounds: true,
+        });
+        for _ in 0..3 {
+            strict.rejected(3, ErrorCode::OutOfBounds);
+        }
+        assert!(strict.quarantined(3).unwrap().contains("out_of_bounds"));
     }
 }

@@ -726,6 +726,7 @@ mod tests {
             spot_check_norm_tol: DEFAULT_NORM_TOL,
             spot_check_history: 64,
             quarantine_rejections: 0,
+            quarantine_out_of_bounds: false,
             quarantine_window: 60.0,
         };
         assert_eq!(ok.check().unwrap().fraction, 0.01);
