@@ -36,7 +36,7 @@ use crate::partition::Slicer;
 use crate::shard::Consistency;
 use crate::spec::JoinResponse;
 use crate::wire::{
-    self, ClientKind, ErrorCode, Hello, Message, Report, HEADER_LEN, MAX_META_LEN, PROTOCOL_VERSION,
+    self, ClientKind, Hello, Message, Report, HEADER_LEN, MAX_META_LEN, PROTOCOL_VERSION,
 };
 use ndarray::Array2;
 use serde::{Deserialize, Serialize};
@@ -78,8 +78,15 @@ pub struct WorkerStats {
     pub staleness_sum: u64,
     /// Spread (max - min) of shard versions read for the last round.
     pub read_skew: u64,
-    /// Last rejection or error reported by a shard.
+    /// The last real failure a shard reported: a fatal error frame or a Bye. Policy refusals
+    /// of single pushes (too stale, busy, out of bounds...) are not failures: they are
+    /// counted in [`WorkerStats::rejected_by_reason`]. Cleared by the next applied push.
     pub last_error: Option<String>,
+    /// Pushes a shard refused without ending the session, by error code name
+    /// (`too_stale`, `busy`, `out_of_bounds`, `disagrees`...): what a volunteer's page shows as
+    /// normal, per reason.
+    #[serde(default)]
+    pub rejected_by_reason: std::collections::BTreeMap<String, u64>,
     /// Rounds completed (pushes sent to every shard).
     #[serde(default)]
     pub rounds: u64,
@@ -553,30 +560,35 @@ impl Worker {
                 slot.in_flight -= 1;
                 let _ = version;
                 self.stats.pushes_accepted += 1;
+                // A push applied: whatever failed before has passed.
+                self.stats.last_error = None;
                 self.stats.last_staleness = staleness;
                 self.stats.max_staleness = self.stats.max_staleness.max(staleness);
                 self.stats.staleness_sum += u64::from(staleness);
             }
             Message::Error { error, .. } => {
-                self.stats.last_error = Some(format!(
-                    "shard {shard}: {}: {}",
-                    error.code.name(),
-                    error.message
-                ));
                 if error.code.is_fatal() {
+                    self.stats.last_error = Some(format!(
+                        "shard {shard}: {}: {}",
+                        error.code.name(),
+                        error.message
+                    ));
                     return Err(Error::Protocol(format!(
                         "shard {shard} refused: {}",
                         error.message
                     )));
                 }
-                // A non-fatal error answers a push (e.g. too stale): it was not applied.
+                // A non-fatal error answers a push (e.g. too stale): it was not applied. That is
+                // the server's policy at work, not a failure: counted by reason.
+                *self
+                    .stats
+                    .rejected_by_reason
+                    .entry(error.code.name().to_owned())
+                    .or_default() += 1;
                 let slot = &mut self.shards[shard];
                 if slot.in_flight > 0 {
                     slot.in_flight -= 1;
                     self.stats.pushes_rejected += 1;
-                }
-                if error.code == ErrorCode::Busy {
-                    self.stats.last_error = Some(format!("shard {shard} busy: {}", error.message));
                 }
             }
             Message::Bye { bye, .. } => {
@@ -883,6 +895,7 @@ mod tests {
     use crate::optim::OptimizerConfig;
     use crate::partition::KeyRange;
     use crate::spec::{DataInfo, PartitionInfo, RunParams, RunSpec};
+    use crate::wire::ErrorCode;
     use crate::wire::{Bye, Welcome};
 
     /// A softmax over 2x2 "images" with 3 classes: 15 parameters, cut into `shards`.
@@ -1269,15 +1282,14 @@ mod tests {
             .unwrap();
         let s = w.stats();
         assert_eq!((s.pushes_rejected, s.pushes_accepted), (1, 0));
-        let last = s.last_error.clone().unwrap();
-        assert!(
-            last.contains("shard 0") && last.contains("too_stale"),
-            "{last}"
-        );
+        // A policy refusal is counted by reason, not reported as an error (issue 19).
+        assert_eq!(s.last_error, None);
+        assert_eq!(s.rejected_by_reason["too_stale"], 1);
         w.receive(1, &error_frame(1, ps[1].1, ErrorCode::Busy))
             .unwrap();
         assert_eq!(w.stats().pushes_rejected, 2);
-        assert!(w.stats().last_error.as_deref().unwrap().contains("busy"));
+        assert_eq!(w.stats().rejected_by_reason["busy"], 1);
+        assert_eq!(w.stats().last_error, None);
         // Both pushes are answered: the one-step worker is done.
         assert!(w.is_done());
     }
@@ -1403,6 +1415,25 @@ mod tests {
             last.contains("bye") && last.contains("restarting"),
             "{last}"
         );
+    }
+
+    #[test]
+    fn an_applied_push_clears_the_last_error() {
+        let mut w = worker("async", 2, None);
+        let p = handshake(&mut w, &[0, 0]);
+        let bye = wire::encode(&Message::Bye {
+            shard: 1,
+            bye: Bye {
+                reason: "restarting".into(),
+            },
+        });
+        w.receive(1, &bye).unwrap();
+        assert!(w.stats().last_error.is_some());
+        answer(&mut w, &p, &[0, 0]);
+        w.step().unwrap();
+        let ps = pushes(&drain(&mut w));
+        w.receive(0, &ack_frame(0, ps[0].1, 1, 0)).unwrap();
+        assert_eq!(w.stats().last_error, None, "the round after went through");
     }
 
     #[test]

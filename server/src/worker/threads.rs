@@ -187,6 +187,9 @@ pub(super) fn sum_stats<'a>(all: impl Iterator<Item = &'a WorkerStats>) -> Worke
         if sum.last_error.is_none() {
             sum.last_error.clone_from(&s.last_error);
         }
+        for (reason, n) in &s.rejected_by_reason {
+            *sum.rejected_by_reason.entry(reason.clone()).or_default() += n;
+        }
     }
     if n > 0 {
         sum.last_loss /= f64::from(n);
@@ -250,6 +253,7 @@ mod tests {
             max_staleness: 7,
             wall_s: 1.0,
             last_error: Some("shard 1: busy".into()),
+            rejected_by_reason: [("too_stale".to_string(), 2)].into(),
             ..Default::default()
         };
         let s = sum_stats([&a, &b].into_iter());
@@ -259,6 +263,7 @@ mod tests {
         assert_eq!(s.max_staleness, 7, "staleness is the largest");
         assert_eq!(s.wall_s, 2.0, "wall time is the longest, not a sum");
         assert_eq!(s.last_error.as_deref(), Some("shard 1: busy"));
+        assert_eq!(s.rejected_by_reason["too_stale"], 2);
         assert_eq!(sum_stats(std::iter::empty()).ema_loss, 0.0);
     }
 
