@@ -55,7 +55,9 @@ pub struct LimitArgs {
     /// Seconds a new WebSocket has to send its Hello (else `protocol` error and Close).
     #[arg(long, default_value_t = 10.0)]
     pub hello_timeout: f64,
-    /// Seconds a client has to send a request's headers (and, with TLS, finish the handshake).
+    /// Seconds a new TCP connection has to send its first byte (else it is closed, counted as
+    /// `silent_closed`), and then to send a request's headers (with TLS: to finish the
+    /// handshake, counted from the accept).
     #[arg(long, default_value_t = 10.0)]
     pub header_timeout: f64,
     /// The server is behind a reverse proxy: take the client IP from the last
@@ -81,7 +83,7 @@ pub struct LimitConfig {
     pub idle_timeout: Duration,
     /// Hello deadline.
     pub hello_timeout: Duration,
-    /// Header-read (and TLS handshake) deadline.
+    /// First-byte, header-read and TLS handshake deadline.
     pub header_timeout: Duration,
     /// Trust `X-Forwarded-For`.
     pub trust_proxy: bool,
@@ -266,6 +268,8 @@ pub struct LimitCounts {
     pub connections_refused_per_ip: u64,
     /// TLS handshakes that failed or timed out.
     pub tls_handshakes_failed: u64,
+    /// TCP connections closed for not sending a first byte within `--header-timeout`.
+    pub silent_closed: u64,
     /// WebSockets closed for not sending Hello within `--hello-timeout`.
     pub hello_timeouts: u64,
     /// WebSockets closed for silence longer than `--idle-timeout`.
@@ -289,6 +293,7 @@ struct Counters {
     refused_total: AtomicU64,
     refused_per_ip: AtomicU64,
     tls_failed: AtomicU64,
+    silent_closed: AtomicU64,
     hello_timeouts: AtomicU64,
     idle_timeouts: AtomicU64,
     pushes_worker: AtomicU64,
@@ -307,6 +312,8 @@ pub enum Count {
     RefusedPerIp,
     /// See [`LimitCounts::tls_handshakes_failed`].
     TlsFailed,
+    /// See [`LimitCounts::silent_closed`].
+    SilentClosed,
     /// See [`LimitCounts::hello_timeouts`].
     HelloTimeout,
     /// See [`LimitCounts::idle_timeouts`].
@@ -396,6 +403,7 @@ impl Limits {
             Count::RefusedTotal => &c.refused_total,
             Count::RefusedPerIp => &c.refused_per_ip,
             Count::TlsFailed => &c.tls_failed,
+            Count::SilentClosed => &c.silent_closed,
             Count::HelloTimeout => &c.hello_timeouts,
             Count::IdleTimeout => &c.idle_timeouts,
             Count::PushPerWorker => &c.pushes_worker,
@@ -484,6 +492,7 @@ impl Limits {
             connections_refused_total: l(&c.refused_total),
             connections_refused_per_ip: l(&c.refused_per_ip),
             tls_handshakes_failed: l(&c.tls_failed),
+            silent_closed: l(&c.silent_closed),
             hello_timeouts: l(&c.hello_timeouts),
             idle_timeouts: l(&c.idle_timeouts),
             pushes_limited_per_worker: l(&c.pushes_worker),
