@@ -2,7 +2,9 @@
 //! - silent sockets: a TCP connection that never sends a byte is closed at the first-byte
 //!   deadline (`--header-timeout`), counted as `silent_closed`, on `serve` and on a
 //!   `crowdgrad shard` alike (both use `crowdgrad::net`), so silent sockets cannot hold every
-//!   connection slot and lock honest clients out.
+//!   connection slot and lock honest clients out;
+//! - admin-token guesses: a client that sent 5 different wrong tokens gets 429 with
+//!   Retry-After on every admin call, the right token included, counted in `limits`.
 
 use crate::util::{config, get, server, status};
 use clap::Parser;
@@ -144,4 +146,57 @@ async fn a_shard_process_closes_silent_sockets_at_the_header_timeout() {
     let (code, _) = get(format!("http://{addr}/healthz")).await;
     assert_eq!(code, 200);
     let _ = stop.send(());
+}
+
+/// An admin GET of `state` with `token`: status and Retry-After.
+async fn admin_state(base: &str, token: &str) -> (u16, Option<String>) {
+    let url = format!("{base}/api/admin/state");
+    let token = token.to_string();
+    tokio::task::spawn_blocking(move || {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .build()
+            .into();
+        let mut r = agent
+            .get(&url)
+            .header("authorization", &format!("Bearer {token}"))
+            .call()
+            .expect("request");
+        let _ = r.body_mut().read_to_vec();
+        let retry = r
+            .headers()
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        (r.status().as_u16(), retry)
+    })
+    .await
+    .expect("request")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_token_guesses_lock_the_guesser_out_even_from_the_right_token() {
+    const TOKEN: &str = "defences-admin-token-0123456789";
+    let mut cfg = config();
+    cfg.admin_token = Some(crowdgrad::support::credential::Secret::new(TOKEN));
+    let running = server(cfg).await;
+    let url = running.url();
+    assert_eq!(admin_state(&url, TOKEN).await.0, 200);
+    let mut codes = Vec::new();
+    for i in 0..10 {
+        let (code, retry) = admin_state(&url, &format!("guess-{i}-0123456789")).await;
+        if code == 429 {
+            let secs: u64 = retry.expect("Retry-After").parse().expect("seconds");
+            assert!((1..=300).contains(&secs), "{secs}");
+        }
+        codes.push(code);
+    }
+    assert_eq!(codes, [401, 401, 401, 401, 401, 429, 429, 429, 429, 429]);
+    let (code, retry) = admin_state(&url, TOKEN).await;
+    assert_eq!(code, 429, "the right token is refused during the lockout");
+    assert!(retry.is_some());
+    let l = &status(&url).await["limits"];
+    assert_eq!(l["admin_unauthorized"], 5, "{l}");
+    assert_eq!(l["admin_locked_out"], 6, "{l}");
+    running.stop().await.expect("stops");
 }

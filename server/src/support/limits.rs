@@ -284,6 +284,10 @@ pub struct LimitCounts {
     pub joins_unauthorized: u64,
     /// Data downloads answered 429 by `--download-rate`.
     pub downloads_limited: u64,
+    /// Admin calls answered 401 (no token, or a wrong one).
+    pub admin_unauthorized: u64,
+    /// Admin calls answered 429: the client guessed too many tokens, or everyone together did.
+    pub admin_locked_out: u64,
 }
 
 #[derive(Debug, Default)]
@@ -301,6 +305,8 @@ struct Counters {
     joins: AtomicU64,
     joins_unauthorized: AtomicU64,
     downloads: AtomicU64,
+    admin_unauthorized: AtomicU64,
+    admin_locked_out: AtomicU64,
 }
 
 /// A refusal or an event to count.
@@ -328,6 +334,10 @@ pub enum Count {
     JoinUnauthorized,
     /// See [`LimitCounts::downloads_limited`].
     Download,
+    /// See [`LimitCounts::admin_unauthorized`].
+    AdminUnauthorized,
+    /// See [`LimitCounts::admin_locked_out`].
+    AdminLockedOut,
 }
 
 /// Why a push was refused by a rate limit.
@@ -411,6 +421,8 @@ impl Limits {
             Count::Join => &c.joins,
             Count::JoinUnauthorized => &c.joins_unauthorized,
             Count::Download => &c.downloads,
+            Count::AdminUnauthorized => &c.admin_unauthorized,
+            Count::AdminLockedOut => &c.admin_locked_out,
         };
         a.fetch_add(1, Ordering::Relaxed);
     }
@@ -500,6 +512,8 @@ impl Limits {
             joins_limited: l(&c.joins),
             joins_unauthorized: l(&c.joins_unauthorized),
             downloads_limited: l(&c.downloads),
+            admin_unauthorized: l(&c.admin_unauthorized),
+            admin_locked_out: l(&c.admin_locked_out),
         }
     }
 }
