@@ -221,21 +221,21 @@ impl Ledger {
 }
 
 /// The ledger as CSV (`GET /api/contributors?format=csv`): a header line, then one line per
-/// identity, most samples first. Names are quoted, with quotes doubled.
+/// identity, most samples first. Text cells go through [`csv_cell`] (names are always quoted),
+/// so a spreadsheet opening the export never evaluates a name as a formula.
 pub fn to_csv(rows: &[Contribution]) -> String {
     let mut out = String::from(
         "identity,name,client,samples,pushes_accepted,pushes_rejected,compute_seconds,sessions,first_seen_unix,last_seen_unix\n",
     );
     for c in rows {
-        let name = c.name.as_deref().unwrap_or("").replace('"', "\"\"");
         let client = match c.client {
             ClientKind::Native => "native",
             ClientKind::Browser => "browser",
         };
         out.push_str(&format!(
-            "{},\"{}\",{},{},{},{},{:.3},{},{:.3},{:.3}\n",
-            c.identity,
-            name,
+            "{},{},{},{},{},{},{:.3},{},{:.3},{:.3}\n",
+            csv_cell(&c.identity, false),
+            csv_cell(c.name.as_deref().unwrap_or(""), true),
             client,
             c.samples,
             c.pushes_accepted,
@@ -247,6 +247,23 @@ pub fn to_csv(rows: &[Contribution]) -> String {
         ));
     }
     out
+}
+
+/// One CSV text cell, safe to open in a spreadsheet (OWASP "CSV injection"): a cell whose first
+/// character is `=`, `+`, `-`, `@`, a tab or a carriage return gets a leading `'` so it is
+/// read as text, not as a formula; a cell holding a comma, a quote, a CR or an LF (or any cell
+/// when `quote`) is put in double quotes, with its quotes doubled (RFC 4180).
+pub fn csv_cell(text: &str, quote: bool) -> String {
+    let mut cell = String::with_capacity(text.len() + 3);
+    if text.starts_with(['=', '+', '-', '@', '\t', '\r']) {
+        cell.push('\'');
+    }
+    cell.push_str(text);
+    if quote || cell.contains([',', '"', '\r', '\n']) {
+        format!("\"{}\"", cell.replace('"', "\"\""))
+    } else {
+        cell
+    }
 }
 
 /// A summary for the page: the top `limit` and the total count.
@@ -351,6 +368,52 @@ mod tests {
             csv.contains("alice-0001,\"Alice\",browser,64,3,1,4.500,2,"),
             "{csv}"
         );
+    }
+
+    #[test]
+    fn csv_cells_never_start_a_formula() {
+        for (text, quote, cell) in [
+            ("Alice", false, "Alice"),
+            ("Alice", true, "\"Alice\""),
+            (
+                "=HYPERLINK(\"http://x\",\"y\")",
+                false,
+                "\"'=HYPERLINK(\"\"http://x\"\",\"\"y\"\")\"",
+            ),
+            ("+1+1", false, "'+1+1"),
+            ("-2+3", false, "'-2+3"),
+            ("@SUM(A1)", false, "'@SUM(A1)"),
+            ("\tx", false, "'\tx"),
+            ("\rx", false, "\"'\rx\""),
+            ("a,b", false, "\"a,b\""),
+            ("say \"hi\"", false, "\"say \"\"hi\"\"\""),
+            ("two\nlines", false, "\"two\nlines\""),
+            ("a=1", false, "a=1"),
+            ("", true, "\"\""),
+        ] {
+            assert_eq!(csv_cell(text, quote), cell, "{text:?}");
+        }
+        // In the export: an identity may start with '-', a name with anything.
+        let mut l = Ledger::default();
+        l.joined(
+            1,
+            "-abcdefg1",
+            Some("=cmd|' /C calc'!A0"),
+            ClientKind::Native,
+        );
+        l.joined(2, "bob-000001", Some("@x,y"), ClientKind::Native);
+        let csv = to_csv(&l.contributors());
+        assert!(
+            csv.contains("\n'-abcdefg1,\"'=cmd|' /C calc'!A0\",native,"),
+            "{csv}"
+        );
+        assert!(csv.contains("\nbob-000001,\"'@x,y\",native,"), "{csv}");
+        for line in csv.lines().skip(1) {
+            for cell in line.split(',') {
+                let bare = cell.trim_start_matches('"');
+                assert!(!bare.starts_with(['=', '+', '-', '@']), "{line}");
+            }
+        }
     }
 
     #[test]
