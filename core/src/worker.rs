@@ -419,7 +419,7 @@ impl Worker {
 
     fn request_id(&mut self) -> u32 {
         let id = self.next_request;
-        self.next_request = self.next_request.wrapping_add(1).max(1);
+        self.next_request = wire::next_request_id(self.next_request);
         id
     }
 
@@ -1235,6 +1235,70 @@ mod tests {
         assert_eq!(bases, vec![4, 11]);
         assert_eq!(w.stats().pushes_sent, 4);
         assert_eq!(w.stats().read_skew, 7);
+    }
+
+    /// The defences issue: request ids wrap. A worker whose ids pass `u32::MAX` keeps pushing
+    /// to a real shard session: its ids run ..., `u32::MAX`, 1, 2, ... (never 0, which means
+    /// "no request"), every reply is matched, and no push is refused as `replayed`.
+    #[test]
+    fn request_ids_wrap_past_u32_max_and_pushes_go_on() {
+        use crate::session::{Action, PushGuard, ShardConfig, ShardSession, ShardSetup};
+        let mut w = worker("async", 1, None);
+        w.next_request = u32::MAX - 3;
+        let range = range(&w, 0);
+        let setup = ShardSetup {
+            optimizer: OptimizerConfig::default(),
+            staleness: crate::shard::StalenessPolicy::default(),
+            consistency: Consistency::Async,
+            heartbeat: 5.0,
+            sync_timeout: 2.0,
+            pull_encoding: Encoding::F32,
+            push_encoding: Encoding::F32,
+            reports: false,
+            pseudo_gradients: false,
+            guard: PushGuard::default(),
+            aggregation: crate::robust::Aggregation::Mean,
+        };
+        let mut state = setup.state(0, range, vec![0.0; range.len()]).unwrap();
+        let mut session = ShardSession::new(ShardConfig {
+            id: 0,
+            range,
+            setup,
+        });
+        w.connected(0);
+        let mut ids = Vec::new();
+        let mut now = 0.0;
+        while w.stats().pushes_accepted < 8 {
+            now += 0.01;
+            assert!(
+                now < 10.0,
+                "stuck: {} frames, the first {:?}",
+                ids.len(),
+                &ids[..8]
+            );
+            while let Some(o) = w.poll_transmit() {
+                ids.push(crate::session::header_request_id(&o.frame));
+                session.handle_frame(&mut state, &o.frame, now);
+                while let Some(a) = session.poll_action() {
+                    match a {
+                        Action::Send(f) => w.receive(0, &f).unwrap(),
+                        Action::Close(why) => panic!("closed: {why}"),
+                        Action::Record(_) => {}
+                    }
+                }
+            }
+            if w.ready() {
+                w.step().unwrap();
+            }
+        }
+        assert!(!ids.contains(&0), "{ids:?}");
+        let wrap = ids
+            .iter()
+            .position(|&id| id == u32::MAX)
+            .expect("reaches u32::MAX");
+        assert_eq!(ids[wrap + 1], 1, "{ids:?}");
+        assert_eq!(w.stats().pushes_rejected, 0);
+        assert_eq!(state.version(), w.stats().pushes_accepted);
     }
 
     #[test]

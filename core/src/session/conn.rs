@@ -562,9 +562,12 @@ impl ShardSession {
                     );
                     return self.fail(shard, request_id, ErrorCode::WrongLength, m, push, now);
                 }
-                if self.last_push.is_some_and(|last| request_id <= last) {
+                if self
+                    .last_push
+                    .is_some_and(|last| !wire::id_after(request_id, last))
+                {
                     let m = format!(
-                        "push request id {request_id} is not above this connection's last push {}",
+                        "push request id {request_id} does not follow this connection's last push {}",
                         self.last_push.unwrap_or_default()
                     );
                     return self.fail(shard, request_id, ErrorCode::Replayed, m, push, now);
