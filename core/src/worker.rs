@@ -256,6 +256,9 @@ pub struct Worker {
     /// When the outstanding batch of pulls went out.
     pulls_sent: Option<f64>,
     last_report: Option<f64>,
+    /// The counters carried over from earlier sessions ([`Worker::carry_stats`]): a `Report`
+    /// says what this session measured, so it subtracts them.
+    carried: Carried,
     reports: bool,
     /// Per shard: its Welcome asked for spot checks, so pushes carry a [`wire::PushTag`].
     spot_checks: Vec<bool>,
@@ -266,6 +269,14 @@ pub struct Worker {
 
 /// How often a worker sends a `Report`, seconds.
 const REPORT_EVERY: f64 = 1.0;
+
+/// What [`Worker::carry_stats`] brought in (see `Worker::carried`).
+#[derive(Debug, Clone, Copy, Default)]
+struct Carried {
+    compute_s: f64,
+    bytes_up: u64,
+    bytes_down: u64,
+}
 
 impl Worker {
     /// A worker for the run it joined, training on `data` (its partition), for at most
@@ -349,6 +360,7 @@ impl Worker {
             started: None,
             pulls_sent: None,
             last_report: None,
+            carried: Carried::default(),
             reports: false,
             spot_checks: vec![false; slicer.ranges().len()],
             round_batch: 0,
@@ -370,8 +382,15 @@ impl Worker {
         &self.stats
     }
 
-    /// Carries counters over from a previous session (after a reconnect).
+    /// Carries counters over from a previous session (after a reconnect). [`WorkerStats`]
+    /// go on counting from them; `Report`s still say what this session measured (the server
+    /// credits a worker id only for time since its join, docs/protocol.md).
     pub fn carry_stats(&mut self, previous: WorkerStats) {
+        self.carried = Carried {
+            compute_s: previous.compute_s,
+            bytes_up: previous.bytes_up,
+            bytes_down: previous.bytes_down,
+        };
         self.stats = previous;
     }
 
@@ -860,11 +879,14 @@ impl Worker {
         self.last_report = Some(now);
         let report = Report {
             local_steps: self.stats.local_steps.max(1),
-            compute_s: self.stats.compute_s,
+            compute_s: (self.stats.compute_s - self.carried.compute_s).max(0.0),
             wall_s: self.stats.wall_s,
             exchange_s: self.controller.exchange_s().unwrap_or(0.0),
-            bytes_up: self.stats.bytes_up,
-            bytes_down: self.stats.bytes_down,
+            bytes_up: self.stats.bytes_up.saturating_sub(self.carried.bytes_up),
+            bytes_down: self
+                .stats
+                .bytes_down
+                .saturating_sub(self.carried.bytes_down),
         };
         let frame = wire::encode(&Message::Report { shard: 0, report });
         self.emit(0, frame);
@@ -1665,6 +1687,52 @@ mod tests {
         );
         // The loss average continues from the carried value.
         assert!((s.ema_loss - (0.98 + 0.02 * report.loss)).abs() < 1e-12);
+    }
+
+    /// The defences issue: a Report says what this session measured, so a worker that carried
+    /// 500 s of compute over from its last join does not report them again to its new id.
+    #[test]
+    fn reports_after_carried_stats_count_this_session_only() {
+        let mut w = worker("async", 1, None);
+        w.carry_stats(WorkerStats {
+            compute_s: 500.0,
+            bytes_up: 1_000,
+            bytes_down: 2_000,
+            ..WorkerStats::default()
+        });
+        w.connected(0);
+        drain(&mut w);
+        let welcome = wire::encode(&Message::Welcome {
+            request_id: 1,
+            shard: 0,
+            welcome: Welcome {
+                protocol: PROTOCOL_VERSION,
+                range: range(&w, 0),
+                version: 0,
+                pull_encoding: Default::default(),
+                push_encoding: Default::default(),
+                reports: true,
+                spot_checks: false,
+            },
+        });
+        w.set_time(0.0);
+        w.receive(0, &welcome).unwrap();
+        w.observe_compute(0.25);
+        w.set_time(2.0);
+        let reports: Vec<Report> = frames(&mut w)
+            .iter()
+            .filter_map(|(_, f)| match wire::decode(f, usize::MAX).unwrap() {
+                Message::Report { report, .. } => Some(report),
+                _ => None,
+            })
+            .collect();
+        let [r] = &reports[..] else {
+            panic!("{reports:?}")
+        };
+        assert_eq!(r.compute_s, 0.25);
+        assert_eq!(r.wall_s, 2.0);
+        assert!(r.bytes_up < 1_000, "{r:?}");
+        assert_eq!(w.stats().compute_s, 500.25, "the stats go on counting");
     }
 
     #[test]
