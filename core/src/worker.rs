@@ -263,6 +263,9 @@ pub struct Worker {
     /// When the outstanding batch of pulls went out.
     pulls_sent: Option<f64>,
     last_report: Option<f64>,
+    /// The counters carried over from earlier sessions ([`Worker::carry_stats`]): a `Report`
+    /// says what this session measured, so it subtracts them.
+    carried: Carried,
     reports: bool,
     /// Per shard: its Welcome asked for spot checks, so pushes carry a [`wire::PushTag`].
     spot_checks: Vec<bool>,
@@ -273,6 +276,14 @@ pub struct Worker {
 
 /// How often a worker sends a `Report`, seconds.
 const REPORT_EVERY: f64 = 1.0;
+
+/// What [`Worker::carry_stats`] brought in (see `Worker::carried`).
+#[derive(Debug, Clone, Copy, Default)]
+struct Carried {
+    compute_s: f64,
+    bytes_up: u64,
+    bytes_down: u64,
+}
 
 impl Worker {
     /// A worker for the run it joined, training on `data` (its partition), for at most
@@ -356,6 +367,7 @@ impl Worker {
             started: None,
             pulls_sent: None,
             last_report: None,
+            carried: Carried::default(),
             reports: false,
             spot_checks: vec![false; slicer.ranges().len()],
             round_batch: 0,
@@ -377,8 +389,15 @@ impl Worker {
         &self.stats
     }
 
-    /// Carries counters over from a previous session (after a reconnect).
+    /// Carries counters over from a previous session (after a reconnect). [`WorkerStats`]
+    /// go on counting from them; `Report`s still say what this session measured (the server
+    /// credits a worker id only for time since its join, docs/protocol.md).
     pub fn carry_stats(&mut self, previous: WorkerStats) {
+        self.carried = Carried {
+            compute_s: previous.compute_s,
+            bytes_up: previous.bytes_up,
+            bytes_down: previous.bytes_down,
+        };
         self.stats = previous;
     }
 
@@ -426,7 +445,7 @@ impl Worker {
 
     fn request_id(&mut self) -> u32 {
         let id = self.next_request;
-        self.next_request = self.next_request.wrapping_add(1).max(1);
+        self.next_request = wire::next_request_id(self.next_request);
         id
     }
 
@@ -872,11 +891,14 @@ impl Worker {
         self.last_report = Some(now);
         let report = Report {
             local_steps: self.stats.local_steps.max(1),
-            compute_s: self.stats.compute_s,
+            compute_s: (self.stats.compute_s - self.carried.compute_s).max(0.0),
             wall_s: self.stats.wall_s,
             exchange_s: self.controller.exchange_s().unwrap_or(0.0),
-            bytes_up: self.stats.bytes_up,
-            bytes_down: self.stats.bytes_down,
+            bytes_up: self.stats.bytes_up.saturating_sub(self.carried.bytes_up),
+            bytes_down: self
+                .stats
+                .bytes_down
+                .saturating_sub(self.carried.bytes_down),
         };
         let frame = wire::encode(&Message::Report { shard: 0, report });
         self.emit(0, frame);
@@ -1248,6 +1270,70 @@ mod tests {
         assert_eq!(bases, vec![4, 11]);
         assert_eq!(w.stats().pushes_sent, 4);
         assert_eq!(w.stats().read_skew, 7);
+    }
+
+    /// The defences issue: request ids wrap. A worker whose ids pass `u32::MAX` keeps pushing
+    /// to a real shard session: its ids run ..., `u32::MAX`, 1, 2, ... (never 0, which means
+    /// "no request"), every reply is matched, and no push is refused as `replayed`.
+    #[test]
+    fn request_ids_wrap_past_u32_max_and_pushes_go_on() {
+        use crate::session::{Action, PushGuard, ShardConfig, ShardSession, ShardSetup};
+        let mut w = worker("async", 1, None);
+        w.next_request = u32::MAX - 3;
+        let range = range(&w, 0);
+        let setup = ShardSetup {
+            optimizer: OptimizerConfig::default(),
+            staleness: crate::shard::StalenessPolicy::default(),
+            consistency: Consistency::Async,
+            heartbeat: 5.0,
+            sync_timeout: 2.0,
+            pull_encoding: Encoding::F32,
+            push_encoding: Encoding::F32,
+            reports: false,
+            pseudo_gradients: false,
+            guard: PushGuard::default(),
+            aggregation: crate::robust::Aggregation::Mean,
+        };
+        let mut state = setup.state(0, range, vec![0.0; range.len()]).unwrap();
+        let mut session = ShardSession::new(ShardConfig {
+            id: 0,
+            range,
+            setup,
+        });
+        w.connected(0);
+        let mut ids = Vec::new();
+        let mut now = 0.0;
+        while w.stats().pushes_accepted < 8 {
+            now += 0.01;
+            assert!(
+                now < 10.0,
+                "stuck: {} frames, the first {:?}",
+                ids.len(),
+                &ids[..8]
+            );
+            while let Some(o) = w.poll_transmit() {
+                ids.push(crate::session::header_request_id(&o.frame));
+                session.handle_frame(&mut state, &o.frame, now);
+                while let Some(a) = session.poll_action() {
+                    match a {
+                        Action::Send(f) => w.receive(0, &f).unwrap(),
+                        Action::Close(why) => panic!("closed: {why}"),
+                        Action::Record(_) => {}
+                    }
+                }
+            }
+            if w.ready() {
+                w.step().unwrap();
+            }
+        }
+        assert!(!ids.contains(&0), "{ids:?}");
+        let wrap = ids
+            .iter()
+            .position(|&id| id == u32::MAX)
+            .expect("reaches u32::MAX");
+        assert_eq!(ids[wrap + 1], 1, "{ids:?}");
+        assert_eq!(w.stats().pushes_rejected, 0);
+        assert_eq!(state.version(), w.stats().pushes_accepted);
     }
 
     #[test]
@@ -1632,6 +1718,52 @@ mod tests {
         );
         // The loss average continues from the carried value.
         assert!((s.ema_loss - (0.98 + 0.02 * report.loss)).abs() < 1e-12);
+    }
+
+    /// The defences issue: a Report says what this session measured, so a worker that carried
+    /// 500 s of compute over from its last join does not report them again to its new id.
+    #[test]
+    fn reports_after_carried_stats_count_this_session_only() {
+        let mut w = worker("async", 1, None);
+        w.carry_stats(WorkerStats {
+            compute_s: 500.0,
+            bytes_up: 1_000,
+            bytes_down: 2_000,
+            ..WorkerStats::default()
+        });
+        w.connected(0);
+        drain(&mut w);
+        let welcome = wire::encode(&Message::Welcome {
+            request_id: 1,
+            shard: 0,
+            welcome: Welcome {
+                protocol: PROTOCOL_VERSION,
+                range: range(&w, 0),
+                version: 0,
+                pull_encoding: Default::default(),
+                push_encoding: Default::default(),
+                reports: true,
+                spot_checks: false,
+            },
+        });
+        w.set_time(0.0);
+        w.receive(0, &welcome).unwrap();
+        w.observe_compute(0.25);
+        w.set_time(2.0);
+        let reports: Vec<Report> = frames(&mut w)
+            .iter()
+            .filter_map(|(_, f)| match wire::decode(f, usize::MAX).unwrap() {
+                Message::Report { report, .. } => Some(report),
+                _ => None,
+            })
+            .collect();
+        let [r] = &reports[..] else {
+            panic!("{reports:?}")
+        };
+        assert_eq!(r.compute_s, 0.25);
+        assert_eq!(r.wall_s, 2.0);
+        assert!(r.bytes_up < 1_000, "{r:?}");
+        assert_eq!(w.stats().compute_s, 500.25, "the stats go on counting");
     }
 
     #[test]

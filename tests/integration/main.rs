@@ -7,6 +7,7 @@ mod churn;
 mod conformance;
 mod consistency;
 mod data;
+mod defences;
 mod durability;
 mod faults;
 mod http;

@@ -143,6 +143,38 @@ pub struct ShardSession {
     push_encoding: Encoding,
     /// The request id of the last push on this connection (replays are refused).
     last_push: Option<u32>,
+    /// When the last Report this connection took arrived, and its `compute_s`.
+    last_report: Option<(f64, f64)>,
+}
+
+/// Least time between two Reports a session takes, seconds. Workers send one a second; one
+/// sooner is ignored, which loses nothing (a Report is cumulative: the next one carries it).
+pub const REPORT_MIN_GAP: f64 = 0.5;
+
+/// Why a session ignores `report`, arriving at `now` after the one it took last (`last`:
+/// when it arrived and its `compute_s`), or `None` when it takes it (docs/protocol.md,
+/// "Report"):
+/// - [`ErrorCode::NotFinite`]: a time (`compute_s`, `wall_s`, `exchange_s`) is NaN or
+///   infinite;
+/// - [`ErrorCode::OutOfBounds`]: a time is negative;
+/// - [`ErrorCode::Replayed`]: `compute_s` is below the last one taken (a report rewound);
+/// - [`ErrorCode::Busy`]: less than [`REPORT_MIN_GAP`] after the last one taken.
+///
+/// The bound by wall time since the worker joined is the registry's (it knows the join; a
+/// connection does not, and a worker may reconnect a shard without joining again).
+pub fn check_report(report: &Report, last: Option<(f64, f64)>, now: f64) -> Option<ErrorCode> {
+    let times = [report.compute_s, report.wall_s, report.exchange_s];
+    if times.iter().any(|t| !t.is_finite()) {
+        return Some(ErrorCode::NotFinite);
+    }
+    if times.iter().any(|&t| t < 0.0) {
+        return Some(ErrorCode::OutOfBounds);
+    }
+    match last {
+        Some((_, compute)) if report.compute_s < compute => Some(ErrorCode::Replayed),
+        Some((at, _)) if now - at < REPORT_MIN_GAP => Some(ErrorCode::Busy),
+        _ => None,
+    }
 }
 
 /// The request id of a frame, if its header can be read (32 bytes, right magic); else 0.
@@ -166,6 +198,7 @@ impl ShardSession {
             pull_encoding: Encoding::F32,
             push_encoding: Encoding::F32,
             last_push: None,
+            last_report: None,
         }
     }
 
@@ -562,9 +595,12 @@ impl ShardSession {
                     );
                     return self.fail(shard, request_id, ErrorCode::WrongLength, m, push, now);
                 }
-                if self.last_push.is_some_and(|last| request_id <= last) {
+                if self
+                    .last_push
+                    .is_some_and(|last| !wire::id_after(request_id, last))
+                {
                     let m = format!(
-                        "push request id {request_id} is not above this connection's last push {}",
+                        "push request id {request_id} does not follow this connection's last push {}",
                         self.last_push.unwrap_or_default()
                     );
                     return self.fail(shard, request_id, ErrorCode::Replayed, m, push, now);
@@ -625,6 +661,15 @@ impl ShardSession {
                     return self.fail(shard, request_id, ErrorCode::Protocol, m, None, now);
                 }
                 let worker = self.worker.unwrap_or_default();
+                // A Report has no reply (an error frame would read as the answer to a push):
+                // one refused is only recorded.
+                if let Some(code) = check_report(&report, self.last_report, now) {
+                    let worker = Some(worker);
+                    self.actions
+                        .push_back(Action::Record(Record::Rejected { worker, code }));
+                    return;
+                }
+                self.last_report = Some((now, report.compute_s));
                 let encodings = (self.pull_encoding, self.push_encoding);
                 self.actions.push_back(Action::Record(Record::Reported {
                     worker,
@@ -971,6 +1016,138 @@ mod tests {
                 "{name} ({what}): nothing applied"
             );
         }
+    }
+
+    /// The defences issue: Reports are taken only when finite, non-negative, not rewound and
+    /// not sooner than [`REPORT_MIN_GAP`] after the last one taken; a refused one gets no
+    /// reply, only a `Rejected` record, and the connection stays open.
+    #[test]
+    fn reports_are_checked_and_refused_ones_only_recorded() {
+        let report = |compute_s: f64, wall_s: f64| Report {
+            local_steps: 1,
+            compute_s,
+            wall_s,
+            ..Default::default()
+        };
+        let last = Some((10.0, 5.0));
+        for (what, r, last, now, want) in [
+            ("the first", report(1.0, 2.0), None, 0.0, None),
+            ("a later one", report(6.0, 12.0), last, 11.0, None),
+            ("the same compute", report(5.0, 12.0), last, 11.0, None),
+            (
+                "NaN",
+                report(f64::NAN, 1.0),
+                None,
+                0.0,
+                Some(ErrorCode::NotFinite),
+            ),
+            (
+                "inf",
+                report(f64::INFINITY, 1.0),
+                last,
+                11.0,
+                Some(ErrorCode::NotFinite),
+            ),
+            (
+                "1.7e308 twice",
+                report(1.7e308, 1.7e308 * 10.0),
+                None,
+                0.0,
+                Some(ErrorCode::NotFinite),
+            ),
+            (
+                "negative",
+                report(-1.0, 1.0),
+                None,
+                0.0,
+                Some(ErrorCode::OutOfBounds),
+            ),
+            (
+                "negative wall",
+                report(1.0, -1.0),
+                None,
+                0.0,
+                Some(ErrorCode::OutOfBounds),
+            ),
+            (
+                "rewound",
+                report(0.0, 12.0),
+                last,
+                20.0,
+                Some(ErrorCode::Replayed),
+            ),
+            (
+                "too soon",
+                report(6.0, 12.0),
+                last,
+                10.4,
+                Some(ErrorCode::Busy),
+            ),
+        ] {
+            assert_eq!(check_report(&r, last, now), want, "{what}");
+        }
+        let ex = Report {
+            exchange_s: f64::NAN,
+            ..report(1.0, 1.0)
+        };
+        assert_eq!(check_report(&ex, None, 0.0), Some(ErrorCode::NotFinite));
+
+        // In a session: 100, 0, 100, 0, 100 a second apart takes 100 three times (the
+        // registry credits the growth only), refuses the rewinds, sends nothing, stays open.
+        let mut st = setup(Consistency::Async);
+        st.reports = true;
+        let range = crate::partition::KeyRange { start: 0, end: 2 };
+        let mut sh = st.state(0, range, vec![0.0; 2]).unwrap();
+        let mut s = ShardSession::new(*sh.config());
+        let hello0 = wire::encode(&Message::Hello {
+            request_id: 1,
+            shard: 0,
+            hello: Hello {
+                protocol: PROTOCOL_VERSION,
+                worker_id: 7,
+                client: ClientKind::Native,
+                ..Default::default()
+            },
+        });
+        s.handle_frame(&mut sh, &hello0, 0.0);
+        let mut records = Vec::new();
+        for (i, c) in [100.0, 0.0, 100.0, 0.0, 100.0, 1e12]
+            .into_iter()
+            .enumerate()
+        {
+            let f = wire::encode(&Message::Report {
+                shard: 0,
+                report: report(c, 200.0 + i as f64),
+            });
+            s.handle_frame(&mut sh, &f, 1.0 + i as f64);
+        }
+        let mut frames = Vec::new();
+        while let Some(a) = s.poll_action() {
+            match a {
+                Action::Send(f) => frames.push(f),
+                Action::Close(why) => panic!("closed: {why}"),
+                Action::Record(Record::Reported { report, .. }) => {
+                    records.push(format!("took {}", report.compute_s))
+                }
+                Action::Record(Record::Rejected { code, .. }) => {
+                    records.push(format!("refused {}", code.name()))
+                }
+                Action::Record(_) => {}
+            }
+        }
+        assert_eq!(frames.len(), 1, "only the Welcome");
+        assert_eq!(
+            records,
+            [
+                "took 100",
+                "refused replayed",
+                "took 100",
+                "refused replayed",
+                "took 100",
+                "took 1000000000000"
+            ]
+        );
+        assert!(!s.is_closed());
     }
 
     #[test]

@@ -15,6 +15,24 @@ pub const HEADER_LEN: usize = 32;
 /// Largest accepted JSON meta section.
 pub const MAX_META_LEN: usize = 64 * 1024;
 
+/// The request id a requester uses after `id`: ids rise by one and wrap from `u32::MAX` to 1,
+/// skipping 0, which stands for "no request" (errors about a whole connection, Bye, Report).
+pub const fn next_request_id(id: u32) -> u32 {
+    match id.wrapping_add(1) {
+        0 => 1,
+        n => n,
+    }
+}
+
+/// Whether request id `id` comes after `last` on a connection whose ids rise and wrap (serial
+/// number order, RFC 1982): `id` is 1 to 2^31 − 1 ids ahead of `last`, counting through the
+/// wrap. So after `u32::MAX` come 1, 2, ..., while `last` itself and the 2^31 ids before it do
+/// not.
+pub const fn id_after(id: u32, last: u32) -> bool {
+    let ahead = id.wrapping_sub(last);
+    ahead != 0 && ahead < 1 << 31
+}
+
 /// Message kinds. Control: Hello, Welcome, Error, Bye. Data: Pull, Params, Push, Ack.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
@@ -180,5 +198,30 @@ impl Header {
         out.extend_from_slice(&self.version.to_le_bytes());
         out.extend_from_slice(&self.meta_len.to_le_bytes());
         out.extend_from_slice(&self.count.to_le_bytes());
+    }
+}
+
+#[cfg(test)]
+mod request_id_tests {
+    use super::*;
+
+    #[test]
+    fn request_ids_wrap_past_u32_max_skipping_0() {
+        assert_eq!(next_request_id(1), 2);
+        assert_eq!(next_request_id(u32::MAX - 1), u32::MAX);
+        assert_eq!(next_request_id(u32::MAX), 1);
+        assert_eq!(next_request_id(0), 1);
+        for (id, last, after) in [
+            (2, 1, true),
+            (1, 1, false),
+            (1, 2, false),
+            (1, u32::MAX, true),
+            (5, u32::MAX - 5, true),
+            (u32::MAX, 1, false),
+            (1 << 31, 1, true),
+            ((1 << 31) + 1, 1, false),
+        ] {
+            assert_eq!(id_after(id, last), after, "{id} after {last}");
+        }
     }
 }

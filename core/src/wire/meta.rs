@@ -165,7 +165,8 @@ pub enum ErrorCode {
     /// A push outside the shard's bounds: a value too large, a norm far above the recent
     /// ones, or more samples than a round can have (not fatal).
     OutOfBounds = 16,
-    /// A push whose request id is not above the connection's last push: a replay (not fatal).
+    /// A push whose request id does not come after the connection's last push (in the wrapping
+    /// order of [`crate::wire::id_after`]): a replay (not fatal).
     Replayed = 17,
     /// A push refused by the run's robust aggregation (`--aggregation consensus`): its
     /// direction disagrees with the recent consensus of accepted pushes (not fatal).

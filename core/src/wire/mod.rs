@@ -40,7 +40,10 @@ pub use encode::{
     encode, encode_error, encode_params, encode_params_as, encode_push, encode_push_as,
     encode_push_tagged,
 };
-pub use header::{Header, Kind, HEADER_LEN, MAGIC, MAX_META_LEN, PROTOCOL_VERSION, WIRE_VERSION};
+pub use header::{
+    id_after, next_request_id, Header, Kind, HEADER_LEN, MAGIC, MAX_META_LEN, PROTOCOL_VERSION,
+    WIRE_VERSION,
+};
 pub use message::{decode, push_tag, Message, Payload};
 pub use meta::{
     Bye, ClientKind, ErrorBody, ErrorCode, Hello, PushTag, Report, Welcome, MAX_TAG_VERSIONS,

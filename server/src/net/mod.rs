@@ -1,8 +1,11 @@
 //! The accept loop (mini-redis' `Listener`): every TCP connection is counted against
 //! `--max-connections` and, unless `--trust-proxy`, `--max-connections-per-ip` before anything
-//! is read from it; TLS handshakes (with `--tls-cert`) and request headers must arrive within
-//! `--header-timeout`; each connection is served by hyper (HTTP/1.1 with upgrades) with the
-//! router.
+//! is read from it; its first byte must arrive within `--header-timeout` of the accept (else
+//! it is closed and counted as `silent_closed`: hyper's header deadline only starts at the
+//! first byte, so without this a silent socket would hold its slots for ever); then TLS
+//! handshakes (with `--tls-cert`, by the same deadline) and request headers (within
+//! `--header-timeout` again) must arrive; each connection is served by hyper (HTTP/1.1 with
+//! upgrades) with the router.
 //!
 //! A connection's slots are held by a [`ConnSlot`] shared by the connection task and, through
 //! the request extensions, by any WebSocket upgraded from it: they are released when the last
@@ -99,6 +102,7 @@ pub async fn serve(
             _open: limits.opened(),
         });
         let _ = tcp.set_nodelay(true);
+        let deadline = tokio::time::Instant::now() + header_timeout;
         let service = router
             .clone()
             .map_request(move |mut req: hyper::Request<Incoming>| {
@@ -117,26 +121,35 @@ pub async fn serve(
         let watcher = graceful.watcher();
         let limits = limits.clone();
         tokio::spawn(async move {
+            match first_byte(&tcp, deadline).await {
+                FirstByte::Arrived => {}
+                FirstByte::Closed => return,
+                FirstByte::Silent => {
+                    limits.count(Count::SilentClosed);
+                    tracing::debug!(%peer, "closed: no byte within the header timeout");
+                    return;
+                }
+            }
             let r = match tls {
                 None => {
                     let conn = builder.serve_connection_with_upgrades(TokioIo::new(tcp), service);
                     watcher.watch(conn.into_owned()).await
                 }
                 Some(acceptor) => {
-                    let stream =
-                        match tokio::time::timeout(header_timeout, acceptor.accept(tcp)).await {
-                            Ok(Ok(s)) => s,
-                            Ok(Err(e)) => {
-                                limits.count(Count::TlsFailed);
-                                tracing::debug!(%peer, "TLS handshake failed: {e}");
-                                return;
-                            }
-                            Err(_) => {
-                                limits.count(Count::TlsFailed);
-                                tracing::debug!(%peer, "TLS handshake timed out");
-                                return;
-                            }
-                        };
+                    let stream = match tokio::time::timeout_at(deadline, acceptor.accept(tcp)).await
+                    {
+                        Ok(Ok(s)) => s,
+                        Ok(Err(e)) => {
+                            limits.count(Count::TlsFailed);
+                            tracing::debug!(%peer, "TLS handshake failed: {e}");
+                            return;
+                        }
+                        Err(_) => {
+                            limits.count(Count::TlsFailed);
+                            tracing::debug!(%peer, "TLS handshake timed out");
+                            return;
+                        }
+                    };
                     let conn =
                         builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
                     watcher.watch(conn.into_owned()).await
@@ -149,6 +162,26 @@ pub async fn serve(
     }
     drop(listener);
     let _ = tokio::time::timeout(DRAIN, graceful.shutdown()).await;
+}
+
+/// What a new connection did before its first-byte deadline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FirstByte {
+    /// At least one byte is waiting (still unread: hyper or rustls reads it).
+    Arrived,
+    /// The peer closed, or the socket failed, before sending anything.
+    Closed,
+    /// Nothing by the deadline.
+    Silent,
+}
+
+/// Waits until `tcp` has a byte to read, without reading it (`peek`), or until `deadline`.
+async fn first_byte(tcp: &TcpStream, deadline: tokio::time::Instant) -> FirstByte {
+    match tokio::time::timeout_at(deadline, tcp.peek(&mut [0u8; 1])).await {
+        Ok(Ok(n)) if n > 0 => FirstByte::Arrived,
+        Ok(_) => FirstByte::Closed,
+        Err(_) => FirstByte::Silent,
+    }
 }
 
 /// Best effort, without waiting: tell a plain-HTTP client why, then close. (A TLS client just

@@ -11,6 +11,20 @@
 //!
 //! Bounded: at most [`MAX_IDENTITIES`]; when full, the identity least recently seen is
 //! forgotten for a new one.
+//!
+//! # Compute seconds
+//! A `Report` says how long the worker computed in its session (cumulative; the session has
+//! already refused reports that are not finite, negative, rewound or too frequent:
+//! `crowdgrad_core::session::check_report`). Per worker id the ledger credits only growth
+//! past the most it was credited, bounded by the wall time since that worker joined plus
+//! [`COMPUTE_SLACK_S`], and at most one report per [`REPORT_MIN_GAP_S`] (over all its
+//! connections). So 100, 0, 100, 0, 100 credits 100 s, a report of 1e12 s credits the
+//! time since the join, and no sum of reports reaches infinity.
+//!
+//! # Persistence
+//! [`Ledger::save`] writes only finite numbers and [`Ledger::restore`] takes back anything
+//! `save` wrote: a restored entry with a missing, `null` or non-finite time gets 0 and an
+//! entry that is not a contribution at all is skipped (with a warning), never the ledger.
 
 use crate::error::{Error, Result};
 use crowdgrad_core::shard::Outcome;
@@ -23,6 +37,13 @@ pub const MAX_IDENTITIES: usize = 100_000;
 
 /// Longest identity accepted, in bytes.
 pub const MAX_IDENTITY_LEN: usize = 64;
+
+/// Seconds of compute a worker may claim beyond the wall time since it joined (clocks and
+/// the time a Report takes to arrive).
+pub const COMPUTE_SLACK_S: f64 = 5.0;
+
+/// Least time between two Reports of one worker the ledger credits, seconds.
+pub const REPORT_MIN_GAP_S: f64 = 0.5;
 
 /// Whether `id` is an acceptable identity: 8 to 64 characters of `[A-Za-z0-9_-]`.
 ///
@@ -60,23 +81,68 @@ pub struct Contribution {
     /// Pushes rejected, over all shards.
     pub pushes_rejected: u64,
     /// Seconds spent computing, as its `Report` frames say (0 when it sends none).
+    #[serde(default, deserialize_with = "lenient_seconds")]
     pub compute_seconds: f64,
     /// Joins.
     pub sessions: u64,
     /// First join, Unix seconds.
+    #[serde(default, deserialize_with = "lenient_seconds")]
     pub first_seen_unix: f64,
     /// Last push or join, Unix seconds.
+    #[serde(default, deserialize_with = "lenient_seconds")]
     pub last_seen_unix: f64,
+}
+
+/// A time as saved: any finite non-negative number; anything else (`null`, what serde_json
+/// wrote for a non-finite number before [`Ledger::save`] cleaned them) is 0.
+fn lenient_seconds<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<f64, D::Error> {
+    let v = Option::<serde_json::Value>::deserialize(d)?;
+    Ok(clean(v.and_then(|v| v.as_f64()).unwrap_or(0.0)))
+}
+
+/// `x` if finite and non-negative, else 0.
+fn clean(x: f64) -> f64 {
+    if x.is_finite() && x >= 0.0 {
+        x
+    } else {
+        0.0
+    }
+}
+
+impl Contribution {
+    /// Itself with every time [`clean`].
+    fn cleaned(mut self) -> Self {
+        for x in [
+            &mut self.compute_seconds,
+            &mut self.first_seen_unix,
+            &mut self.last_seen_unix,
+        ] {
+            *x = clean(*x);
+        }
+        self
+    }
 }
 
 /// The ledger (no lock of its own: the registry holds it under its lock).
 #[derive(Debug, Default, Clone)]
 pub struct Ledger {
     by_identity: HashMap<String, Contribution>,
-    /// Worker id -> identity, for the workers of this process' lifetime.
-    workers: HashMap<u64, String>,
-    /// Worker id -> last compute seconds reported (reports are cumulative per session).
-    reported: HashMap<u64, f64>,
+    /// Worker id -> its identity and reports, for the workers of this process' lifetime.
+    workers: HashMap<u64, Seat>,
+}
+
+/// One worker id in the ledger.
+#[derive(Debug, Clone)]
+struct Seat {
+    identity: String,
+    /// When it joined, Unix seconds.
+    joined_unix: f64,
+    /// The most compute seconds it reported.
+    reported: f64,
+    /// The compute seconds credited to its identity for it.
+    credited: f64,
+    /// When a report of it was last credited, Unix seconds.
+    last_unix: Option<f64>,
 }
 
 /// The ledger as checkpoints store it.
@@ -95,7 +161,17 @@ fn unix_now() -> f64 {
 impl Ledger {
     /// Worker `worker` joined as `identity` (checked with [`check_identity`] by the caller).
     pub fn joined(&mut self, worker: u64, identity: &str, name: Option<&str>, client: ClientKind) {
-        let now = unix_now();
+        self.joined_at(worker, identity, name, client, unix_now());
+    }
+
+    fn joined_at(
+        &mut self,
+        worker: u64,
+        identity: &str,
+        name: Option<&str>,
+        client: ClientKind,
+        now: f64,
+    ) {
         if !self.by_identity.contains_key(identity) && self.by_identity.len() >= MAX_IDENTITIES {
             if let Some(oldest) = self
                 .by_identity
@@ -129,14 +205,22 @@ impl Ledger {
         c.last_seen_unix = now;
         if self.workers.len() >= 4 * MAX_IDENTITIES {
             self.workers.clear();
-            self.reported.clear();
         }
-        self.workers.insert(worker, identity.to_string());
+        self.workers.insert(
+            worker,
+            Seat {
+                identity: identity.to_string(),
+                joined_unix: now,
+                reported: 0.0,
+                credited: 0.0,
+                last_unix: None,
+            },
+        );
     }
 
     fn of(&mut self, worker: u64) -> Option<&mut Contribution> {
-        let id = self.workers.get(&worker)?;
-        self.by_identity.get_mut(id)
+        let seat = self.workers.get(&worker)?;
+        self.by_identity.get_mut(&seat.identity)
     }
 
     /// A push of `worker` had `outcome`; `samples` is `Some` on the shard that counts them.
@@ -144,23 +228,45 @@ impl Ledger {
         let Some(c) = self.of(worker) else { return };
         match outcome {
             Outcome::Applied { .. } | Outcome::Buffered { .. } => {
-                c.pushes_accepted += 1;
-                c.samples += u64::from(samples.unwrap_or(0));
+                c.pushes_accepted = c.pushes_accepted.saturating_add(1);
+                c.samples = c.samples.saturating_add(u64::from(samples.unwrap_or(0)));
             }
-            Outcome::Rejected { .. } => c.pushes_rejected += 1,
+            Outcome::Rejected { .. } => c.pushes_rejected = c.pushes_rejected.saturating_add(1),
         }
         c.last_seen_unix = unix_now();
     }
 
-    /// `worker` reported `compute_s` seconds of computing in its session so far.
+    /// `worker` reported `compute_s` seconds of computing in its session so far: its identity
+    /// is credited the growth, within the bounds of the module doc ("Compute seconds").
     pub fn reported(&mut self, worker: u64, compute_s: f64) {
+        self.reported_at(worker, compute_s, unix_now());
+    }
+
+    fn reported_at(&mut self, worker: u64, compute_s: f64, now: f64) {
         if !(compute_s.is_finite() && compute_s >= 0.0) {
             return;
         }
-        let last = self.reported.insert(worker, compute_s).unwrap_or(0.0);
-        let delta = (compute_s - last).max(0.0);
-        if let Some(c) = self.of(worker) {
-            c.compute_seconds += delta;
+        let Some(seat) = self.workers.get_mut(&worker) else {
+            return;
+        };
+        // (A clock stepped back does not hold the reports up.)
+        if seat
+            .last_unix
+            .is_some_and(|t| (0.0..REPORT_MIN_GAP_S).contains(&(now - t)))
+        {
+            return;
+        }
+        seat.last_unix = Some(now);
+        seat.reported = seat.reported.max(compute_s);
+        let bound = (now - seat.joined_unix).max(0.0) + COMPUTE_SLACK_S;
+        let total = seat.reported.min(bound);
+        let delta = total - seat.credited;
+        if delta <= 0.0 {
+            return;
+        }
+        seat.credited = total;
+        if let Some(c) = self.by_identity.get_mut(&seat.identity) {
+            c.compute_seconds = (c.compute_seconds + delta).min(f64::MAX);
         }
     }
 
@@ -190,28 +296,47 @@ impl Ledger {
         self.by_identity.is_empty()
     }
 
-    /// The saved form.
+    /// The saved form (every number finite, so it always serializes and restores).
     pub fn save(&self) -> Saved {
         Saved {
-            contributors: self.contributors(),
+            contributors: self
+                .contributors()
+                .into_iter()
+                .map(Contribution::cleaned)
+                .collect(),
         }
     }
 
     /// A ledger from its saved form (a checkpoint's `ledger` metadata; `null` is empty).
+    /// Lenient per entry (module doc, "Persistence"): one bad entry costs that entry only.
     ///
     /// # Errors
-    /// [`Error::Checkpoint`] for JSON that is not a saved ledger.
+    /// [`Error::Checkpoint`] for JSON that is not a saved ledger at all (not an object with
+    /// a `contributors` list).
     pub fn restore(json: &serde_json::Value) -> Result<Self> {
         if json.is_null() {
             return Ok(Self::default());
         }
-        let saved: Saved = serde_json::from_value(json.clone())
-            .map_err(|e| Error::Checkpoint(format!("bad ledger: {e}")))?;
+        let Some(entries) = json.get("contributors").and_then(|c| c.as_array()) else {
+            return Err(Error::Checkpoint(
+                "bad ledger: expected an object with a `contributors` list".into(),
+            ));
+        };
         let mut by_identity = HashMap::new();
-        for c in saved.contributors.into_iter().take(MAX_IDENTITIES) {
-            if check_identity(&c.identity).is_ok() {
-                by_identity.insert(c.identity.clone(), c);
+        let mut skipped = 0usize;
+        for e in entries.iter().take(MAX_IDENTITIES) {
+            match serde_json::from_value::<Contribution>(e.clone()) {
+                Ok(c) if check_identity(&c.identity).is_ok() => {
+                    by_identity.insert(c.identity.clone(), c.cleaned());
+                }
+                _ => skipped += 1,
             }
+        }
+        if skipped > 0 {
+            tracing::warn!(
+                skipped,
+                "ledger: entries that are not contributions were skipped"
+            );
         }
         Ok(Self {
             by_identity,
@@ -221,21 +346,21 @@ impl Ledger {
 }
 
 /// The ledger as CSV (`GET /api/contributors?format=csv`): a header line, then one line per
-/// identity, most samples first. Names are quoted, with quotes doubled.
+/// identity, most samples first. Text cells go through [`csv_cell`] (names are always quoted),
+/// so a spreadsheet opening the export never evaluates a name as a formula.
 pub fn to_csv(rows: &[Contribution]) -> String {
     let mut out = String::from(
         "identity,name,client,samples,pushes_accepted,pushes_rejected,compute_seconds,sessions,first_seen_unix,last_seen_unix\n",
     );
     for c in rows {
-        let name = c.name.as_deref().unwrap_or("").replace('"', "\"\"");
         let client = match c.client {
             ClientKind::Native => "native",
             ClientKind::Browser => "browser",
         };
         out.push_str(&format!(
-            "{},\"{}\",{},{},{},{},{:.3},{},{:.3},{:.3}\n",
-            c.identity,
-            name,
+            "{},{},{},{},{},{},{:.3},{},{:.3},{:.3}\n",
+            csv_cell(&c.identity, false),
+            csv_cell(c.name.as_deref().unwrap_or(""), true),
             client,
             c.samples,
             c.pushes_accepted,
@@ -247,6 +372,23 @@ pub fn to_csv(rows: &[Contribution]) -> String {
         ));
     }
     out
+}
+
+/// One CSV text cell, safe to open in a spreadsheet (OWASP "CSV injection"): a cell whose first
+/// character is `=`, `+`, `-`, `@`, a tab or a carriage return gets a leading `'` so it is
+/// read as text, not as a formula; a cell holding a comma, a quote, a CR or an LF (or any cell
+/// when `quote`) is put in double quotes, with its quotes doubled (RFC 4180).
+pub fn csv_cell(text: &str, quote: bool) -> String {
+    let mut cell = String::with_capacity(text.len() + 3);
+    if text.starts_with(['=', '+', '-', '@', '\t', '\r']) {
+        cell.push('\'');
+    }
+    cell.push_str(text);
+    if quote || cell.contains([',', '"', '\r', '\n']) {
+        format!("\"{}\"", cell.replace('"', "\"\""))
+    } else {
+        cell
+    }
 }
 
 /// A summary for the page: the top `limit` and the total count.
@@ -316,8 +458,9 @@ mod tests {
             },
             Some(32),
         );
-        l.reported(1, 2.0);
-        l.reported(1, 3.5);
+        let t = unix_now();
+        l.reported_at(1, 2.0, t);
+        l.reported_at(1, 3.5, t + 1.0);
         // A new session of the same identity (worker ids change).
         l.joined(7, "alice-0001", None, ClientKind::Browser);
         l.pushed(7, &applied(), Some(32));
@@ -351,6 +494,170 @@ mod tests {
             csv.contains("alice-0001,\"Alice\",browser,64,3,1,4.500,2,"),
             "{csv}"
         );
+    }
+
+    /// The defences issue: Reports rewound and replayed are not credited again, a huge one is
+    /// bounded by the time since the join, they are rate-limited, and nothing reaches `inf`.
+    #[test]
+    fn reports_credit_growth_only_within_the_wall_time_since_the_join() {
+        let mut l = Ledger::default();
+        let t0 = 1.7e9;
+        l.joined_at(1, "carol-0001", None, ClientKind::Browser, t0);
+        let compute = |l: &Ledger| l.get("carol-0001").unwrap().compute_seconds;
+        for (i, c) in [100.0, 0.0, 100.0, 0.0, 100.0].into_iter().enumerate() {
+            l.reported_at(1, c, t0 + 200.0 + i as f64);
+        }
+        assert_eq!(compute(&l), 100.0, "100, 0, 100, 0, 100 is 100 s");
+        l.reported_at(1, 1e12, t0 + 210.0);
+        assert_eq!(
+            compute(&l),
+            210.0 + COMPUTE_SLACK_S,
+            "bounded by the wall time"
+        );
+        // Sooner than the gap: not credited (the next report carries it).
+        l.reported_at(1, 1e12, t0 + 210.1);
+        assert_eq!(compute(&l), 210.0 + COMPUTE_SLACK_S);
+        for (i, c) in [
+            1.7e308,
+            0.0,
+            1.7e308,
+            f64::MAX,
+            f64::INFINITY,
+            f64::NAN,
+            -1.0,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            l.reported_at(1, c, t0 + 300.0 + i as f64);
+        }
+        // The last finite one (f64::MAX at 303 s) is bounded too.
+        assert_eq!(compute(&l), 303.0 + COMPUTE_SLACK_S);
+        // Another worker id of the same identity (a rejoin) starts its own bound.
+        l.joined_at(2, "carol-0001", None, ClientKind::Browser, t0 + 400.0);
+        l.reported_at(2, 1.0, t0 + 401.0);
+        assert_eq!(compute(&l), 304.0 + COMPUTE_SLACK_S);
+        let saved = serde_json::to_string(&l.to_json()).unwrap();
+        assert!(saved.contains("\"compute_seconds\":309.0"), "{saved}");
+    }
+
+    /// The defences issue: whatever the API lets into the ledger is saved and restored
+    /// unchanged, through the checkpoint's JSON text.
+    #[test]
+    fn the_ledger_round_trips_every_value_it_accepts() {
+        let mut l = Ledger::default();
+        let t0 = unix_now();
+        let long_id = "Z".repeat(MAX_IDENTITY_LEN);
+        let names = [
+            "\"quoted\", with \\ and 'apostrophes'".to_string(),
+            "é 名前 🧮 \u{200b}".repeat(8),
+            "=cmd|' /C calc'!A0".to_string(),
+            "\u{0}\u{1f}\n\r\t".to_string(),
+            String::new(),
+        ];
+        for (w, name) in names.iter().enumerate() {
+            let id = format!("{}{w}", &long_id[..MAX_IDENTITY_LEN - 1]);
+            l.joined_at(w as u64, &id, Some(name), ClientKind::Native, t0);
+            for _ in 0..3 {
+                l.pushed(w as u64, &applied(), Some(u32::MAX));
+            }
+            for (i, c) in [
+                f64::MAX,
+                5e-324,
+                -0.0,
+                1.7e308,
+                f64::MIN_POSITIVE,
+                0.1 + 0.2,
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                l.reported_at(w as u64, c, t0 + 1.0 + i as f64 * 0.7);
+            }
+        }
+        l.joined_at(99, "-0000000", None, ClientKind::Browser, 0.0);
+        let rows = l.contributors();
+        assert!(rows.iter().all(|c| c.compute_seconds.is_finite()));
+        let text = serde_json::to_string(&l.to_json()).unwrap();
+        let back = Ledger::restore(&serde_json::from_str(&text).unwrap()).unwrap();
+        assert_eq!(back.contributors(), rows);
+        // A second round trip writes the same bytes.
+        assert_eq!(serde_json::to_string(&back.to_json()).unwrap(), text);
+    }
+
+    /// The defences issue: a checkpoint that holds `null` (what an `inf` was saved as) or
+    /// other junk in one entry restores the ledger, with 0 there and the junk entry skipped.
+    #[test]
+    fn a_bad_entry_costs_that_entry_not_the_ledger() {
+        let good = |id: &str| {
+            serde_json::json!({
+                "identity": id, "name": null, "client": "native", "samples": 3,
+                "pushes_accepted": 1, "pushes_rejected": 0, "compute_seconds": null,
+                "sessions": 1, "first_seen_unix": 1.0, "last_seen_unix": 2.0
+            })
+        };
+        let mut no_time = good("dave-0002");
+        no_time.as_object_mut().unwrap().remove("last_seen_unix");
+        let json = serde_json::json!({"contributors": [
+            good("dave-0001"), no_time, {"identity": 7}, "junk", good("bad id!")
+        ]});
+        let l = Ledger::restore(&json).unwrap();
+        assert_eq!(l.len(), 2);
+        let d = l.get("dave-0001").unwrap();
+        assert_eq!(
+            (d.compute_seconds, d.samples, d.last_seen_unix),
+            (0.0, 3, 2.0)
+        );
+        assert_eq!(l.get("dave-0002").unwrap().last_seen_unix, 0.0);
+        for bad in [serde_json::json!(3), serde_json::json!({"contributors": 3})] {
+            assert!(Ledger::restore(&bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn csv_cells_never_start_a_formula() {
+        for (text, quote, cell) in [
+            ("Alice", false, "Alice"),
+            ("Alice", true, "\"Alice\""),
+            (
+                "=HYPERLINK(\"http://x\",\"y\")",
+                false,
+                "\"'=HYPERLINK(\"\"http://x\"\",\"\"y\"\")\"",
+            ),
+            ("+1+1", false, "'+1+1"),
+            ("-2+3", false, "'-2+3"),
+            ("@SUM(A1)", false, "'@SUM(A1)"),
+            ("\tx", false, "'\tx"),
+            ("\rx", false, "\"'\rx\""),
+            ("a,b", false, "\"a,b\""),
+            ("say \"hi\"", false, "\"say \"\"hi\"\"\""),
+            ("two\nlines", false, "\"two\nlines\""),
+            ("a=1", false, "a=1"),
+            ("", true, "\"\""),
+        ] {
+            assert_eq!(csv_cell(text, quote), cell, "{text:?}");
+        }
+        // In the export: an identity may start with '-', a name with anything.
+        let mut l = Ledger::default();
+        l.joined(
+            1,
+            "-abcdefg1",
+            Some("=cmd|' /C calc'!A0"),
+            ClientKind::Native,
+        );
+        l.joined(2, "bob-000001", Some("@x,y"), ClientKind::Native);
+        let csv = to_csv(&l.contributors());
+        assert!(
+            csv.contains("\n'-abcdefg1,\"'=cmd|' /C calc'!A0\",native,"),
+            "{csv}"
+        );
+        assert!(csv.contains("\nbob-000001,\"'@x,y\",native,"), "{csv}");
+        for line in csv.lines().skip(1) {
+            for cell in line.split(',') {
+                let bare = cell.trim_start_matches('"');
+                assert!(!bare.starts_with(['=', '+', '-', '@']), "{line}");
+            }
+        }
     }
 
     #[test]

@@ -55,7 +55,9 @@ pub struct LimitArgs {
     /// Seconds a new WebSocket has to send its Hello (else `protocol` error and Close).
     #[arg(long, default_value_t = 10.0)]
     pub hello_timeout: f64,
-    /// Seconds a client has to send a request's headers (and, with TLS, finish the handshake).
+    /// Seconds a new TCP connection has to send its first byte (else it is closed, counted as
+    /// `silent_closed`), and then to send a request's headers (with TLS: to finish the
+    /// handshake, counted from the accept).
     #[arg(long, default_value_t = 10.0)]
     pub header_timeout: f64,
     /// The server is behind a reverse proxy: take the client IP from the last
@@ -81,7 +83,7 @@ pub struct LimitConfig {
     pub idle_timeout: Duration,
     /// Hello deadline.
     pub hello_timeout: Duration,
-    /// Header-read (and TLS handshake) deadline.
+    /// First-byte, header-read and TLS handshake deadline.
     pub header_timeout: Duration,
     /// Trust `X-Forwarded-For`.
     pub trust_proxy: bool,
@@ -266,6 +268,8 @@ pub struct LimitCounts {
     pub connections_refused_per_ip: u64,
     /// TLS handshakes that failed or timed out.
     pub tls_handshakes_failed: u64,
+    /// TCP connections closed for not sending a first byte within `--header-timeout`.
+    pub silent_closed: u64,
     /// WebSockets closed for not sending Hello within `--hello-timeout`.
     pub hello_timeouts: u64,
     /// WebSockets closed for silence longer than `--idle-timeout`.
@@ -280,6 +284,10 @@ pub struct LimitCounts {
     pub joins_unauthorized: u64,
     /// Data downloads answered 429 by `--download-rate`.
     pub downloads_limited: u64,
+    /// Admin calls answered 401 (no token, or a wrong one).
+    pub admin_unauthorized: u64,
+    /// Admin calls answered 429: the client guessed too many tokens, or everyone together did.
+    pub admin_locked_out: u64,
 }
 
 #[derive(Debug, Default)]
@@ -289,6 +297,7 @@ struct Counters {
     refused_total: AtomicU64,
     refused_per_ip: AtomicU64,
     tls_failed: AtomicU64,
+    silent_closed: AtomicU64,
     hello_timeouts: AtomicU64,
     idle_timeouts: AtomicU64,
     pushes_worker: AtomicU64,
@@ -296,6 +305,8 @@ struct Counters {
     joins: AtomicU64,
     joins_unauthorized: AtomicU64,
     downloads: AtomicU64,
+    admin_unauthorized: AtomicU64,
+    admin_locked_out: AtomicU64,
 }
 
 /// A refusal or an event to count.
@@ -307,6 +318,8 @@ pub enum Count {
     RefusedPerIp,
     /// See [`LimitCounts::tls_handshakes_failed`].
     TlsFailed,
+    /// See [`LimitCounts::silent_closed`].
+    SilentClosed,
     /// See [`LimitCounts::hello_timeouts`].
     HelloTimeout,
     /// See [`LimitCounts::idle_timeouts`].
@@ -321,6 +334,10 @@ pub enum Count {
     JoinUnauthorized,
     /// See [`LimitCounts::downloads_limited`].
     Download,
+    /// See [`LimitCounts::admin_unauthorized`].
+    AdminUnauthorized,
+    /// See [`LimitCounts::admin_locked_out`].
+    AdminLockedOut,
 }
 
 /// Why a push was refused by a rate limit.
@@ -396,6 +413,7 @@ impl Limits {
             Count::RefusedTotal => &c.refused_total,
             Count::RefusedPerIp => &c.refused_per_ip,
             Count::TlsFailed => &c.tls_failed,
+            Count::SilentClosed => &c.silent_closed,
             Count::HelloTimeout => &c.hello_timeouts,
             Count::IdleTimeout => &c.idle_timeouts,
             Count::PushPerWorker => &c.pushes_worker,
@@ -403,6 +421,8 @@ impl Limits {
             Count::Join => &c.joins,
             Count::JoinUnauthorized => &c.joins_unauthorized,
             Count::Download => &c.downloads,
+            Count::AdminUnauthorized => &c.admin_unauthorized,
+            Count::AdminLockedOut => &c.admin_locked_out,
         };
         a.fetch_add(1, Ordering::Relaxed);
     }
@@ -484,6 +504,7 @@ impl Limits {
             connections_refused_total: l(&c.refused_total),
             connections_refused_per_ip: l(&c.refused_per_ip),
             tls_handshakes_failed: l(&c.tls_failed),
+            silent_closed: l(&c.silent_closed),
             hello_timeouts: l(&c.hello_timeouts),
             idle_timeouts: l(&c.idle_timeouts),
             pushes_limited_per_worker: l(&c.pushes_worker),
@@ -491,6 +512,8 @@ impl Limits {
             joins_limited: l(&c.joins),
             joins_unauthorized: l(&c.joins_unauthorized),
             downloads_limited: l(&c.downloads),
+            admin_unauthorized: l(&c.admin_unauthorized),
+            admin_locked_out: l(&c.admin_locked_out),
         }
     }
 }

@@ -5,6 +5,11 @@
 //! `CROWDGRAD_ADMIN_TOKEN`; when neither is set, one is generated at start and printed once on
 //! stdout, never logged, never in `/api/status`). The comparison runs in constant time
 //! ([`crate::support::credential::token_eq`]). A missing or wrong token is a 401 and changes nothing.
+//! Guessing is bounded ([`crate::coordinator::admin`], "Guessing the token"): after 5
+//! different wrong tokens within a minute a client gets 429 with Retry-After on every admin
+//! call for 5 minutes, even with the right token, and all clients together get 30 wrong tokens,
+//! then one a second. Both are counted in `/api/status` `limits` (`admin_unauthorized`,
+//! `admin_locked_out`).
 //!
 //! | call | what |
 //! |---|---|
@@ -17,17 +22,20 @@
 //! | `POST /api/admin/set-lr` `{"lr": 0.01}` | every shard's learning rate from its next update |
 //! | `POST /api/admin/set-consistency` `{"consistency": "ssp:2"}` | switches the mode where safe (async ↔ ssp:S, sync:K → sync:K' / async / ssp:S), else 409 with the reason (see [`set_consistency`]) |
 
-use crate::coordinator::admin::StopMode;
+use crate::coordinator::admin::{Auth, StopMode};
 use crate::coordinator::app::App;
+use crate::support::limits::{client_ip, Count};
 use axum::body::Bytes;
-use axum::extract::State;
+use axum::extract::{ConnectInfo, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use crowdgrad_core::shard::Consistency;
 use serde_json::json;
+use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Instant;
 
 /// The admin routes (merged into [`crate::coordinator::http::router`]).
 pub fn routes() -> Router<Arc<App>> {
@@ -51,20 +59,37 @@ fn refuse(status: StatusCode, message: impl Into<String>) -> Response {
     reply(status, json!({ "error": message.into() }))
 }
 
-/// 401 unless `headers` carry the token.
+/// 401 unless `headers` carry the token; 429 with Retry-After, whatever the token, while the
+/// client at `peer` (or everyone) is locked out for guessing (module doc). Refusals are
+/// counted in the limits.
 // The error is the reply itself, made once per refused call: its size does not matter.
 #[allow(clippy::result_large_err)]
-fn check(app: &App, headers: &HeaderMap) -> Result<(), Response> {
-    if app.admin.authorized(headers) {
-        return Ok(());
+fn check(app: &App, headers: &HeaderMap, peer: SocketAddr) -> Result<(), Response> {
+    let ip = client_ip(headers, peer, app.cfg.limits.trust_proxy);
+    match app.admin.authenticate(headers, ip, Instant::now()) {
+        Auth::Granted => Ok(()),
+        Auth::Locked(wait) => {
+            app.limits.count(Count::AdminLockedOut);
+            let mut r = refuse(
+                StatusCode::TOO_MANY_REQUESTS,
+                "too many wrong admin tokens: try again later",
+            );
+            let secs = wait.as_secs_f64().ceil().max(1.0) as u64;
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+            Err(r)
+        }
+        Auth::Missing | Auth::Wrong => {
+            app.limits.count(Count::AdminUnauthorized);
+            let mut r = refuse(
+                StatusCode::UNAUTHORIZED,
+                "admin calls need `Authorization: Bearer TOKEN` with the admin token",
+            );
+            r.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            Err(r)
+        }
     }
-    let mut r = refuse(
-        StatusCode::UNAUTHORIZED,
-        "admin calls need `Authorization: Bearer TOKEN` with the admin token",
-    );
-    r.headers_mut()
-        .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-    Err(r)
 }
 
 fn state_json(app: &App) -> serde_json::Value {
@@ -84,8 +109,12 @@ fn state_json(app: &App) -> serde_json::Value {
     })
 }
 
-async fn state(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
-    if let Err(r) = check(&app, &headers) {
+async fn state(
+    State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(r) = check(&app, &headers, peer) {
         return r;
     }
     reply(StatusCode::OK, state_json(&app))
@@ -103,24 +132,36 @@ fn set_paused(app: &App, paused: bool) {
     );
 }
 
-async fn pause(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
-    if let Err(r) = check(&app, &headers) {
+async fn pause(
+    State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(r) = check(&app, &headers, peer) {
         return r;
     }
     set_paused(&app, true);
     reply(StatusCode::OK, state_json(&app))
 }
 
-async fn resume(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
-    if let Err(r) = check(&app, &headers) {
+async fn resume(
+    State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(r) = check(&app, &headers, peer) {
         return r;
     }
     set_paused(&app, false);
     reply(StatusCode::OK, state_json(&app))
 }
 
-async fn drain(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
-    if let Err(r) = check(&app, &headers) {
+async fn drain(
+    State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(r) = check(&app, &headers, peer) {
         return r;
     }
     tracing::info!("admin: drain requested");
@@ -128,8 +169,12 @@ async fn drain(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     reply(StatusCode::ACCEPTED, state_json(&app))
 }
 
-async fn stop(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
-    if let Err(r) = check(&app, &headers) {
+async fn stop(
+    State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(r) = check(&app, &headers, peer) {
         return r;
     }
     tracing::info!("admin: stop requested");
@@ -137,8 +182,12 @@ async fn stop(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     reply(StatusCode::ACCEPTED, state_json(&app))
 }
 
-async fn checkpoint_now(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
-    if let Err(r) = check(&app, &headers) {
+async fn checkpoint_now(
+    State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(r) = check(&app, &headers, peer) {
         return r;
     }
     let Some(ck) = app.checkpoints.clone() else {
@@ -178,8 +227,13 @@ fn parse_body(body: &Bytes, key: &str) -> Result<serde_json::Value, Response> {
     }
 }
 
-async fn set_lr(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
-    if let Err(r) = check(&app, &headers) {
+async fn set_lr(
+    State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Err(r) = check(&app, &headers, peer) {
         return r;
     }
     let v = match parse_body(&body, "lr") {
@@ -208,8 +262,13 @@ async fn set_lr(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) ->
 
 /// Lifts a quarantine ([`crate::defence::reputation`]): body `{"worker": ID}` or `{"identity": "..."}`.
 /// 404 when that worker or identity is not quarantined.
-async fn unquarantine(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
-    if let Err(r) = check(&app, &headers) {
+async fn unquarantine(
+    State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Err(r) = check(&app, &headers, peer) {
         return r;
     }
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
@@ -246,8 +305,13 @@ async fn unquarantine(State(app): State<Arc<App>>, headers: HeaderMap, body: Byt
 /// are other processes (`--shard-urls`: restart them with the new `--consistency`). Workers
 /// that join afterwards get the new mode in their join reply; a restart takes the command
 /// line's `--consistency` again.
-async fn set_consistency(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
-    if let Err(r) = check(&app, &headers) {
+async fn set_consistency(
+    State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Err(r) = check(&app, &headers, peer) {
         return r;
     }
     let v = match parse_body(&body, "consistency") {
