@@ -273,9 +273,18 @@ async fn set_consistency_switches_safe_modes_at_runtime() {
             WorkerThread::spawn(o)
         })
         .collect();
-    util::wait_for(&base, Duration::from_secs(60), "sync training", |s| {
-        total_version(s) > 40
-    })
+    // Both workers in, and a round of both applied under sync:2: a worker that joins late
+    // (a loaded machine) trains alone at first, and its rounds merge 1 push (rule 1).
+    util::wait_for(
+        &base,
+        Duration::from_secs(60),
+        "sync training of both",
+        |s| {
+            s["workers_connected"] == 2
+                && s["shards"][0]["updates_by_merged"]["2"].as_u64() > Some(0)
+                && total_version(s) > 40
+        },
+    )
     .await;
     for (mode, shown) in [("sync:4", "sync:4"), ("ssp:3", "ssp:3"), ("async", "async")] {
         let b = base.clone();
