@@ -21,17 +21,43 @@ async fn join_hands_out_ids_spec_and_data() {
     assert_eq!(a.run.shards.len(), 2);
     assert_eq!(a.run.model.to_string(), "mlp 784-128-10");
     a.run.validate().expect("a consistent run spec");
-    assert_ne!(a.partition.index, b.partition.index);
-    let (c1, images) = get(format!("{url}{}", a.partition.images)).await;
-    let (c2, labels) = get(format!("{url}{}", a.partition.labels)).await;
-    assert_eq!((c1, c2), (200, 200));
-    let d = Dataset::from_idx(&images, &labels).expect("IDX partition");
-    assert_eq!(d.len(), a.partition.examples);
-    assert_eq!(d.len(), 10_000);
-    // Unknown data tags and partitions are 404s.
+    // Issue 18: the first worker trains on the whole set, the second on half of it (so two
+    // workers cover every example; `--partitions 6` is the finest cut).
+    assert_eq!((a.partition.index, a.partition.count), (0, 1));
+    assert_eq!(b.partition.count, 2);
+    for (p, want) in [(&a.partition, 60_000), (&b.partition, 30_000)] {
+        let (c1, images) = get(format!("{url}{}", p.images)).await;
+        let (c2, labels) = get(format!("{url}{}", p.labels)).await;
+        assert_eq!((c1, c2), (200, 200));
+        let d = Dataset::from_idx(&images, &labels).expect("IDX partition");
+        assert_eq!(d.len(), p.examples);
+        assert_eq!(d.len(), want);
+    }
+    // Ten more workers: the cut reaches 6 parts (the sixth worker's), and the six joins
+    // after that take six different ones.
+    let mut sixths = Vec::new();
+    for k in 3..=12 {
+        let p = join(&url).await.partition;
+        assert_eq!(p.count, k.min(6), "worker {k}");
+        if k > 6 {
+            sixths.push(p.index);
+        }
+    }
+    sixths.sort_unstable();
+    sixths.dedup();
+    assert!(sixths.len() >= 5, "{sixths:?}");
+    // Unknown data tags, cuts finer than --partitions and partitions are 404s.
     let (c, _) = get(format!("{url}/api/data/nope/train/0/images")).await;
     assert_eq!(c, 404);
-    let bad_index = a.partition.images.replace("/train/0/", "/train/99/");
+    let too_fine = a.partition.images.replace("-1/train/", "-7/train/");
+    assert_ne!(too_fine, a.partition.images);
+    let (c, _) = get(format!("{url}{too_fine}")).await;
+    assert_eq!(c, 404);
+    let bad_index = b
+        .partition
+        .images
+        .replace("/train/1/", "/train/99/")
+        .replace("/train/0/", "/train/99/");
     let (c, _) = get(format!("{url}{bad_index}")).await;
     assert_eq!(c, 404);
     running.stop().await.expect("clean shutdown");

@@ -358,8 +358,9 @@ pub struct ServeArgs {
     /// Seconds between evaluations of the current parameters on the test set.
     #[arg(long, default_value_t = 1.0)]
     pub eval_every: f64,
-    /// The training set is split into this many partitions; worker N trains on partition
-    /// N mod partitions.
+    /// The finest cut of the training set: a joining worker trains on one of
+    /// min(this, active workers + 1) equal parts, the one the others cover least, so any
+    /// number of workers covers the whole set (the first trains on all of it).
     #[arg(long, default_value_t = 6)]
     pub partitions: usize,
     /// Dataset name shown to workers.

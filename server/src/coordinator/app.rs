@@ -52,6 +52,8 @@ pub struct App {
     pub test: Arc<Dataset>,
     /// Content tag of the training data in data URLs (changes when the data does).
     pub data_tag: String,
+    /// The training set's parts, encoded once for the data route.
+    pub parts: crate::coordinator::parts::Parts,
     /// Evaluation history.
     pub evals: Mutex<Vec<EvalPoint>>,
     /// Recent (time, samples) pairs for a rate.

@@ -13,6 +13,7 @@
 pub mod admin;
 pub mod app;
 pub mod http;
+pub mod parts;
 pub mod remote;
 pub mod zeno;
 
@@ -123,7 +124,7 @@ pub async fn run(
     let data_tag = {
         let mut h = crate::support::data::sha256_hex(data.train.labels());
         h.truncate(12);
-        format!("{h}-{}", cfg.partitions)
+        h
     };
     let tls = match &cfg.tls {
         Some(files) => Some(tokio_rustls::TlsAcceptor::from(tls::server_config(files)?)),
@@ -196,6 +197,7 @@ pub async fn run(
         spec,
         shards,
         model,
+        parts: parts::Parts::new(train.clone(), parts::CACHE_BYTES),
         train,
         test: Arc::new(data.test),
         data_tag,

@@ -57,6 +57,9 @@ use std::sync::{Arc, Mutex};
 pub const QUEUE: usize = 64;
 /// Recomputed rounds the checker keeps (a round is compared once per shard).
 pub const CACHE: usize = 8;
+/// Partitions the checker keeps a copy of (the first workers' are large: a crowd's first
+/// worker trains on the whole set, `crate::registry::partition`).
+pub const DATASETS: usize = 8;
 /// Figures of the most recent checks kept for the status.
 pub const RECENT: usize = 512;
 pub use crate::config::defence::{SpotArgs, SpotConfig, DEFAULT_COSINE, DEFAULT_NORM_TOL};
@@ -433,7 +436,8 @@ struct Checker {
     registry: Registry,
     shared: Arc<Shared>,
     /// Partition index -> its examples, normalised as the workers see them.
-    datasets: HashMap<usize, Arc<Dataset>>,
+    /// The workers' partitions, by part (at most [`DATASETS`]: a partition is a copy).
+    datasets: HashMap<crate::registry::Part, Arc<Dataset>>,
     /// Worker -> its sampler where the last check left it (batches only move forward).
     samplers: HashMap<u64, BatchSampler>,
     cache: VecDeque<Recomputed>,
@@ -502,15 +506,21 @@ impl Checker {
     }
 
     fn dataset(&mut self, worker: u64) -> Option<Arc<Dataset>> {
-        let index = self.registry.partition(worker)?;
-        if let Some(d) = self.datasets.get(&index) {
+        let part = self.registry.partition(worker)?;
+        if part.count > self.partitions {
+            return None;
+        }
+        if let Some(d) = self.datasets.get(&part) {
             return Some(d.clone());
         }
-        let range = self.train.partition(index, self.partitions).ok()?;
+        let range = self.train.partition(part.index, part.count).ok()?;
         let mut d = self.train.subset(range).ok()?;
         d.set_normalize(&self.spec.normalize).ok()?;
         let d = Arc::new(d);
-        self.datasets.insert(index, d.clone());
+        if self.datasets.len() >= DATASETS {
+            self.datasets.clear();
+        }
+        self.datasets.insert(part, d.clone());
         Some(d)
     }
 

@@ -10,6 +10,9 @@
 
 pub mod ledger;
 pub mod metrics;
+pub mod partition;
+
+pub use partition::Part;
 
 use crowdgrad_core::shard::Outcome;
 use crowdgrad_core::wire::{ClientKind, ErrorCode};
@@ -186,8 +189,10 @@ pub struct WorkerRecord {
     pub client: ClientKind,
     /// Display name it gave.
     pub name: Option<String>,
-    /// Data partition assigned.
+    /// Data partition assigned (its index; [`WorkerRecord::partitions`] parts).
     pub partition: usize,
+    /// How many parts its partition is one of ([`partition`]).
+    pub partitions: usize,
     /// Which of a volunteer's threads it is (as joined), if it runs several.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub threads: Option<crowdgrad_core::spec::Threads>,
@@ -299,13 +304,14 @@ impl Registry {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Registers a worker; returns its id and partition index, or `None` when full.
+    /// Registers a worker; returns its id and data partition ([`partition::choose`] with
+    /// `partitions` the finest cut), or `None` when full.
     pub fn join(
         &self,
         client: ClientKind,
         name: Option<String>,
         partitions: usize,
-    ) -> Option<(u64, usize)> {
+    ) -> Option<(u64, Part)> {
         self.join_thread(client, name, partitions, None)
     }
 
@@ -318,7 +324,7 @@ impl Registry {
         name: Option<String>,
         partitions: usize,
         threads: Option<crowdgrad_core::spec::Threads>,
-    ) -> Option<(u64, usize)> {
+    ) -> Option<(u64, Part)> {
         let mut g = self.lock();
         let now = Instant::now();
         if g.workers.len() >= self.capacity {
@@ -345,18 +351,39 @@ impl Registry {
                         .as_ref()
                         .is_some_and(|o| o.volunteer == t.volunteer)
                 })
-                .map(|w| w.partition)
+                .map(|w| Part {
+                    index: w.partition,
+                    count: w.partitions,
+                })
         });
-        let partition = sibling
-            .filter(|&p| p < partitions.max(1))
-            .unwrap_or(((id - 1) as usize) % partitions.max(1));
+        let part = match sibling.filter(|p| p.count <= partitions.max(1)) {
+            Some(p) => p,
+            None => {
+                let active: Vec<Part> = g
+                    .workers
+                    .values()
+                    .filter(|w| {
+                        w.shards_connected > 0
+                            || w.joined.is_some_and(|t| {
+                                now.duration_since(t).as_secs_f64() < partition::ACTIVE_JOIN_S
+                            })
+                    })
+                    .map(|w| Part {
+                        index: w.partition,
+                        count: w.partitions,
+                    })
+                    .collect();
+                partition::choose(&active, partitions, id)
+            }
+        };
         g.workers.insert(
             id,
             WorkerRecord {
                 id,
                 client,
                 name,
-                partition,
+                partition: part.index,
+                partitions: part.count,
                 threads,
                 shards_connected: 0,
                 connected: false,
@@ -370,7 +397,7 @@ impl Registry {
                 last_seen: Some(now),
             },
         );
-        Some((id, partition))
+        Some((id, part))
     }
 
     /// True when `id` was handed out and not forgotten.
@@ -379,8 +406,11 @@ impl Registry {
     }
 
     /// The data partition `id` trains on, while registered (for spot checks).
-    pub fn partition(&self, id: u64) -> Option<usize> {
-        self.lock().workers.get(&id).map(|w| w.partition)
+    pub fn partition(&self, id: u64) -> Option<Part> {
+        self.lock().workers.get(&id).map(|w| Part {
+            index: w.partition,
+            count: w.partitions,
+        })
     }
 
     /// A worker opened (`+1`) or closed (`-1`) a shard connection.

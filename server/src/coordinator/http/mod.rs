@@ -124,7 +124,7 @@ async fn join(
     let name: Option<String> = req
         .name
         .map(|n| n.chars().filter(|c| !c.is_control()).take(64).collect());
-    let Some((worker_id, index)) =
+    let Some((worker_id, part)) =
         app.registry
             .join_thread(req.client, name.clone(), app.cfg.partitions, req.threads)
     else {
@@ -138,10 +138,14 @@ async fn join(
             .identify(worker_id, id, name.as_deref(), req.client);
         app.defence.reputation.bind(worker_id, id);
     }
-    let Ok(range) = app.train.partition(index, app.cfg.partitions) else {
+    let Ok(range) = app.train.partition(part.index, part.count) else {
         return error(StatusCode::INTERNAL_SERVER_ERROR, "no such data partition");
     };
-    let base = format!("/api/data/{}/train/{index}", app.data_tag);
+    // The tag names the cut (`{data}-{count}`), so each part has one URL to cache.
+    let base = format!(
+        "/api/data/{}-{}/train/{}",
+        app.data_tag, part.count, part.index
+    );
     Json(JoinResponse {
         protocol: PROTOCOL_VERSION,
         worker_id,
@@ -152,8 +156,8 @@ async fn join(
             run
         },
         partition: PartitionInfo {
-            index,
-            count: app.cfg.partitions,
+            index: part.index,
+            count: part.count,
             examples: range.len(),
             images: format!("{base}/images"),
             labels: format!("{base}/labels"),
@@ -314,22 +318,41 @@ async fn data(
             "too many data downloads from your address; retry later",
         );
     }
-    if tag != app.data_tag {
+    let count = tag
+        .strip_prefix(app.data_tag.as_str())
+        .and_then(|rest| rest.strip_prefix('-'))
+        .and_then(|c| c.parse::<usize>().ok())
+        .filter(|c| (1..=app.cfg.partitions).contains(c));
+    let Some(count) = count else {
         return error(
             StatusCode::NOT_FOUND,
             "unknown data tag (the server's data changed; join again)",
         );
+    };
+    if !matches!(file.as_str(), "images" | "labels") {
+        return error(StatusCode::NOT_FOUND, "file must be images or labels");
     }
-    let Ok(range) = app.train.partition(index, app.cfg.partitions) else {
+    if app.train.partition(index, count).is_err() {
         return error(StatusCode::NOT_FOUND, format!("no partition {index}"));
+    }
+    // Encoded once per part and encoding, shared by every download (coordinator::parts); a
+    // response that carries its Content-Encoding is left alone by the compression layer.
+    let gzip = headers
+        .get(header::ACCEPT_ENCODING)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(crate::coordinator::parts::accepts_gzip);
+    let key = crate::coordinator::parts::Key {
+        part: crate::registry::Part { index, count },
+        gzip,
     };
-    let Ok((images, labels)) = app.train.to_idx(range) else {
-        return error(StatusCode::INTERNAL_SERVER_ERROR, "partition out of range");
+    let files = match app.parts.get(key).await {
+        Ok(f) => f,
+        Err(m) => return error(StatusCode::INTERNAL_SERVER_ERROR, m),
     };
-    let body = match file.as_str() {
-        "images" => images,
-        "labels" => labels,
-        _ => return error(StatusCode::NOT_FOUND, "file must be images or labels"),
+    let body = if file == "images" {
+        files.images
+    } else {
+        files.labels
     };
     let mut r = body.into_response();
     let h = r.headers_mut();
@@ -337,6 +360,10 @@ async fn data(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/octet-stream"),
     );
+    h.insert(header::VARY, HeaderValue::from_static("accept-encoding"));
+    if gzip {
+        h.insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
+    }
     // The URL names the content, so clients may cache it forever.
     h.insert(
         header::CACHE_CONTROL,
