@@ -109,7 +109,7 @@ async fn data_partitions_are_gzipped_for_clients_that_ask() {
     let target = format!("{url}{}", a.partition.images);
     // A raw HTTP/1.0 request: an HTTP client library would decompress the body and drop the
     // header this checks. HTTP/1.0 gets a close-delimited body (no chunking to undo).
-    let (encoding, compressed) = {
+    let fetch = |target: String| async move {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let addr = target
             .strip_prefix("http://")
@@ -137,6 +137,16 @@ async fn data_partitions_are_gzipped_for_clients_that_ask() {
             .find_map(|l| l.strip_prefix("content-encoding:"))
             .map(|v| v.trim().to_string());
         (enc, raw[split + 4..].to_vec())
+    };
+    // The first download may get the raw part while the server compresses it once
+    // (coordinator::parts); the compressed form follows within seconds.
+    let start = std::time::Instant::now();
+    let (encoding, compressed) = loop {
+        let (enc, body) = fetch(target.clone()).await;
+        if enc.is_some() || start.elapsed() > Duration::from_secs(60) {
+            break (enc, body);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
     };
     assert_eq!(encoding.as_deref(), Some("gzip"));
     let (_, plain) = get(format!("{url}{}", a.partition.images)).await;

@@ -53,7 +53,7 @@ pub struct App {
     /// Content tag of the training data in data URLs (changes when the data does).
     pub data_tag: String,
     /// The training set's parts, encoded once for the data route.
-    pub parts: crate::coordinator::parts::Parts,
+    pub parts: Arc<crate::coordinator::parts::Parts>,
     /// Evaluation history.
     pub evals: Mutex<Vec<EvalPoint>>,
     /// Recent (time, samples) pairs for a rate.

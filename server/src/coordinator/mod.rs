@@ -197,7 +197,7 @@ pub async fn run(
         spec,
         shards,
         model,
-        parts: parts::Parts::new(train.clone(), parts::CACHE_BYTES),
+        parts: Arc::new(parts::Parts::new(train.clone(), parts::CACHE_BYTES)),
         train,
         test: Arc::new(data.test),
         data_tag,

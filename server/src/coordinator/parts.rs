@@ -7,7 +7,8 @@
 //! larger parts (`crate::registry::partition`: the very first on the whole set, 47 MB of
 //! MNIST) one join could cost a second of CPU. Now one task encodes a part (concurrent
 //! requests for it wait for that one encoding) and the bytes are kept, least recently used
-//! first out, within [`CACHE_BYTES`].
+//! first out, within [`CACHE_BYTES`]. A gzip client is served the raw form while the gzip one
+//! is being made ([`Parts::serve`]).
 
 use crate::registry::Part;
 use bytes::Bytes;
@@ -89,6 +90,36 @@ impl Parts {
     /// Bytes kept now.
     pub fn bytes(&self) -> usize {
         self.lock().bytes
+    }
+
+    /// The files of `part` for a client that accepts gzip or not, and whether they are
+    /// gzip: the gzip form once it exists; until then the raw one, while one background
+    /// task compresses (the raw form is a copy, the compression of the whole of MNIST takes
+    /// a second or more: a first byte must not wait for it, clients time out on a stall).
+    ///
+    /// # Errors
+    /// As [`Parts::get`].
+    pub async fn serve(self: &Arc<Self>, part: Part, gzip: bool) -> Result<(Files, bool), String> {
+        if gzip {
+            let key = Key { part, gzip: true };
+            let cell = self.lock().cells.get(&key).cloned();
+            match cell.as_ref().and_then(|c| c.get()) {
+                Some(_) => return self.get(key).await.map(|f| (f, true)),
+                None => {
+                    if cell.is_none() {
+                        let me = self.clone();
+                        tokio::spawn(async move {
+                            if let Err(e) = me.get(key).await {
+                                tracing::warn!(error = %e, "compressing a data part failed");
+                            }
+                        });
+                    }
+                }
+            }
+        }
+        self.get(Key { part, gzip: false })
+            .await
+            .map(|f| (f, false))
     }
 
     /// The files of `key`, encoded on a blocking thread the first time.
@@ -239,5 +270,29 @@ mod tests {
             gzip: false,
         };
         assert!(parts.get(missing).await.is_err());
+    }
+
+    /// A gzip client gets the raw form until the compressed one exists, then the compressed.
+    #[tokio::test]
+    async fn raw_until_the_gzip_form_is_ready() {
+        let parts = Arc::new(Parts::new(data(1000), usize::MAX));
+        let whole = Part { index: 0, count: 1 };
+        let (first, gz) = parts.serve(whole, true).await.unwrap();
+        assert!(!gz, "nothing compressed yet");
+        let mut later = None;
+        for _ in 0..200 {
+            let (f, gz) = parts.serve(whole, true).await.unwrap();
+            if gz {
+                later = Some(f);
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let later = later.expect("compressed within 2 s");
+        assert!(later.images.len() < first.images.len());
+        assert!(
+            !parts.serve(whole, false).await.unwrap().1,
+            "raw when gzip is not accepted"
+        );
     }
 }

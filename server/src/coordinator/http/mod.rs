@@ -341,11 +341,8 @@ async fn data(
         .get(header::ACCEPT_ENCODING)
         .and_then(|v| v.to_str().ok())
         .is_some_and(crate::coordinator::parts::accepts_gzip);
-    let key = crate::coordinator::parts::Key {
-        part: crate::registry::Part { index, count },
-        gzip,
-    };
-    let files = match app.parts.get(key).await {
+    let part = crate::registry::Part { index, count };
+    let (files, gzip) = match app.parts.serve(part, gzip).await {
         Ok(f) => f,
         Err(m) => return error(StatusCode::INTERNAL_SERVER_ERROR, m),
     };
