@@ -14,9 +14,21 @@
 //! | `dense:W` | fully connected, W units, then ReLU (flattens an image input) |
 //! | `dropout:P` | drops each unit of the previous layer with probability P in training (`0 <= P < 1`) |
 //! | `flatten` | explicit flatten (a `dense` after an image flattens by itself) |
+//! | `embed:D/tT` | token and position embeddings of a language model: width D, context T (first layer) |
+//! | `block:H` | a pre-LayerNorm transformer block with H heads (causal self-attention, then a 4D GELU MLP) |
+//! | `lnorm` | the final LayerNorm over the width (after the last block) |
+//! | `head:untied` | the output head with its own `[D, V]` weight (last); without it the head is tied to the token embedding |
 //!
-//! Names: `softmax` (no hidden layer), `mlp:W1[,W2...]` (= `dense:W1,dense:W2,...`) and
-//! [`CNN`] (`cnn`, the default convolutional network).
+//! Names: `softmax` (no hidden layer), `mlp:W1[,W2...]` (= `dense:W1,dense:W2,...`),
+//! [`CNN`] (`cnn`, the default convolutional network), `gpt:L,D,H,T` (= `embed:D/tT`, L times
+//! `block:H`, `lnorm`: a character-level GPT, `model/gpt.rs`), `gpt:L,D,H,T/untied` (the same
+//! with `head:untied`) and `gpt` (= [`GPT`]).
+//!
+//! A language model (`embed`, blocks, `lnorm`, head: exactly that order) reads examples of T+1
+//! token ids (input shape `[T+1]`, the ids as exact f32 integers) and predicts tokens 1..=T
+//! from tokens 0..T; its classes are the vocabulary V. Its output layer is the head (tied
+//! unless `head:untied` ends the list), not `dense`. [`ModelSpec::sequence`] says whether a spec
+//! is one, and its context.
 //!
 //! Images are `H x W x C`, channels last (the order of IDX `N x H x W x C` and of NumPy arrays);
 //! a flattened image is indexed `(y * W + x) * C + c`. Convolution and pooling windows must fit
@@ -29,6 +41,19 @@ use std::fmt;
 /// The text of the default convolutional network, `cnn`: two 5x5 convolutions with 2x2
 /// max-pooling, one hidden dense layer (LeNet's shape, sized for a 2-core machine).
 pub const CNN: &str = "conv:16x5x5,pool:2,conv:32x5x5,pool:2,dense:128";
+
+/// The text of the default language model, `gpt`: 4 blocks of width 128 with 4 heads over a
+/// context of 64 tokens (about 0.8M parameters with a vocabulary of 100).
+pub const GPT: &str = "gpt:4,128,4,64";
+
+/// Largest width `D` of a language model.
+pub const MAX_GPT_WIDTH: usize = 4096;
+/// Largest context `T` of a language model.
+pub const MAX_GPT_CONTEXT: usize = 4096;
+/// Largest number of blocks `L` of a language model.
+pub const MAX_GPT_BLOCKS: usize = 64;
+/// Largest vocabulary (classes) of a language model.
+pub const MAX_GPT_VOCAB: usize = 65_536;
 
 /// Largest parameter count a model may have.
 pub const MAX_PARAMS: u128 = 1 << 31;
@@ -85,12 +110,84 @@ pub enum Layer {
         /// Probability of dropping a unit, `0 <= rate < 1`.
         rate: f32,
     },
+    /// Token and position embeddings, the first layer of a language model: `tok_emb.weight`
+    /// `[V, D]`, `pos_emb.weight` `[T, D]`.
+    Embed {
+        /// Width `D`.
+        dim: usize,
+        /// Context `T` (tokens per example, plus one target).
+        context: usize,
+    },
+    /// A pre-LayerNorm transformer block (`block{i}.*`): `x += proj(attn(ln1(x)))`, then
+    /// `x += mlp_proj(gelu(fc(ln2(x))))`.
+    Block {
+        /// Attention heads (they divide the width).
+        heads: usize,
+    },
+    /// The final LayerNorm of a language model (`ln_f.weight`, `ln_f.bias`).
+    LayerNorm,
+    /// The output head of a language model: logits over the vocabulary, from the token
+    /// embedding (tied) or its own `head.weight` `[D, V]`.
+    Head {
+        /// True when the head is the token embedding transposed (no tensor of its own).
+        tied: bool,
+    },
+}
+
+/// What a language model is ([`ModelSpec::sequence`]): its sizes, for cutting text into
+/// windows of `context + 1` tokens and for labelling.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqInfo {
+    /// Context `T`: positions predicted per example (an example holds `T + 1` tokens).
+    pub context: usize,
+    /// Vocabulary `V` (the spec's classes).
+    pub vocab: usize,
+    /// Blocks `L`.
+    pub layers: usize,
+    /// Width `D`.
+    pub dim: usize,
+    /// Heads `H`.
+    pub heads: usize,
+    /// True when the head is tied to the token embedding.
+    pub tied: bool,
+}
+
+impl SeqInfo {
+    /// The model text, `gpt:L,D,H,T` (with `/untied` for an untied head).
+    pub fn text(&self) -> String {
+        let untied = if self.tied { "" } else { "/untied" };
+        format!(
+            "gpt:{},{},{},{}{untied}",
+            self.layers, self.dim, self.heads, self.context
+        )
+    }
+
+    /// The layer list of this model, head included.
+    pub fn layers(&self) -> Vec<Layer> {
+        let mut l = vec![Layer::Embed {
+            dim: self.dim,
+            context: self.context,
+        }];
+        l.extend((0..self.layers).map(|_| Layer::Block { heads: self.heads }));
+        l.push(Layer::LayerNorm);
+        l.push(Layer::Head { tied: self.tied });
+        l
+    }
 }
 
 impl Layer {
     /// True for the layers that own parameters (`layer{i}.*` tensors).
+    /// (The layers of a language model name their tensors themselves: `model/gpt.rs`.)
     pub fn has_params(&self) -> bool {
         matches!(self, Layer::Dense { .. } | Layer::Conv { .. })
+    }
+
+    /// True for the layers of a language model (`embed`, `block`, `lnorm`, the head).
+    pub fn is_sequence(&self) -> bool {
+        matches!(
+            self,
+            Layer::Embed { .. } | Layer::Block { .. } | Layer::LayerNorm | Layer::Head { .. }
+        )
     }
 }
 
@@ -128,6 +225,11 @@ impl fmt::Display for Layer {
             Layer::Relu => write!(f, "relu"),
             Layer::Flatten => write!(f, "flatten"),
             Layer::Dropout { rate } => write!(f, "dropout:{rate}"),
+            Layer::Embed { dim, context } => write!(f, "embed:{dim}/t{context}"),
+            Layer::Block { heads } => write!(f, "block:{heads}"),
+            Layer::LayerNorm => write!(f, "lnorm"),
+            Layer::Head { tied: true } => write!(f, "head"),
+            Layer::Head { tied: false } => write!(f, "head:untied"),
         }
     }
 }
@@ -384,6 +486,9 @@ impl ModelSpec {
                 self.inputs
             ));
         }
+        if self.layers.iter().any(Layer::is_sequence) {
+            return self.resolve_sequence(shape);
+        }
         match self.layers.last() {
             Some(Layer::Dense { units }) if *units == self.classes => {}
             _ => {
@@ -481,6 +586,10 @@ impl ModelSpec {
                     shape
                 }
                 Layer::Flatten => Shape::Flat(shape.len()),
+                Layer::Embed { .. } | Layer::Block { .. } | Layer::LayerNorm | Layer::Head { .. } => {
+                    // resolve_sequence() takes every model with one of these.
+                    return Err(at("a language-model layer in a layer stack".into()));
+                }
             };
             acts = acts.saturating_add(output.len());
             if params > MAX_PARAMS {
@@ -500,6 +609,120 @@ impl ModelSpec {
         Ok(out)
     }
 
+    /// The structure of a language model's layer list: `Ok(None)` when it has no
+    /// language-model layer, `Err` naming what is out of place.
+    fn sequence_form(&self) -> std::result::Result<Option<SeqInfo>, String> {
+        if !self.layers.iter().any(Layer::is_sequence) {
+            return Ok(None);
+        }
+        let form = "a language model is embed:D/tT, block:H (1 or more, the same H), lnorm, then its head";
+        let n = self.layers.len();
+        let (Some(Layer::Embed { dim, context }), Some(Layer::Head { tied })) =
+            (self.layers.first(), self.layers.last())
+        else {
+            return Err(format!("{form}; it must start with embed and end with the head"));
+        };
+        if n < 4 || self.layers[n - 2] != Layer::LayerNorm {
+            return Err(format!("{form}; lnorm must come right before the head"));
+        }
+        let mut heads = None;
+        for (i, l) in self.layers[1..n - 2].iter().enumerate() {
+            match (l, heads) {
+                (Layer::Block { heads: h }, None) => heads = Some(*h),
+                (Layer::Block { heads: h }, Some(first)) if *h == first => {}
+                (Layer::Block { heads: h }, Some(first)) => {
+                    return Err(format!(
+                        "{form}; layer {} (block:{h}) has other heads than block:{first}",
+                        i + 1
+                    ))
+                }
+                (other, _) => {
+                    return Err(format!("{form}; layer {} ({other}) is out of place", i + 1))
+                }
+            }
+        }
+        Ok(Some(SeqInfo {
+            context: *context,
+            vocab: self.classes,
+            layers: n - 3,
+            dim: *dim,
+            heads: heads.unwrap_or(0),
+            tied: *tied,
+        }))
+    }
+
+    /// The sizes of a language model (module docs: `embed`, `block`, `lnorm`, head), `None`
+    /// for every other model (and for a list that is not a valid language model).
+    pub fn sequence(&self) -> Option<SeqInfo> {
+        self.sequence_form().ok().flatten()
+    }
+
+    /// [`ModelSpec::resolve`] for a language model: the structure, its sizes and limits.
+    fn resolve_sequence(&self, input: Shape) -> Result<Vec<Resolved>> {
+        let info = match self.sequence_form() {
+            Ok(Some(info)) => info,
+            Ok(None) => return Err(Error::Config("not a language model".into())),
+            Err(why) => return Err(Error::Config(why)),
+        };
+        let bad = |m: String| Err(Error::Config(format!("model {}: {m}", info.text())));
+        let SeqInfo {
+            context: t,
+            vocab: v,
+            layers: l,
+            dim: d,
+            heads: h,
+            ..
+        } = info;
+        if !(1..=MAX_GPT_WIDTH).contains(&d) {
+            return bad(format!("width {d} is outside 1..={MAX_GPT_WIDTH}"));
+        }
+        if !(1..=MAX_GPT_CONTEXT).contains(&t) {
+            return bad(format!("context {t} is outside 1..={MAX_GPT_CONTEXT}"));
+        }
+        if !(1..=MAX_GPT_BLOCKS).contains(&l) {
+            return bad(format!("{l} blocks is outside 1..={MAX_GPT_BLOCKS}"));
+        }
+        if h == 0 || d % h != 0 {
+            return bad(format!("{h} heads do not divide the width {d} (D % H != 0)"));
+        }
+        if v > MAX_GPT_VOCAB {
+            return bad(format!("a vocabulary of {v} is over {MAX_GPT_VOCAB}"));
+        }
+        if input != Shape::Flat(t + 1) {
+            return bad(format!(
+                "an example holds T+1 = {} tokens, but the input is {input}",
+                t + 1
+            ));
+        }
+        let params = super::gpt::param_count(&info);
+        if params > MAX_PARAMS {
+            return bad(format!(
+                "{params} parameters, too many (at most {MAX_PARAMS})"
+            ));
+        }
+        let acts = super::gpt::floats_per_example(&info, true);
+        if acts > MAX_ACTIVATIONS as u128 {
+            return bad(format!(
+                "{acts} activations per example, too many (at most {MAX_ACTIVATIONS})"
+            ));
+        }
+        let stream = Shape::Flat(t * d);
+        Ok(self
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, &layer)| Resolved {
+                layer,
+                input: if i == 0 { input } else { stream },
+                output: if i + 1 == self.layers.len() {
+                    Shape::Flat(t * v)
+                } else {
+                    stream
+                },
+            })
+            .collect())
+    }
+
     /// Hidden widths when the model is a plain MLP (`dense` + ReLU layers, then the output),
     /// `Some(vec![])` for softmax regression; `None` for anything else.
     pub fn mlp_widths(&self) -> Option<Vec<usize>> {
@@ -517,7 +740,11 @@ impl ModelSpec {
     }
 
     /// The hidden layers' text in the grammar (implied ReLUs and the output layer left out).
+    /// A language model's is its name, `gpt:L,D,H,T` (`/untied`).
     pub fn layers_text(&self) -> String {
+        if let Some(info) = self.sequence() {
+            return info.text();
+        }
         let n = self.layers.len().saturating_sub(1);
         let mut items: Vec<String> = Vec::new();
         for (i, l) in self.layers[..n].iter().enumerate() {
@@ -536,6 +763,9 @@ impl ModelSpec {
         let Ok(resolved) = self.resolve() else {
             return l;
         };
+        if let Some(info) = self.sequence() {
+            return super::gpt::layout(&info);
+        }
         for (i, r) in resolved.iter().filter(|r| r.layer.has_params()).enumerate() {
             match (r.layer, r.input) {
                 (Layer::Dense { units }, input) => {
@@ -589,22 +819,28 @@ impl fmt::Display for ModelSpec {
 /// Parses the text into the full layer list (implied ReLUs and the output layer added).
 fn parse_layers(text: &str, classes: usize) -> Result<Vec<Layer>> {
     let t = text.trim();
+    let gpt = if t == "gpt" { GPT } else { t };
     let items: Vec<String> = match t {
         "softmax" => Vec::new(),
         "cnn" => CNN.split(',').map(str::to_string).collect(),
-        _ => match t.strip_prefix("mlp:") {
-            Some(widths) => widths
+        _ => match (t.strip_prefix("mlp:"), gpt.strip_prefix("gpt:")) {
+            (Some(widths), _) => widths
                 .split(',')
                 .map(|w| format!("dense:{}", w.trim()))
                 .collect(),
-            None => t.split(',').map(|s| s.trim().to_string()).collect(),
+            (None, Some(sizes)) => gpt_items(sizes).map_err(|why| {
+                Error::Config(format!(
+                    "bad model {t:?}: {why}; use gpt:L,D,H,T (L blocks, width D, H heads, context T), optionally /untied"
+                ))
+            })?,
+            (None, None) => t.split(',').map(|s| s.trim().to_string()).collect(),
         },
     };
     let mut layers = Vec::new();
     for item in &items {
         let layer = parse_item(item).map_err(|why| {
             Error::Config(format!(
-                "bad layer {item:?} in model {t:?}: {why}; use softmax, mlp:W1,W2,..., cnn, or a comma list of conv:FxKxK[/sS][/pP], pool:K[/sS], avgpool:K[/sS], dense:W, dropout:P, flatten"
+                "bad layer {item:?} in model {t:?}: {why}; use softmax, mlp:W1,W2,..., cnn, gpt:L,D,H,T, or a comma list of conv:FxKxK[/sS][/pP], pool:K[/sS], avgpool:K[/sS], dense:W, dropout:P, flatten (or of embed:D/tT, block:H, lnorm, head:untied)"
             ))
         })?;
         layers.push(layer);
@@ -612,8 +848,42 @@ fn parse_layers(text: &str, classes: usize) -> Result<Vec<Layer>> {
             layers.push(Layer::Relu);
         }
     }
-    layers.push(Layer::Dense { units: classes });
+    // The output layer: a language model's head (tied unless the list ends with one), else
+    // dense to the classes.
+    if layers.iter().any(Layer::is_sequence) {
+        if !matches!(layers.last(), Some(Layer::Head { .. })) {
+            layers.push(Layer::Head { tied: true });
+        }
+    } else {
+        layers.push(Layer::Dense { units: classes });
+    }
     Ok(layers)
+}
+
+/// `L,D,H,T[/untied]` of `gpt:L,D,H,T` into its layer items.
+fn gpt_items(sizes: &str) -> std::result::Result<Vec<String>, String> {
+    let (sizes, untied) = match sizes.split_once('/') {
+        None => (sizes, false),
+        Some((s, "untied")) => (s, true),
+        Some((_, other)) => return Err(format!("unknown option {other:?} (only /untied)")),
+    };
+    let n: Vec<usize> = sizes
+        .split(',')
+        .map(|v| number(v.trim(), "gpt size"))
+        .collect::<std::result::Result<_, _>>()?;
+    let [l, d, h, t] = n[..] else {
+        return Err(format!("gpt wants 4 sizes L,D,H,T, not {}", n.len()));
+    };
+    if l > MAX_GPT_BLOCKS {
+        return Err(format!("{l} blocks is outside 1..={MAX_GPT_BLOCKS}"));
+    }
+    let mut items = vec![format!("embed:{d}/t{t}")];
+    items.extend((0..l).map(|_| format!("block:{h}")));
+    items.push("lnorm".into());
+    if untied {
+        items.push("head:untied".into());
+    }
+    Ok(items)
 }
 
 fn number(s: &str, what: &str) -> std::result::Result<usize, String> {
@@ -655,6 +925,31 @@ fn options(rest: &str) -> std::result::Result<(Option<usize>, Option<usize>), St
 fn parse_item(item: &str) -> std::result::Result<Layer, String> {
     let (name, arg) = item.split_once(':').unwrap_or((item, ""));
     let (arg, opts) = arg.split_once('/').unwrap_or((arg, ""));
+    match name {
+        "embed" => {
+            let context = opts
+                .strip_prefix('t')
+                .ok_or_else(|| "embed wants embed:D/tT (width D, context T)".to_string())?;
+            return Ok(Layer::Embed {
+                dim: number(arg, "width")?,
+                context: number(context, "context")?,
+            });
+        }
+        "block" if opts.is_empty() => {
+            return Ok(Layer::Block {
+                heads: number(arg, "heads")?,
+            })
+        }
+        "lnorm" if arg.is_empty() && opts.is_empty() => return Ok(Layer::LayerNorm),
+        "head" if opts.is_empty() => {
+            return match arg {
+                "" | "tied" => Ok(Layer::Head { tied: true }),
+                "untied" => Ok(Layer::Head { tied: false }),
+                _ => Err("head is head:tied or head:untied".into()),
+            }
+        }
+        _ => {}
+    }
     let (stride, padding) = options(opts)?;
     let no_opts = |l: Layer| {
         if stride.is_some() || padding.is_some() {
