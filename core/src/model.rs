@@ -35,8 +35,8 @@ pub use sparse::{
     default_sparse_input, set_default_sparse_input, SparseInput, MAX_DENSITY as SPARSE_MAX_DENSITY,
 };
 
-use kernels::{col2im, im2col, pool_backward, pool_forward, ConvGeom, PoolGeom};
 pub use gpt::{EVAL_BUDGET, MAX_GENERATE};
+use kernels::{col2im, im2col, pool_backward, pool_forward, ConvGeom, PoolGeom};
 pub use spec::{
     Layer, ModelSpec, Resolved, SeqInfo, Shape, CNN, GPT, MAX_ACTIVATIONS, MAX_GPT_BLOCKS,
     MAX_GPT_CONTEXT, MAX_GPT_VOCAB, MAX_GPT_WIDTH, MAX_PARAMS, MAX_PATCHES,

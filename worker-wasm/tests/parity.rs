@@ -277,7 +277,10 @@ fn gpt(fp: &mut Fingerprint, kernel: Gemm, sparse: SparseInput) {
     let mut r = Rng::new(17);
     let x = Array2::from_shape_fn((4, t + 1), |_| r.below(v as u64) as f32);
     let y = vec![0u8; 4];
-    for (key, text) in [("gpt", "gpt:2,16,4,8"), ("gpt_untied", "gpt:1,16,2,8/untied")] {
+    for (key, text) in [
+        ("gpt", "gpt:2,16,4,8"),
+        ("gpt_untied", "gpt:1,16,2,8/untied"),
+    ] {
         let m = Model::new(ModelSpec::parse(text, t + 1, v).expect("spec")).expect("model");
         let p0 = m.init_params(7);
         fp.put_exact(&format!("{key}.init.bits"), fnv_f32(&p0));

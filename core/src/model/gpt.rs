@@ -53,7 +53,7 @@ pub(super) fn param_count(info: &SeqInfo) -> u128 {
 
 /// Floats of per-block activations kept per row (position) for the backward pass.
 fn block_floats_per_row(d: u128) -> u128 {
-    // ln1 (xhat, out) + rstd, q/k/v, att_cat, ln2 (xhat, out) + rstd, fc and its tanh.
+    // ln1 (xhat, out) + rstd, q/k/v, att_cat, ln2 (xhat, out) + rstd, fc and its sigmoid.
     2 * d + 1 + 3 * d + d + 2 * d + 1 + 4 * d + 4 * d
 }
 
@@ -69,7 +69,11 @@ pub(super) fn floats_per_example(info: &SeqInfo, train: bool) -> u128 {
     let kept = if train { l } else { 1 };
     // Per row: the stream, qkv, att, gelu out, ln_f, logits; per block its kept rows and probs.
     let shared = d + 3 * d + d + 4 * d + 2 * d + 1 + v + 1;
-    let grads = if train { d + d + 4 * d + 3 * d + 3 * d + d } else { 0 };
+    let grads = if train {
+        d + d + 4 * d + 3 * d + 3 * d + d
+    } else {
+        0
+    };
     t * (shared + grads + kept * block_floats_per_row(d)) + kept * h * t * t + t * t
 }
 
@@ -247,8 +251,8 @@ struct BlockActs {
     ln2: Ln,
     /// `fc` before GELU, `[B * T, 4D]`.
     fc: Vec<f32>,
-    /// `tanh` inside GELU, `[B * T, 4D]`.
-    th: Vec<f32>,
+    /// GELU's `sigmoid(2u)` ([`gelu_forward`]), `[B * T, 4D]`.
+    sg: Vec<f32>,
 }
 
 /// Buffers of a language model's passes, part of a [`Workspace`].
@@ -292,7 +296,9 @@ impl GptWorkspace {
             capacity.max(1)
         } else {
             let fit = (EVAL_BUDGET as u128 / per).max(1);
-            capacity.max(1).min(usize::try_from(fit).unwrap_or(usize::MAX))
+            capacity
+                .max(1)
+                .min(usize::try_from(fit).unwrap_or(usize::MAX))
         };
         let (t, d, v, h) = (info.context, info.dim, info.vocab, info.heads);
         let n = capacity * t;
@@ -307,7 +313,7 @@ impl GptWorkspace {
                 att_cat: z(n * d),
                 ln2: Ln::new(n, d),
                 fc: z(n * 4 * d),
-                th: z(n * 4 * d),
+                sg: z(n * 4 * d),
             })
             .collect();
         Self {
@@ -427,26 +433,32 @@ fn ln_backward(
     }
 }
 
-/// GELU (tanh form) of `h` into `g`, keeping the tanh in `th`.
-fn gelu_forward(h: &[f32], th: &mut [f32], g: &mut [f32]) {
-    for ((&x, t), g) in h.iter().zip(th.iter_mut()).zip(g.iter_mut()) {
-        *t = (GELU_C * (x + 0.044_715 * x * x * x)).tanh();
-        *g = 0.5 * x * (1.0 + *t);
+/// GELU (tanh form) of `h` into `g`, keeping `s = sigmoid(2u)` in `sg`.
+///
+/// `0.5 x (1 + tanh(u))` with `u = sqrt(2/pi) (x + 0.044715 x^3)` is exactly `x sigmoid(2u)`
+/// (`1 + tanh(u) = 2 sigmoid(2u)`): one `exp` per value, where libm's `tanhf` (through
+/// `expm1f`) took a quarter of a training step.
+fn gelu_forward(h: &[f32], sg: &mut [f32], g: &mut [f32]) {
+    for ((&x, s), g) in h.iter().zip(sg.iter_mut()).zip(g.iter_mut()) {
+        let u = GELU_C * (x + 0.044_715 * x * x * x);
+        *s = 1.0 / (1.0 + (-2.0 * u).exp());
+        *g = x * *s;
     }
 }
 
-/// GELU's output again from its input and tanh (the backward pass's input of `mlp.proj`).
-fn gelu_again(h: &[f32], th: &[f32], g: &mut [f32]) {
-    for ((&x, &t), g) in h.iter().zip(th).zip(g.iter_mut()) {
-        *g = 0.5 * x * (1.0 + t);
+/// GELU's output again from its input and kept sigmoid (the backward pass's input of
+/// `mlp.proj`).
+fn gelu_again(h: &[f32], sg: &[f32], g: &mut [f32]) {
+    for ((&x, &s), g) in h.iter().zip(sg).zip(g.iter_mut()) {
+        *g = x * s;
     }
 }
 
-/// `d *= gelu'(h)`, from the kept tanh.
-fn gelu_backward(h: &[f32], th: &[f32], d: &mut [f32]) {
-    for ((&x, &t), d) in h.iter().zip(th).zip(d.iter_mut()) {
+/// `d *= gelu'(h)`, from the kept sigmoid: `s + 2 x s (1 - s) du/dx`.
+fn gelu_backward(h: &[f32], sg: &[f32], d: &mut [f32]) {
+    for ((&x, &s), d) in h.iter().zip(sg).zip(d.iter_mut()) {
         let du = GELU_C * (1.0 + 3.0 * 0.044_715 * x * x);
-        *d *= 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du;
+        *d *= s + 2.0 * x * s * (1.0 - s) * du;
     }
 }
 
@@ -721,13 +733,7 @@ impl Model {
             }
             add_bias(&mut s.qkv[..n * 3 * d], p(bo.qkv_b, 3 * d));
             for part in 0..3 {
-                to_heads(
-                    &s.qkv,
-                    3 * d,
-                    part * d,
-                    &mut ba.heads[part * n * d..],
-                    k,
-                );
+                to_heads(&s.qkv, 3 * d, part * d, &mut ba.heads[part * n * d..], k);
             }
             attention_forward(mm, &ba.heads, &mut ba.probs, &mut s.att, k);
             from_heads(&s.att, &mut ba.att_cat, d, 0, k);
@@ -747,7 +753,7 @@ impl Model {
                 &mut mat_mut(&mut ba.fc, n, 4 * d),
             );
             add_bias(&mut ba.fc[..n * 4 * d], p(bo.fc_b, 4 * d));
-            gelu_forward(&ba.fc[..n * 4 * d], &mut ba.th, &mut s.g);
+            gelu_forward(&ba.fc[..n * 4 * d], &mut ba.sg, &mut s.g);
             mm.mm(
                 &mat(&s.g, n, 4 * d),
                 &mat(p(bo.mlp_w, 4 * d * d), 4 * d, d),
@@ -873,7 +879,7 @@ impl Model {
         for (l, bo) in g.blocks.iter().enumerate().rev() {
             let ba = &s.blocks[l];
             // MLP: dx is the gradient of its output.
-            gelu_again(&ba.fc[..n * 4 * d], &ba.th, &mut s.g);
+            gelu_again(&ba.fc[..n * 4 * d], &ba.sg, &mut s.g);
             {
                 let dxm = mat(&s.dx, n, d);
                 let gw = &mut grad[bo.mlp_w..bo.mlp_w + 4 * d * d];
@@ -887,7 +893,7 @@ impl Model {
                 let w = mat(p(bo.mlp_w, 4 * d * d), 4 * d, d);
                 mm.mm(&dxm, &w.t(), 0.0, &mut mat_mut(&mut s.dff, n, 4 * d));
             }
-            gelu_backward(&ba.fc[..n * 4 * d], &ba.th, &mut s.dff[..n * 4 * d]);
+            gelu_backward(&ba.fc[..n * 4 * d], &ba.sg, &mut s.dff[..n * 4 * d]);
             {
                 let dff = mat(&s.dff, n, 4 * d);
                 let gw = &mut grad[bo.fc_w..bo.fc_w + 4 * d * d];
@@ -909,7 +915,12 @@ impl Model {
             {
                 let dxm = mat(&s.dx, n, d);
                 let gw = &mut grad[bo.proj_w..bo.proj_w + d * d];
-                mm.mm(&mat(&ba.att_cat, n, d).t(), &dxm, 0.0, &mut mat_mut(gw, d, d));
+                mm.mm(
+                    &mat(&ba.att_cat, n, d).t(),
+                    &dxm,
+                    0.0,
+                    &mut mat_mut(gw, d, d),
+                );
                 col_sum(&s.dx[..n * d], &mut grad[bo.proj_b..bo.proj_b + d]);
                 let w = mat(p(bo.proj_w, d * d), d, d);
                 mm.mm(&dxm, &w.t(), 0.0, &mut mat_mut(&mut s.dln, n, d));
@@ -1025,7 +1036,9 @@ impl Model {
             });
         }
         if prompt.is_empty() {
-            return Err(Error::Config("sampling needs a prompt of one token or more".into()));
+            return Err(Error::Config(
+                "sampling needs a prompt of one token or more".into(),
+            ));
         }
         if let Some(bad) = prompt.iter().find(|&&id| id as usize >= info.vocab) {
             return Err(Error::Config(format!(
@@ -1142,7 +1155,10 @@ mod tests {
                 let a = f64::from(grad[i]);
                 let err = (numeric - a).abs() / (numeric.abs() + a.abs()).max(1e-2);
                 if err > worst.0 {
-                    worst = (err, format!("{}[{}]: {numeric} vs {a}", t.name, i - t.offset));
+                    worst = (
+                        err,
+                        format!("{}[{}]: {numeric} vs {a}", t.name, i - t.offset),
+                    );
                 }
             }
         }
@@ -1150,7 +1166,11 @@ mod tests {
         // Every tensor gets a gradient.
         for t in &m.layout().tensors {
             let g = &grad[t.offset..t.offset + t.len()];
-            assert!(g.iter().any(|v| v.abs() > 1e-4), "{} has no gradient", t.name);
+            assert!(
+                g.iter().any(|v| v.abs() > 1e-4),
+                "{} has no gradient",
+                t.name
+            );
         }
     }
 
@@ -1164,7 +1184,10 @@ mod tests {
 
     /// `sum(out * w)` for a fixed random `w`: a scalar loss of a layer's output.
     fn weighted(out: &[f32], w: &[f32]) -> f64 {
-        out.iter().zip(w).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum()
+        out.iter()
+            .zip(w)
+            .map(|(&a, &b)| f64::from(a) * f64::from(b))
+            .sum()
     }
 
     fn normals(n: usize, seed: u64, scale: f32) -> Vec<f32> {
@@ -1221,26 +1244,36 @@ mod tests {
         for r in ln.xhat.chunks(d) {
             let mean = r.iter().sum::<f32>() / d as f32;
             let var = r.iter().map(|v| v * v).sum::<f32>() / d as f32;
-            assert!(mean.abs() < 1e-5 && (var - 1.0).abs() < 1e-3, "{mean} {var}");
+            assert!(
+                mean.abs() < 1e-5 && (var - 1.0).abs() < 1e-3,
+                "{mean} {var}"
+            );
         }
     }
 
     #[test]
     fn gelu_backward_matches_finite_differences_and_the_formula() {
-        let h: Vec<f32> = (-40..=40).map(|i| i as f32 * 0.1).collect();
-        let (mut th, mut g) = (vec![0.0; h.len()], vec![0.0; h.len()]);
-        gelu_forward(&h, &mut th, &mut g);
+        let mut h: Vec<f32> = (-40..=40).map(|i| i as f32 * 0.1).collect();
+        h.extend([-100.0, -30.0, 30.0, 100.0, 1e-6, -1e-6]);
+        let (mut sg, mut g) = (vec![0.0; h.len()], vec![0.0; h.len()]);
+        gelu_forward(&h, &mut sg, &mut g);
         let mut d = vec![1.0; h.len()];
-        gelu_backward(&h, &th, &mut d);
+        gelu_backward(&h, &sg, &mut d);
         let gelu = |x: f64| {
-            0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3))).tanh())
+            0.5 * x
+                * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3))).tanh())
         };
         let mut again = vec![0.0; h.len()];
-        gelu_again(&h, &th, &mut again);
+        gelu_again(&h, &sg, &mut again);
         assert_eq!(again, g);
         for (i, &x) in h.iter().enumerate() {
             let x = f64::from(x);
-            assert!((gelu(x) - f64::from(g[i])).abs() < 1e-6, "gelu({x})");
+            // The tanh form of the shared architecture text, to float rounding.
+            let want = gelu(x);
+            assert!(
+                (want - f64::from(g[i])).abs() <= 1e-6 * (1.0 + want.abs()),
+                "gelu({x})"
+            );
             let numeric = (gelu(x + 1e-4) - gelu(x - 1e-4)) / 2e-4;
             assert_close(numeric, d[i], "gelu'");
         }
@@ -1320,7 +1353,8 @@ mod tests {
     /// The logits of every position of a batch.
     fn logits(m: &Model, p: &[f32], x: &Array2<f32>) -> Vec<f32> {
         let mut ws = m.inference_workspace(x.nrows());
-        m.evaluate(p, x.view(), &vec![0; x.nrows()], &mut ws).unwrap();
+        m.evaluate(p, x.view(), &vec![0; x.nrows()], &mut ws)
+            .unwrap();
         let s = ws.seq.unwrap();
         s.logits
     }
@@ -1371,7 +1405,11 @@ mod tests {
             let s = m.evaluate(&p, x.view(), &y, &mut ws).unwrap();
             assert_eq!(s.count, 16 * ctx);
             let ln_v = (v as f64).ln();
-            assert!((s.mean_loss() - ln_v).abs() < 0.05, "{text}: {} vs ln V {ln_v}", s.mean_loss());
+            assert!(
+                (s.mean_loss() - ln_v).abs() < 0.05,
+                "{text}: {} vs ln V {ln_v}",
+                s.mean_loss()
+            );
         }
     }
 
@@ -1425,7 +1463,10 @@ mod tests {
         }
         let ln_v = (v as f64).ln();
         let first = first.unwrap();
-        assert!((first - ln_v).abs() < 0.1, "first loss {first}, ln V {ln_v}");
+        assert!(
+            (first - ln_v).abs() < 0.1,
+            "first loss {first}, ln V {ln_v}"
+        );
         // The first few positions of a window cannot know where in the sentence they are,
         // but most can: the loss ends far below ln V.
         assert!(last < 0.25 * ln_v, "loss {first} -> {last} (ln V {ln_v})");
@@ -1438,7 +1479,10 @@ mod tests {
         // A temperature draws from the softmax: reproducible with the seed, and still mostly
         // the text at a low temperature.
         let a = m.generate(&p, &prompt, 24, 0.5, &mut Rng::new(9)).unwrap();
-        assert_eq!(a, m.generate(&p, &prompt, 24, 0.5, &mut Rng::new(9)).unwrap());
+        assert_eq!(
+            a,
+            m.generate(&p, &prompt, 24, 0.5, &mut Rng::new(9)).unwrap()
+        );
         assert!(a.iter().all(|&id| (id as usize) < v));
     }
 
@@ -1484,7 +1528,9 @@ mod tests {
         // A smaller batch in the same workspace is the same as in its own.
         let (xs, ys) = (x.slice(ndarray::s![..3, ..]), &y[..3]);
         let a = m.loss_and_grad(&p, xs, ys, &mut g, &mut ws).unwrap();
-        let b = m.loss_and_grad(&p, xs, ys, &mut g2, &mut m.workspace(3)).unwrap();
+        let b = m
+            .loss_and_grad(&p, xs, ys, &mut g2, &mut m.workspace(3))
+            .unwrap();
         assert_eq!((a, &g), (b, &g2));
         // Evaluation: a training workspace, an inference one, and one that takes two examples
         // at a time agree.
@@ -1500,7 +1546,10 @@ mod tests {
         let big = tiny("gpt", 64, 100);
         let ews = big.inference_workspace(100_000);
         let s = ews.seq.as_ref().unwrap();
-        assert!(s.capacity >= 1 && (s.capacity as u128) * floats_per_example(&s.info, false) <= EVAL_BUDGET as u128);
+        assert!(
+            s.capacity >= 1
+                && (s.capacity as u128) * floats_per_example(&s.info, false) <= EVAL_BUDGET as u128
+        );
     }
 
     #[test]
@@ -1514,16 +1563,28 @@ mod tests {
         for bad in [6.0, -1.0, 2.5, f32::NAN, f32::INFINITY] {
             let mut xb = x.clone();
             xb[[1, 2]] = bad;
-            let e = m.loss_and_grad(&p, xb.view(), &y, &mut g, &mut ws).unwrap_err();
+            let e = m
+                .loss_and_grad(&p, xb.view(), &y, &mut g, &mut ws)
+                .unwrap_err();
             assert!(e.to_string().contains("not an id in 0..6"), "{bad}: {e}");
         }
         let (wide, yw) = tokens(3, 5, 6, 1);
-        assert!(m.loss_and_grad(&p, wide.view(), &yw, &mut g, &mut ws).is_err());
-        assert!(m.loss_and_grad(&p, x.view(), &y[..2], &mut g, &mut ws).is_err());
-        assert!(m.loss_and_grad(&p[1..], x.view(), &y, &mut g, &mut ws).is_err());
-        assert!(m.loss_and_grad(&p, x.view(), &y, &mut g[1..], &mut ws).is_err());
+        assert!(m
+            .loss_and_grad(&p, wide.view(), &yw, &mut g, &mut ws)
+            .is_err());
+        assert!(m
+            .loss_and_grad(&p, x.view(), &y[..2], &mut g, &mut ws)
+            .is_err());
+        assert!(m
+            .loss_and_grad(&p[1..], x.view(), &y, &mut g, &mut ws)
+            .is_err());
+        assert!(m
+            .loss_and_grad(&p, x.view(), &y, &mut g[1..], &mut ws)
+            .is_err());
         let (four, y4) = tokens(4, 4, 6, 1);
-        assert!(m.loss_and_grad(&p, four.view(), &y4, &mut g, &mut ws).is_err());
+        assert!(m
+            .loss_and_grad(&p, four.view(), &y4, &mut g, &mut ws)
+            .is_err());
         // A transposed batch is read as well as a row-major one.
         let xt = x.t().to_owned();
         let mut g2 = vec![0.0; p.len()];
@@ -1532,13 +1593,17 @@ mod tests {
         assert_eq!(g, g2);
         // Workspaces of other models are refused both ways.
         let other = tiny("gpt:1,8,4,4", 4, 6);
-        assert!(m.loss_and_grad(&p, x.view(), &y, &mut g, &mut other.workspace(3)).is_err());
+        assert!(m
+            .loss_and_grad(&p, x.view(), &y, &mut g, &mut other.workspace(3))
+            .is_err());
         let mlp = Model::new(ModelSpec::parse("mlp:4", 5, 6).unwrap()).unwrap();
         let mut mws = mlp.workspace(3);
         assert!(m.loss_and_grad(&p, x.view(), &y, &mut g, &mut mws).is_err());
         let mp = mlp.init_params(1);
         let mut mg = vec![0.0; mp.len()];
-        assert!(mlp.loss_and_grad(&mp, x.view(), &y, &mut mg, &mut ws).is_err());
+        assert!(mlp
+            .loss_and_grad(&mp, x.view(), &y, &mut mg, &mut ws)
+            .is_err());
         assert!(mlp.evaluate(&mp, x.view(), &y, &mut ws).is_err());
         // Sampling.
         let mut r = Rng::new(1);
@@ -1566,7 +1631,15 @@ mod tests {
         assert!((750_000..850_000).contains(&n), "{n} parameters");
         assert_eq!(n as u128, param_count(&m.sequence().unwrap()));
         let names: Vec<&str> = m.layout().tensors.iter().map(|t| t.name.as_str()).collect();
-        assert_eq!(names[..4], ["tok_emb.weight", "pos_emb.weight", "block0.ln1.weight", "block0.ln1.bias"]);
+        assert_eq!(
+            names[..4],
+            [
+                "tok_emb.weight",
+                "pos_emb.weight",
+                "block0.ln1.weight",
+                "block0.ln1.bias"
+            ]
+        );
         assert_eq!(names[names.len() - 2..], ["ln_f.weight", "ln_f.bias"]);
         assert_eq!(names.len(), 2 + 4 * 12 + 2);
         let l = m.layout();
@@ -1576,7 +1649,10 @@ mod tests {
         assert_eq!(l.get("pos_emb.weight").unwrap().offset, 100 * 128);
         let u = tiny("gpt:4,128,4,64/untied", 64, 100);
         let head = u.layout().tensors.last().cloned().unwrap();
-        assert_eq!((head.name.as_str(), head.shape.clone()), ("head.weight", vec![128, 100]));
+        assert_eq!(
+            (head.name.as_str(), head.shape.clone()),
+            ("head.weight", vec![128, 100])
+        );
         assert_eq!(u.param_len(), n + 128 * 100);
         // Init: gains 1, biases 0, residual projections narrower.
         let p = u.init_params(3);
@@ -1616,7 +1692,8 @@ mod tests {
         assert_eq!(times.backward, vec![1.0; 4]);
         assert_eq!(times.loss, 1.0);
         let mut g2 = vec![0.0; p.len()];
-        m.loss_and_grad_seeded(&p, x.view(), &y, 99, &mut g2, &mut ws).unwrap();
+        m.loss_and_grad_seeded(&p, x.view(), &y, 99, &mut g2, &mut ws)
+            .unwrap();
         assert_eq!(g, g2, "no dropout: the seed changes nothing");
     }
 }

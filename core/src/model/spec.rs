@@ -407,6 +407,25 @@ impl ModelSpec {
         Self::from_layers(shape, layers, classes)
     }
 
+    /// Parses a language model's text (`gpt`, `gpt:L,D,H,T`, or `embed:D/tT,...`) for a
+    /// vocabulary of `vocab` tokens: its input shape, `[T + 1]`, comes from the text, so a
+    /// caller can learn the context (and cut its text into windows of `T + 1`) from the model
+    /// text alone.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for text outside the grammar, a model that is not a language model,
+    /// or one that fails [`ModelSpec::validate`].
+    pub fn parse_sequence(text: &str, vocab: usize) -> Result<Self> {
+        let layers = parse_layers(text, vocab)?;
+        let Some(&Layer::Embed { context, .. }) = layers.first() else {
+            return Err(Error::Config(format!(
+                "model {:?} is not a language model (gpt:L,D,H,T or embed:D/tT,...)",
+                text.trim()
+            )));
+        };
+        Self::from_layers(vec![context.saturating_add(1)], layers, vocab)
+    }
+
     /// Checks a model text against the grammar only, before the examples' shape is known
     /// (shapes are checked by [`ModelSpec::parse_shaped`] when it is).
     ///
@@ -586,7 +605,10 @@ impl ModelSpec {
                     shape
                 }
                 Layer::Flatten => Shape::Flat(shape.len()),
-                Layer::Embed { .. } | Layer::Block { .. } | Layer::LayerNorm | Layer::Head { .. } => {
+                Layer::Embed { .. }
+                | Layer::Block { .. }
+                | Layer::LayerNorm
+                | Layer::Head { .. } => {
                     // resolve_sequence() takes every model with one of these.
                     return Err(at("a language-model layer in a layer stack".into()));
                 }
@@ -615,8 +637,14 @@ impl ModelSpec {
         if !self.layers.iter().any(Layer::is_sequence) {
             return Ok(None);
         }
-        let form = "a language model is embed:D/tT, block:H (1 or more, the same H), lnorm, then its head";
-        if let Some((i, l)) = self.layers.iter().enumerate().find(|(_, l)| !l.is_sequence()) {
+        let form =
+            "a language model is embed:D/tT, block:H (1 or more, the same H), lnorm, then its head";
+        if let Some((i, l)) = self
+            .layers
+            .iter()
+            .enumerate()
+            .find(|(_, l)| !l.is_sequence())
+        {
             return Err(format!(
                 "{form}; layer {i} ({l}) is out of place (not a language-model layer)"
             ));
@@ -625,7 +653,9 @@ impl ModelSpec {
         let (Some(Layer::Embed { dim, context }), Some(Layer::Head { tied })) =
             (self.layers.first(), self.layers.last())
         else {
-            return Err(format!("{form}; it must start with embed and end with the head"));
+            return Err(format!(
+                "{form}; it must start with embed and end with the head"
+            ));
         };
         if n < 4 || self.layers[n - 2] != Layer::LayerNorm {
             return Err(format!("{form}; lnorm must come right before the head"));
@@ -688,7 +718,9 @@ impl ModelSpec {
             return bad(format!("{l} blocks is outside 1..={MAX_GPT_BLOCKS}"));
         }
         if h == 0 || d % h != 0 {
-            return bad(format!("{h} heads do not divide the width {d} (D % H != 0)"));
+            return bad(format!(
+                "{h} heads do not divide the width {d} (D % H != 0)"
+            ));
         }
         if v > MAX_GPT_VOCAB {
             return bad(format!("a vocabulary of {v} is over {MAX_GPT_VOCAB}"));
@@ -1035,7 +1067,10 @@ mod tests {
         );
         assert_eq!(s.to_string(), "gpt:2,8,2,5 6-7");
         assert_eq!(s.layers_text(), "gpt:2,8,2,5");
-        assert_eq!((s.inputs, s.input_shape.clone(), s.classes), (6, vec![6], 7));
+        assert_eq!(
+            (s.inputs, s.input_shape.clone(), s.classes),
+            (6, vec![6], 7)
+        );
         let info = s.sequence().unwrap();
         assert_eq!(
             info,
@@ -1060,17 +1095,28 @@ mod tests {
         let u = gpt("gpt:2,8,2,5/untied", 5, 7).unwrap();
         assert_eq!(u.layers.last(), Some(&Layer::Head { tied: false }));
         assert_eq!(u.to_string(), "gpt:2,8,2,5/untied 6-7");
-        assert_eq!(gpt("embed:8/t5,block:2,block:2,lnorm,head:untied", 5, 7).unwrap(), u);
+        assert_eq!(
+            gpt("embed:8/t5,block:2,block:2,lnorm,head:untied", 5, 7).unwrap(),
+            u
+        );
         assert!(!u.sequence().unwrap().tied);
         // Plain `gpt`; `parse` with a flat count reads the same.
         let d = gpt("gpt", 64, 100).unwrap();
         assert_eq!(d.layers_text(), GPT);
         assert_eq!(ModelSpec::parse("gpt", 65, 100).unwrap(), d);
         assert!(ModelSpec::check_text("gpt").is_ok());
+        assert_eq!(ModelSpec::parse_sequence("gpt", 100).unwrap(), d);
+        assert_eq!(ModelSpec::parse_sequence("gpt:2,8,2,5", 7).unwrap(), s);
+        for not in ["mlp:8", "cnn", "block:2,lnorm", "gpt:2,7,2,5", "nonsense"] {
+            assert!(ModelSpec::parse_sequence(not, 7).is_err(), "{not}");
+        }
         assert!(ModelSpec::check_text("gpt:1,4,2,3/untied").is_ok());
         // Other models are not language models.
         assert_eq!(ModelSpec::parse("mlp:8", 6, 3).unwrap().sequence(), None);
-        assert_eq!(ModelSpec::parse("softmax", 6, 3).unwrap().mlp_widths(), Some(vec![]));
+        assert_eq!(
+            ModelSpec::parse("softmax", 6, 3).unwrap().mlp_widths(),
+            Some(vec![])
+        );
         assert_eq!(d.mlp_widths(), None);
     }
 
@@ -1090,7 +1136,10 @@ mod tests {
                 {"kind": "head", "tied": false},
             ])
         );
-        assert_eq!(serde_json::from_value::<ModelSpec>(json.clone()).unwrap(), s);
+        assert_eq!(
+            serde_json::from_value::<ModelSpec>(json.clone()).unwrap(),
+            s
+        );
         let text = serde_json::to_string(&s).unwrap();
         assert_eq!(serde_json::from_str::<ModelSpec>(&text).unwrap(), s);
         // Unknown fields, a bad structure or a misfit do not decode.
@@ -1099,12 +1148,16 @@ mod tests {
         assert!(serde_json::from_value::<ModelSpec>(bad).is_err());
         let mut bad = json.clone();
         bad["layers"][1]["heads"] = 3.into();
-        let err = serde_json::from_value::<ModelSpec>(bad).unwrap_err().to_string();
+        let err = serde_json::from_value::<ModelSpec>(bad)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("other heads"), "{err}");
         let mut bad = json.clone();
         bad["inputs"] = 7.into();
         bad["input_shape"] = serde_json::json!([7]);
-        let err = serde_json::from_value::<ModelSpec>(bad).unwrap_err().to_string();
+        let err = serde_json::from_value::<ModelSpec>(bad)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("T+1 = 6"), "{err}");
         let mut bad = json;
         bad["layers"][3] = serde_json::json!({"kind": "dense", "units": 7});
@@ -1121,7 +1174,12 @@ mod tests {
     #[test]
     fn bad_gpt_specs_say_why() {
         let cases: [(&str, usize, usize, &[&str]); 16] = [
-            ("gpt:2,10,4,5", 5, 7, &["4 heads do not divide the width 10", "D % H"]),
+            (
+                "gpt:2,10,4,5",
+                5,
+                7,
+                &["4 heads do not divide the width 10", "D % H"],
+            ),
             ("gpt:2,8,2,5", 6, 7, &["T+1 = 6", "input is 7"]),
             ("gpt:2,8,2", 5, 7, &["4 sizes"]),
             ("gpt:2,8,2,5,1", 5, 7, &["4 sizes"]),
@@ -1135,8 +1193,18 @@ mod tests {
             ("gpt:1,8,2,5", 5, 70_000, &["vocabulary of 70000", "65536"]),
             ("embed:8/t5,block:2,lnorm,dense:4", 5, 7, &["out of place"]),
             ("block:2,embed:8/t5,lnorm", 5, 7, &["start with embed"]),
-            ("embed:8/t5,block:2", 5, 7, &["lnorm must come right before the head"]),
-            ("embed:8/t5,head:untied,block:2,lnorm", 5, 7, &["out of place"]),
+            (
+                "embed:8/t5,block:2",
+                5,
+                7,
+                &["lnorm must come right before the head"],
+            ),
+            (
+                "embed:8/t5,head:untied,block:2,lnorm",
+                5,
+                7,
+                &["out of place"],
+            ),
         ];
         for (text, t, v, needles) in cases {
             let msg = refusal(text, t, v);
@@ -1144,13 +1212,23 @@ mod tests {
                 assert!(msg.contains(n), "{text}: {msg:?} lacks {n:?}");
             }
         }
-        for text in ["embed:8", "embed:8/s5", "block:2/t3", "lnorm:1", "head:both", "embed:8/t5,block:2,block:4,lnorm"] {
+        for text in [
+            "embed:8",
+            "embed:8/s5",
+            "block:2/t3",
+            "lnorm:1",
+            "head:both",
+            "embed:8/t5,block:2,block:4,lnorm",
+        ] {
             assert!(gpt(text, 5, 7).is_err(), "{text}");
         }
         assert!(gpt("gpt:1,8,2,5", 5, 1).is_err());
         // Too many activations per example: refused at parse time, with the numbers.
         let msg = refusal("gpt:64,64,64,4096", 4096, 7);
-        assert!(msg.contains("activations per example") && msg.contains("16777216"), "{msg}");
+        assert!(
+            msg.contains("activations per example") && msg.contains("16777216"),
+            "{msg}"
+        );
     }
 
     proptest! {
