@@ -293,7 +293,9 @@ impl fmt::Display for Shape {
 }
 
 /// Architecture of a model: an input shape, a list of layers and the class count. The last
-/// layer is the output `dense` to `classes` units (logits), with softmax cross-entropy on top.
+/// layer is the output `dense` to `classes` units (logits), with softmax cross-entropy on top;
+/// a language model's is its head, over a vocabulary of `classes` tokens, and its input shape
+/// is `[T + 1]` ([`ModelSpec::sequence`]).
 ///
 /// In JSON: `{"inputs": 784, "input_shape": [28, 28], "layers": [...], "classes": 10}`, plus
 /// `"hidden": [W...]` when the model is a plain MLP (what protocol-1 workers before layers read;
@@ -479,7 +481,11 @@ impl ModelSpec {
     /// # Errors
     /// [`Error::Config`] naming the first layer that does not fit and its input shape, fewer
     /// than 2 classes, a last layer that is not `dense` to `classes`, or more than 2^31
-    /// parameters / 2^24 activations per example.
+    /// parameters / 2^24 activations per example. A language model: its layers out of the
+    /// order `embed`, blocks, `lnorm`, head, blocks with different heads, `D % H != 0`, an
+    /// input that is not `[T + 1]`, or sizes over [`MAX_GPT_WIDTH`], [`MAX_GPT_CONTEXT`],
+    /// [`MAX_GPT_BLOCKS`], [`MAX_GPT_VOCAB`] and the same parameter and activation limits (its
+    /// training workspace per example).
     pub fn validate(&self) -> Result<()> {
         self.resolve().map(|_| ())
     }
