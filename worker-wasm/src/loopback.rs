@@ -66,6 +66,7 @@ pub fn synthetic_run(
                 classes: 10,
                 train_len: examples,
                 test_len: 0,
+                text: None,
             },
             local: crowdgrad_core::local::LocalConfig::default(),
             normalize: Default::default(),

@@ -484,6 +484,7 @@ mod tests {
                 classes: 4,
                 train_len: 10,
                 test_len: 5,
+                text: None,
             },
             local: Default::default(),
             normalize: Default::default(),

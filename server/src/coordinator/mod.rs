@@ -25,7 +25,7 @@ use crate::support::{credential, limits, tls, trim};
 use crate::{checkpoint, defence, net, registry};
 use app::App;
 use crowdgrad_core::model::Model;
-use crowdgrad_core::spec::{DataInfo, RunParams, RunSpec};
+use crowdgrad_core::spec::{RunParams, RunSpec};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -63,9 +63,9 @@ pub async fn run(
         seed: cfg.training.seed,
         consistency: cfg.training.consistency,
         shards: cfg.training.shards,
-        dataset: DataInfo::of(cfg.dataset.clone(), &data.train, &data.test),
+        dataset: data.info(cfg.dataset.clone()),
         local: cfg.training.exchange.local,
-        normalize: cfg.training.normalize.resolve(&data.train)?,
+        normalize: data.normalize(&cfg.training.normalize)?,
     })?;
     // The evaluator sees the test set as the workers see their batches.
     let mut data = data;

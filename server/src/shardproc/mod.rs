@@ -227,6 +227,7 @@ pub fn spec_of(t: &Training, inputs: usize, classes: usize) -> Result<RunSpec> {
             classes,
             train_len: 0,
             test_len: 0,
+            text: None,
         },
         local: Default::default(),
         normalize: Default::default(),
