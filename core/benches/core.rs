@@ -22,6 +22,7 @@ fn apply(c: &mut Criterion) {
             lr: 0.01,
             weight_decay: 0.0,
             clip_norm: None,
+            schedule: Default::default(),
         };
         let mut state = OptState::new(&cfg.rule, N);
         let mut params = vec![0.5f32; N];

@@ -202,6 +202,7 @@ mod tests {
             lr: 0.1,
             weight_decay: 0.0,
             clip_norm: None,
+            schedule: Default::default(),
         };
         let (join, data) = synthetic_run("softmax", 3, cfg, 16, 64, 1).unwrap();
         let mut shards = Loopback::new(&join, 42).unwrap();

@@ -138,6 +138,7 @@ fn compute() -> Fingerprint {
             lr: 0.01,
             weight_decay: 1e-4,
             clip_norm: None,
+            schedule: Default::default(),
         };
         let mut state = OptState::new(&cfg.rule, 100);
         // Inputs from exact integer arithmetic (f32 `sin`/`cos` would differ across libms).
@@ -366,6 +367,7 @@ fn worker_session(fp: &mut Fingerprint) {
         lr: 0.1,
         weight_decay: 0.0,
         clip_norm: Some(5.0),
+        schedule: Default::default(),
     };
     let (join, data) = synthetic_run("mlp:32", 2, cfg, 16, 64, 21).expect("run");
     let mut shards = Loopback::new(&join, 42).expect("shards");

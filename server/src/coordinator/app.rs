@@ -113,6 +113,10 @@ pub struct Status {
     pub dataset: String,
     /// Optimizer.
     pub optimizer: OptimizerConfig,
+    /// The learning rate of the optimizer that follows the schedule, now: the shards' (its
+    /// peak as `set-lr` left it) with gradient pushes, the workers' inner optimizer under
+    /// local steps, at shard 0's version (`crowdgrad_core::schedule`). The peak without one.
+    pub lr_now: f32,
     /// Seconds since start.
     pub uptime_s: f64,
     /// Per shard.
@@ -221,6 +225,15 @@ impl App {
             batch_size: self.spec.batch_size,
             dataset: self.spec.dataset.name.clone(),
             optimizer: self.spec.optimizer,
+            lr_now: {
+                let version = shards.first().map_or(0, |s| s.version);
+                if self.spec.local.steps.pseudo_gradients() {
+                    let inner = self.spec.local.inner;
+                    inner.lr * inner.schedule.factor(version)
+                } else {
+                    self.admin.lr() * self.spec.optimizer.schedule.factor(version)
+                }
+            },
             uptime_s: self.started.elapsed().as_secs_f64(),
             shards,
             workers_connected: totals.workers.map_or(0, |w| w.connected as usize),

@@ -391,6 +391,7 @@ mod tests {
                 lr: 1.0,
                 weight_decay: 0.0,
                 clip_norm: None,
+                schedule: Default::default(),
             },
             staleness: StalenessPolicy::default(),
             consistency: Consistency::Async,
