@@ -26,9 +26,62 @@ pub struct EvalPoint {
     pub samples: u64,
     /// Mean test loss.
     pub loss: f64,
-    /// Test accuracy in [0, 1].
+    /// Test accuracy in [0, 1] (for a language model: of the next token, over positions).
     pub accuracy: f64,
+    /// A language model's validation loss in bits per token (`loss / ln 2`; per character
+    /// when the tokens are characters).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bits_per_token: Option<f64>,
 }
+
+/// What the run trains, for the page's labels (`task` in the status).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Task {
+    /// Images (or any examples) into classes: accuracy and loss.
+    Classification {
+        /// Number of classes.
+        classes: usize,
+    },
+    /// Next-token prediction on text: bits per token and perplexity.
+    Language {
+        /// Tokens of context per example.
+        context: usize,
+        /// Vocabulary size.
+        vocab: usize,
+        /// `chars` or `bytes`.
+        level: String,
+    },
+}
+
+/// A short text the current weights wrote (`GET /api/sample`, language models only).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Sample {
+    /// The prompt it continues.
+    pub prompt: String,
+    /// What the model wrote after it.
+    pub text: String,
+    /// Sampling temperature.
+    pub temperature: f32,
+    /// Mean shard version of the weights.
+    pub step: u64,
+    /// Examples behind them.
+    pub samples: u64,
+    /// Seconds since the server started.
+    pub time_s: f64,
+}
+
+/// Tokens a sample continues its prompt by.
+pub const SAMPLE_TOKENS: usize = 160;
+/// Temperature of the samples.
+pub const SAMPLE_TEMPERATURE: f32 = 0.8;
+/// Least seconds between two samples.
+pub const SAMPLE_EVERY_S: f64 = 5.0;
+/// The prompt samples start from.
+pub const SAMPLE_PROMPT: &str = "The ";
+/// An evaluation takes at most this share of the evaluator's time: the next one waits at
+/// least `duration / EVAL_SHARE` (a language model's evaluation is not cheap).
+pub const EVAL_SHARE: f64 = 0.25;
 
 /// Most evaluation points kept (older ones are thinned out).
 const EVAL_HISTORY: usize = 1024;
@@ -56,6 +109,8 @@ pub struct App {
     pub parts: crate::coordinator::parts::Parts,
     /// Evaluation history.
     pub evals: Mutex<Vec<EvalPoint>>,
+    /// The newest sample of a language model.
+    pub sample: Mutex<Option<Sample>>,
     /// Recent (time, samples) pairs for a rate.
     pub rate: Mutex<Vec<(Instant, u64)>>,
     /// Start time.
@@ -127,6 +182,8 @@ pub struct Status {
     pub workers_connected: usize,
     /// Totals.
     pub totals: Totals,
+    /// What the run trains.
+    pub task: Task,
     /// Latest evaluation.
     pub eval: Option<EvalPoint>,
     /// All kept evaluations, oldest first.
@@ -185,6 +242,23 @@ impl App {
     }
 
     /// The status report.
+    /// What the run trains.
+    pub fn task(&self) -> Task {
+        match (self.model.sequence(), &self.spec.dataset.text) {
+            (Some(seq), text) => Task::Language {
+                context: seq.context,
+                vocab: seq.vocab,
+                level: text
+                    .as_ref()
+                    .map_or_else(|| "bytes".to_string(), |t| t.level.to_string()),
+            },
+            (None, _) => Task::Classification {
+                classes: self.spec.dataset.classes,
+            },
+        }
+    }
+
+    /// The status now.
     pub fn status(&self) -> Status {
         let (workers, shard_counters, mut totals) = self.registry.view();
         let evals = self.evals.lock().unwrap_or_else(|p| p.into_inner()).clone();
@@ -242,6 +316,7 @@ impl App {
                 counters: totals,
                 samples_per_sec: rate,
             },
+            task: self.task(),
             eval: evals.last().copied(),
             eval_history: evals,
             private_run: self.cfg.join_token.is_some(),
@@ -415,6 +490,7 @@ pub async fn evaluator(app: Arc<App>) {
     let mut last_versions: Option<Vec<u64>> = None;
     let mut rate_tick = tokio::time::interval(Duration::from_millis(500));
     let mut next_eval = tokio::time::Instant::now();
+    let mut last_sample: Option<tokio::time::Instant> = None;
     loop {
         tokio::select! {
             _ = shutdown.changed() => return,
@@ -435,16 +511,42 @@ pub async fn evaluator(app: Arc<App>) {
                 let step = versions.iter().sum::<u64>() / versions.len().max(1) as u64;
                 last_versions = Some(versions);
                 let a = app.clone();
-                let stats = match tokio::task::spawn_blocking(move || evaluate(&a.model, &params, &a.test)).await {
+                let language = app.model.sequence().is_some();
+                let due = language
+                    && last_sample.is_none_or(|t: tokio::time::Instant| t.elapsed().as_secs_f64() >= SAMPLE_EVERY_S);
+                let began = tokio::time::Instant::now();
+                let (stats, text) = match tokio::task::spawn_blocking(move || {
+                    let stats = evaluate(&a.model, &params, &a.test);
+                    let text = due.then(|| write_sample(&a, &params, step)).flatten();
+                    (stats, text)
+                })
+                .await
+                {
                     Ok(s) => s,
                     Err(_) => continue,
                 };
+                // A slow evaluation (a language model on one core) waits longer for the next.
+                let took = began.elapsed().as_secs_f64();
+                next_eval = next_eval.max(began + Duration::from_secs_f64(took / EVAL_SHARE));
+                let time_s = app.started.elapsed().as_secs_f64();
+                if let Some(text) = text {
+                    last_sample = Some(tokio::time::Instant::now());
+                    *app.sample.lock().unwrap_or_else(|p| p.into_inner()) = Some(Sample {
+                        prompt: SAMPLE_PROMPT.to_string(),
+                        text,
+                        temperature: SAMPLE_TEMPERATURE,
+                        step,
+                        samples,
+                        time_s,
+                    });
+                }
                 let point = EvalPoint {
-                    time_s: app.started.elapsed().as_secs_f64(),
+                    time_s,
                     step,
                     samples,
                     loss: stats.mean_loss(),
                     accuracy: stats.accuracy(),
+                    bits_per_token: language.then(|| stats.mean_loss() / std::f64::consts::LN_2),
                 };
                 tracing::info!(step, samples, loss = point.loss, accuracy = point.accuracy, "evaluation");
                 let mut evals = app.evals.lock().unwrap_or_else(|p| p.into_inner());
@@ -457,4 +559,26 @@ pub async fn evaluator(app: Arc<App>) {
             }
         }
     }
+}
+
+/// What the weights `params` (at mean version `step`) write after [`SAMPLE_PROMPT`]: `None`
+/// for a model that is not a language model or a run without a tokenizer of text.
+fn write_sample(app: &App, params: &[f32], step: u64) -> Option<String> {
+    let text = app.spec.dataset.text.as_ref()?;
+    let prompt: Vec<u32> = text
+        .encode(SAMPLE_PROMPT)
+        .into_iter()
+        .map(u32::from)
+        .collect();
+    // Seeded by the version: the same weights write the same sample.
+    let mut rng = crowdgrad_core::rng::Rng::new(app.spec.seed ^ step.wrapping_mul(0x9E37_79B9));
+    let ids = app
+        .model
+        .generate(params, &prompt, SAMPLE_TOKENS, SAMPLE_TEMPERATURE, &mut rng)
+        .ok()?;
+    let ids: Vec<u8> = ids
+        .into_iter()
+        .filter_map(|i| u8::try_from(i).ok())
+        .collect();
+    Some(text.decode(&ids))
 }

@@ -37,6 +37,32 @@ use tokio_util::task::TaskTracker;
 /// How long shutdown waits for open WebSocket connections to finish.
 const DRAIN: Duration = Duration::from_secs(5);
 
+/// Validation windows a language model's evaluator reads (about 33,000 tokens at T = 64).
+pub const EVAL_WINDOWS: usize = 512;
+
+/// `n` examples of `data` evenly spaced over it, in order.
+fn spaced(data: &crowdgrad_core::data::Dataset, n: usize) -> Result<crowdgrad_core::data::Dataset> {
+    let len = data.len();
+    let picks: Vec<usize> = (0..n.min(len))
+        .map(|k| k * len / n.min(len).max(1))
+        .collect();
+    let mut pixels = Vec::with_capacity(picks.len() * data.features);
+    let mut labels = Vec::with_capacity(picks.len());
+    for &i in &picks {
+        pixels.extend_from_slice(data.pixels(i));
+        labels.push(data.labels()[i]);
+    }
+    let mut dims = vec![picks.len()];
+    dims.extend(&data.image_dims);
+    Ok(crowdgrad_core::data::Dataset::from_arrays(
+        crowdgrad_core::data::IdxArray { dims, data: pixels },
+        crowdgrad_core::data::IdxArray {
+            dims: vec![picks.len()],
+            data: labels,
+        },
+    )?)
+}
+
 /// Builds the run (model, initial parameters, shards) and serves on `listener` until
 /// `shutdown` completes; then stops accepting, tells every worker (Bye + Close), lets in-flight
 /// applies finish and returns.
@@ -69,6 +95,11 @@ pub async fn run(
     })?;
     // The evaluator sees the test set as the workers see their batches.
     let mut data = data;
+    if spec.model.sequence().is_some() && data.test.len() > EVAL_WINDOWS {
+        // A language model's evaluation is a forward pass per window: the evaluator reads a
+        // fixed, evenly spaced sample of the validation windows.
+        data.test = spaced(&data.test, EVAL_WINDOWS)?;
+    }
     data.test.set_normalize(&spec.normalize)?;
     // Continue the newest valid checkpoint, if any (crate::checkpoint); its run id stays, so
     // workers that rejoin see the same run.
@@ -202,6 +233,7 @@ pub async fn run(
         test: Arc::new(data.test),
         data_tag,
         evals: Mutex::new(Vec::new()),
+        sample: Mutex::new(None),
         rate: Mutex::new(Vec::new()),
         started: Instant::now(),
         shutdown: stop_rx,

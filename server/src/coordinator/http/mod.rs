@@ -36,6 +36,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/api/workers", get(workers))
         .route("/api/params", get(params))
         .route("/api/reads", get(reads))
+        .route("/api/sample", get(sample))
         .merge(admin::routes())
         .route("/api/contributors", get(ledger::contributors))
         .route("/api/data/{tag}/train/{index}/{file}", get(data))
@@ -255,6 +256,21 @@ async fn events(
         ))
     });
     Sse::new(stream).keep_alive(KeepAlive::default())
+}
+
+/// The newest text a language model's weights wrote (`404` for other models, `204` before
+/// the first).
+async fn sample(State(app): State<Arc<App>>) -> Response {
+    if app.model.sequence().is_none() {
+        return error(
+            StatusCode::NOT_FOUND,
+            "this run does not train a language model",
+        );
+    }
+    match app.sample.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+        Some(s) => Json(s).into_response(),
+        None => StatusCode::NO_CONTENT.into_response(),
+    }
 }
 
 async fn reads(State(app): State<Arc<App>>) -> Response {
