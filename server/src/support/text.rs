@@ -220,34 +220,31 @@ impl TextArgs {
     }
 }
 
-/// The context `T` (tokens per row minus one) a model text asks of a text dataset: the 4th
-/// number of `gpt:L,D,H,T`, [`DEFAULT_CONTEXT`] for plain `gpt` (or fewer numbers) and for any
-/// other model.
+/// The context `T` (tokens per row minus one) a model text asks of a text dataset: a language
+/// model's own (`gpt`, `gpt:L,D,H,T`, `embed:D/tT,...`: core's
+/// `ModelSpec::parse_sequence`), [`DEFAULT_CONTEXT`] for any other model (an MLP over raw
+/// token ids trains badly but runs).
 ///
-/// The one place the serve path derives `T`; once core's model spec parses `gpt`, this should
-/// ask it instead.
+/// The one place the serve path derives `T`.
 ///
 /// # Errors
-/// [`Error::Config`] when the 4th number of a `gpt:` text is not an integer in
-/// `1..=MAX_CONTEXT`.
+/// [`Error::Config`] when a language model's text is outside the grammar or its sizes are out
+/// of range (core's message).
 pub fn text_context(model_text: &str) -> Result<usize> {
     let t = model_text.trim();
-    let Some(args) = t.strip_prefix("gpt:") else {
+    let language = t == "gpt" || t.starts_with("gpt:") || t.starts_with("embed:");
+    if !language {
         return Ok(DEFAULT_CONTEXT);
-    };
-    match args.split(',').nth(3) {
-        None => Ok(DEFAULT_CONTEXT),
-        Some(n) => n
-            .trim()
-            .parse::<usize>()
-            .ok()
-            .filter(|n| (1..=MAX_CONTEXT).contains(n))
-            .ok_or_else(|| {
-                Error::Config(format!(
-                    "model {t:?}: the context T (4th number) must be an integer in 1..={MAX_CONTEXT}"
-                ))
-            }),
     }
+    // The vocabulary does not change T; the largest one a text run can have checks the sizes.
+    let spec = crowdgrad_core::model::ModelSpec::parse_sequence(t, 256).map_err(Error::from)?;
+    let context = spec.sequence().map_or(DEFAULT_CONTEXT, |s| s.context);
+    if !(1..=MAX_CONTEXT).contains(&context) {
+        return Err(Error::Config(format!(
+            "model {t:?}: the context T must be in 1..={MAX_CONTEXT}"
+        )));
+    }
+    Ok(context)
 }
 
 /// True when `path` is text: one file, or a directory holding [`TRAIN_TXT`] and
@@ -647,9 +644,15 @@ mod tests {
     fn the_context_comes_from_the_model_text() {
         assert_eq!(text_context("gpt").unwrap(), 64);
         assert_eq!(text_context("gpt:2,64,2,32").unwrap(), 32);
-        assert_eq!(text_context("gpt:2,64").unwrap(), 64);
+        assert_eq!(text_context("embed:16/t8,block:2,lnorm").unwrap(), 8);
         assert_eq!(text_context("mlp:32").unwrap(), DEFAULT_CONTEXT);
-        for bad in ["gpt:2,64,2,0", "gpt:2,64,2,x", "gpt:2,64,2,5000"] {
+        for bad in [
+            "gpt:2,64",
+            "gpt:2,64,2,0",
+            "gpt:2,64,2,x",
+            "gpt:2,64,2,5000",
+            "gpt:2,63,2,8",
+        ] {
             assert!(text_context(bad).is_err(), "{bad}");
         }
         let ok = TextArgs::default().check().unwrap();
