@@ -50,6 +50,10 @@ pub enum Record {
         samples: u32,
         /// Bytes of the Push frame.
         bytes: usize,
+        /// Whether the gradient had any non-zero value (false for a push refused before it
+        /// was decoded): the server's ledger credits samples only for non-zero pushes, so
+        /// pushing zeros earns nothing.
+        nonzero: bool,
     },
     /// A worker reported its measurements.
     Reported {
@@ -367,6 +371,7 @@ impl ShardSession {
                 },
                 samples,
                 bytes,
+                nonzero: false,
             },
             None => Record::Rejected { worker, code },
         };
@@ -613,7 +618,10 @@ impl ShardSession {
                         .to_string();
                     return self.fail(shard, request_id, ErrorCode::Protocol, m, push, now);
                 }
-                let outcome = shard.with(|s| s.push(worker, base_version, grad, samples, now));
+                let (outcome, nonzero) = shard.with(|s| {
+                    let o = s.push(worker, base_version, grad, samples, now);
+                    (o, s.last_push_nonzero)
+                });
                 if let Some(tag) = tag.filter(|t| {
                     matches!(outcome, Outcome::Applied { .. } | Outcome::Buffered { .. })
                         && shard.sample(worker, t)
@@ -646,6 +654,7 @@ impl ShardSession {
                     outcome,
                     samples,
                     bytes: bytes.len(),
+                    nonzero,
                 }));
                 self.send(wire::encode(&Message::Ack {
                     request_id,
