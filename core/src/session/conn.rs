@@ -773,6 +773,44 @@ mod tests {
         wire::encode_push(request_id, 1, base_version, 8, grad)
     }
 
+    /// Issue 21: the record of an accepted push says whether its gradient was all zero
+    /// (the server's ledger credits no samples for one), and a refused push is never
+    /// non-zero.
+    #[test]
+    fn pushed_records_say_whether_the_gradient_was_all_zero() {
+        let mut sh = state(Consistency::Async, 2);
+        let mut s = ShardSession::new(*sh.config());
+        s.handle_frame(&mut sh, &hello(1, 7), 0.0);
+        let mut flags = Vec::new();
+        for (rid, grad) in [(2, [0.0f32, 0.0]), (3, [0.0, 1e-30]), (4, [0.0, -0.0])] {
+            s.handle_frame(&mut sh, &push(rid, 0, &grad), 0.0);
+            while let Some(a) = s.poll_action() {
+                if let Action::Record(Record::Pushed {
+                    outcome, nonzero, ..
+                }) = a
+                {
+                    flags.push((rid, matches!(outcome, Outcome::Applied { .. }), nonzero));
+                }
+            }
+        }
+        // A push of the wrong length is refused before it is decoded.
+        s.handle_frame(&mut sh, &push(5, 0, &[1.0]), 0.0);
+        while let Some(a) = s.poll_action() {
+            if let Action::Record(Record::Pushed { nonzero, .. }) = a {
+                flags.push((5, false, nonzero));
+            }
+        }
+        assert_eq!(
+            flags,
+            [
+                (2, true, false),
+                (3, true, true),
+                (4, true, false),
+                (5, false, false)
+            ]
+        );
+    }
+
     /// The row of `code`. The match is exhaustive, so a new `ErrorCode` does not compile
     /// until it has a row here. Every code today is one a `ShardSession` sends; a code only a
     /// driver could send (HTTP, a worker) would get a row saying so.

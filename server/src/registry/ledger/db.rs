@@ -33,8 +33,8 @@
 //!
 //! Counters are SQLite integers: they saturate at `i64::MAX` (9.2e18), not `u64::MAX`.
 
-use super::{clean, hour_of, Batch, Board, Contribution, HOURLY_KEEP_HOURS, MAX_IDENTITIES};
 use super::RECENT_HOURS;
+use super::{clean, hour_of, Batch, Board, Contribution, HOURLY_KEEP_HOURS, MAX_IDENTITIES};
 use crate::error::{Error, Result};
 use crowdgrad_core::wire::ClientKind;
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension, TransactionBehavior};
@@ -503,7 +503,11 @@ impl Db {
         tx.execute("DELETE FROM buckets WHERE n <= 0", [])
             .map_err(e)?;
         let seq = seq.saturating_add(1);
-        for (k, v) in [("seq", seq), ("identities", identities), ("samples", samples)] {
+        for (k, v) in [
+            ("seq", seq),
+            ("identities", identities),
+            ("samples", samples),
+        ] {
             tx.execute("UPDATE meta SET value = ?2 WHERE key = ?1", params![k, v])
                 .map_err(e)?;
         }
@@ -629,7 +633,9 @@ impl Db {
         let sum: f64 = self
             .conn
             .prepare_cached("SELECT total(samples) FROM hourly WHERE identity = ?1 AND hour > ?2")
-            .and_then(|mut q| q.query_row(params![identity, hour_of(now) - RECENT_HOURS], |r| r.get(0)))
+            .and_then(|mut q| {
+                q.query_row(params![identity, hour_of(now) - RECENT_HOURS], |r| r.get(0))
+            })
             .map_err(|e| self.fail("reading", e))?;
         Ok(sum / RECENT_HOURS as f64)
     }

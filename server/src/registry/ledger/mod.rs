@@ -643,7 +643,7 @@ mod tests {
         l.reported(7, 1.0);
         l.joined(8, "bob-000001", None, ClientKind::Native);
         l.pushed(99, &applied(), Some(32), true); // unknown worker: ignored
-        // An all-zero push is accepted but earns no samples (issue 21).
+                                                  // An all-zero push is accepted but earns no samples (issue 21).
         l.pushed(8, &applied(), Some(32), false);
         flush(&mut l, &mut db);
         assert_eq!(db.seq().unwrap(), 2);
@@ -659,7 +659,12 @@ mod tests {
         assert_eq!((b.samples, b.pushes_accepted), (0, 1));
         let board = db.board(1, Some("bob-000001"), unix_now()).unwrap();
         assert_eq!(
-            (board.total, board.samples, board.contributors.len(), board.your_rank),
+            (
+                board.total,
+                board.samples,
+                board.contributors.len(),
+                board.your_rank
+            ),
             (2, 64, 1, Some(2))
         );
         assert_eq!(board.contributors[0].identity, "alice-0001");
@@ -782,7 +787,10 @@ mod tests {
         db.apply(&big, t0).unwrap();
         let rows = all(&db);
         assert!(rows.iter().all(|c| c.compute_seconds.is_finite()));
-        let m = rows.iter().find(|c| c.identity == "maxed-counts-1").unwrap();
+        let m = rows
+            .iter()
+            .find(|c| c.identity == "maxed-counts-1")
+            .unwrap();
         let top = i64::MAX as u64;
         assert_eq!(
             (m.samples, m.pushes_accepted, m.pushes_rejected, m.sessions),
@@ -843,10 +851,16 @@ mod tests {
             (0.0, 3, 2.0)
         );
         assert_eq!(
-            db.get("dave-0002", unix_now()).unwrap().unwrap().last_seen_unix,
+            db.get("dave-0002", unix_now())
+                .unwrap()
+                .unwrap()
+                .last_seen_unix,
             0.0
         );
-        assert_eq!(db.get("erin-0001", unix_now()).unwrap().unwrap().samples, 50);
+        assert_eq!(
+            db.get("erin-0001", unix_now()).unwrap().unwrap().samples,
+            50
+        );
         assert_eq!(db.totals().unwrap(), (3, 56));
         db.verify().unwrap();
     }
@@ -998,7 +1012,10 @@ mod tests {
             },
         );
         db.apply_limited(&fresh, unix_now(), n as usize).unwrap();
-        assert!(db.get("ident-00000001", 0.0).unwrap().is_none(), "oldest gone");
+        assert!(
+            db.get("ident-00000001", 0.0).unwrap().is_none(),
+            "oldest gone"
+        );
         assert!(db.get("newcomer-01", 0.0).unwrap().is_some());
         assert_eq!(db.totals().unwrap().0, n);
         db.verify().unwrap();
