@@ -3,7 +3,8 @@
 //! connection.
 //!
 //! The writer wakes every [`FLUSH_EVERY`], when a reader asks for a flush ([`Store::flush`],
-//! so a volunteer sees their own push on the leaderboard) and at [`Writer::stop`]; each time
+//! so a volunteer sees their own push on the leaderboard; at most one such round per
+//! [`MIN_GAP`], however many ask) and at [`Writer::stop`]; each time
 //! it takes the registry's pending deltas (a swap under the registry's lock, nothing more) and
 //! writes them in one transaction. A batch it cannot write goes back to the registry, to be
 //! tried with the next (bounded: [`super::MAX_PENDING`]). Reads lock only the read connection
@@ -19,6 +20,10 @@ use std::time::{Duration, Instant};
 
 /// Time between two flushes of the pending credit.
 pub const FLUSH_EVERY: Duration = Duration::from_secs(1);
+
+/// Least time between the starts of two flushes: however many readers ask (every tab's
+/// leaderboard poll does), the writer commits at most about `1 / MIN_GAP` times a second.
+pub const MIN_GAP: Duration = Duration::from_millis(100);
 
 /// How long [`Store::flush`] waits for its flush at most.
 pub const FLUSH_WAIT: Duration = Duration::from_secs(2);
@@ -181,39 +186,59 @@ impl Store {
         let store = self.clone();
         let handle = std::thread::Builder::new()
             .name("ledger-writer".into())
-            .spawn(move || loop {
-                let (asked, stop) = {
-                    let g = store.rounds();
-                    let (g, _) = store
-                        .woken
-                        .wait_timeout_while(g, FLUSH_EVERY, |r| !r.stop && r.asked <= r.served)
-                        .unwrap_or_else(|p| p.into_inner());
-                    (g.asked, g.stop)
-                };
-                let batch = take();
-                if !batch.is_empty() {
-                    match db.apply(&batch, unix_now()) {
-                        Ok(seq) => store.seq.store(seq, Ordering::Release),
-                        Err(e) => {
-                            tracing::error!(%e, identities = batch.deltas.len(), "ledger: a flush failed; its credit is kept for the next one");
-                            give_back(batch);
-                        }
-                    }
-                }
-                {
-                    let mut g = store.rounds();
-                    g.served = g.served.max(asked);
-                    store.woken.notify_all();
-                }
-                if stop {
-                    break;
-                }
-            })
+            .spawn(move || store.write_loop(&mut db, &mut take, &mut give_back))
             .map_err(|e| Error::Task(format!("ledger writer: {e}")))?;
         Ok(Writer {
             store: self.clone(),
             handle: Some(handle),
         })
+    }
+}
+
+impl Store {
+    /// The writer thread: a round every [`FLUSH_EVERY`], on request (at most one per
+    /// [`MIN_GAP`]) and at stop.
+    fn write_loop(
+        &self,
+        db: &mut Db,
+        take: &mut impl FnMut() -> Batch,
+        give_back: &mut impl FnMut(Batch),
+    ) {
+        let mut last = Instant::now();
+        loop {
+            let (asked, stop) = {
+                let wait = FLUSH_EVERY.saturating_sub(last.elapsed());
+                let (g, _) = self
+                    .woken
+                    .wait_timeout_while(self.rounds(), wait, |r| !r.stop && r.asked <= r.served)
+                    .unwrap_or_else(|p| p.into_inner());
+                (g.asked, g.stop)
+            };
+            let gap = MIN_GAP.saturating_sub(last.elapsed());
+            if !stop && !gap.is_zero() {
+                std::thread::sleep(gap);
+            }
+            last = Instant::now();
+            let batch = take();
+            if !batch.is_empty() {
+                match db.apply(&batch, unix_now()) {
+                    Ok(seq) => self.seq.store(seq, Ordering::Release),
+                    Err(e) => {
+                        let identities = batch.deltas.len();
+                        tracing::error!(%e, identities, "ledger: a flush failed; its credit is kept for the next one");
+                        give_back(batch);
+                    }
+                }
+            }
+            {
+                let mut g = self.rounds();
+                g.served = g.served.max(asked);
+                self.woken.notify_all();
+            }
+            if stop {
+                break;
+            }
+        }
     }
 }
 
