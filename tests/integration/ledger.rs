@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 const SECRET: &str = "integration-run-secret-0123456789";
 
 /// `crowdgrad serve` on any loopback port with `args`, waiting for it to listen (`None`
-/// when it exits first: its exit status is then in the returned process).
+/// when it exits before printing its address).
 fn serve(tag: &str, args: &[&str]) -> (Proc, Option<String>) {
     let mut c = util::crowdgrad();
     c.args([
@@ -138,8 +138,8 @@ async fn serve_refuses_a_corrupt_or_foreign_ledger() {
         (&foreign, "not a crowdgrad ledger"),
     ] {
         let before = std::fs::read(file).expect("read");
-        let (mut p, url) = serve("refused", &["--ledger", file.to_str().expect("utf-8")]);
-        assert!(url.is_none(), "served on a bad ledger: {}", p.stderr());
+        // (It may print its address first: `main` binds before the run opens the ledger.)
+        let (mut p, _) = serve("refused", &["--ledger", file.to_str().expect("utf-8")]);
         let status = p
             .exit_within(Duration::from_secs(30))
             .await
