@@ -207,7 +207,7 @@ async fn credit_survives_a_kill_9_and_restart_of_serve() {
         "{credited}"
     );
     // The checkpoint holds the ledger's position.
-    let newest = std::fs::read_dir(&dir.join("checkpoints"))
+    let newest = std::fs::read_dir(dir.join("checkpoints"))
         .expect("checkpoints")
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))

@@ -872,7 +872,8 @@ mod tests {
     fn corrupt_and_foreign_files_are_refused_untouched() {
         let dir = scratch("refuse");
         let dir = dir.parent().unwrap();
-        let cases: Vec<(&str, Box<dyn Fn(&std::path::Path)>, &str)> = vec![
+        type Make = Box<dyn Fn(&std::path::Path)>;
+        let cases: Vec<(&str, Make, &str)> = vec![
             (
                 "garbage.sqlite",
                 Box::new(|p| std::fs::write(p, vec![0x5a; 8192]).unwrap()),
