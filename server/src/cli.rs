@@ -117,6 +117,9 @@ pub enum BenchCmd {
     /// Checkpoint time and size for the MLP and a 10M-parameter model, and training samples/s
     /// with `--checkpoint-every 1` against none.
     Checkpoint(Box<crate::bench::checkpoint::CheckpointArgs>),
+    /// The contribution ledger's database filled with 1,000,000 identities: insert rate,
+    /// file size, p50/p99 of a rank and a top-10 query.
+    Ledger(Box<crate::bench::ledger::LedgerArgs>),
     /// Push + pull round trip over loopback for shards of these sizes.
     Roundtrip {
         /// Parameter counts.

@@ -243,6 +243,9 @@ fn main() -> anyhow::Result<()> {
             command: BenchCmd::Checkpoint(args),
         } => crowdgrad::bench::checkpoint::cli(&args)?,
         Cmd::Bench {
+            command: BenchCmd::Ledger(args),
+        } => crowdgrad::bench::ledger::cli(&args)?,
+        Cmd::Bench {
             command:
                 BenchCmd::Roundtrip {
                     params,

@@ -11,6 +11,7 @@ mod defences;
 mod durability;
 mod faults;
 mod http;
+mod ledger;
 mod limits;
 mod link;
 mod ops;

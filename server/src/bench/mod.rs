@@ -10,10 +10,13 @@
 //!   default limits vs none, with and without a flooding attacker (issue 10).
 //! - `checkpoint` ([`checkpoint`]): checkpoint time and size for the MLP and a 10M-parameter
 //!   model, and samples/s with `--checkpoint-every 1` against none (issue 9).
+//! - `ledger` ([`ledger`]): the contribution ledger's SQLite database with 1,000,000
+//!   identities: insert rate, file size, rank and top-10 query latency (issue 18).
 
 pub mod checkpoint;
 pub mod churn;
 pub mod flood;
+pub mod ledger;
 pub mod link;
 mod load;
 

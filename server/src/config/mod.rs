@@ -452,6 +452,9 @@ impl Training {
     }
 }
 
+/// The contribution ledger's file name in a local `--checkpoint-dir`.
+pub const LEDGER_FILE: &str = "ledger.sqlite";
+
 /// `--shards` of `crowdgrad serve` when not given.
 pub const SERVE_SHARDS: usize = 2;
 
@@ -521,6 +524,12 @@ pub struct ServeArgs {
     /// Resume a checkpoint written with another --shards by re-cutting it onto this one.
     #[arg(long)]
     pub reshard: bool,
+    /// The contribution ledger's SQLite file (made if missing; a corrupt file or one that is
+    /// not crowdgrad's ledger is refused, untouched). Default: ledger.sqlite in a local
+    /// --checkpoint-dir; without either (or with an s3:// one) a temporary file deleted at
+    /// exit, so credit does not survive a restart. Works with --shard-urls too.
+    #[arg(long, value_name = "PATH")]
+    pub ledger: Option<PathBuf>,
     /// Token for /api/admin/... (`Authorization: Bearer TOKEN`). Also read from the environment
     /// variable CROWDGRAD_ADMIN_TOKEN. When neither is set, one is generated and printed once.
     #[arg(long, env = "CROWDGRAD_ADMIN_TOKEN", hide_env_values = true)]
@@ -576,6 +585,9 @@ pub struct ServeConfig {
     pub join_token: Option<crate::support::credential::Secret>,
     /// Checkpoint policy; `None`: no checkpoints.
     pub checkpoint: Option<checkpoint::CheckpointConfig>,
+    /// `--ledger`: the contribution ledger's file ([`ServeConfig::ledger_path`] gives the
+    /// default).
+    pub ledger: Option<PathBuf>,
     /// The admin API's token (`Debug` prints it redacted); `None`: generated at start.
     pub admin_token: Option<crate::support::credential::Secret>,
     /// Remote shard processes' base URLs (empty: shards in this process).
@@ -725,7 +737,7 @@ impl ServeArgs {
             // The coordinator holds no parameters then, and its checkpoints (run spec and
             // ledger) are not written for that case yet: refused rather than half-working.
             return bad(
-                "--checkpoint-dir with --shard-urls: each shard process checkpoints itself                  (crowdgrad shard --checkpoint-dir); the coordinator does not checkpoint (its                  contribution ledger is not persisted in this mode)"
+                "--checkpoint-dir with --shard-urls: each shard process checkpoints itself                  (crowdgrad shard --checkpoint-dir); the coordinator does not checkpoint (give                  it --ledger PATH to keep the contribution ledger)"
                     .into(),
             );
         }
@@ -763,6 +775,7 @@ impl ServeArgs {
             tls,
             join_token,
             checkpoint,
+            ledger: self.ledger,
             admin_token,
             spot: {
                 let spot = self.spot.check()?;
@@ -782,6 +795,17 @@ impl ServeArgs {
 }
 
 impl ServeConfig {
+    /// Where the contribution ledger lives: `--ledger`, else `ledger.sqlite` in a local
+    /// `--checkpoint-dir`; `None`: a temporary file (no flag, or checkpoints on S3).
+    pub fn ledger_path(&self) -> Option<PathBuf> {
+        self.ledger.clone().or_else(|| {
+            self.checkpoint
+                .as_ref()
+                .filter(|c| !c.location.starts_with("s3://"))
+                .map(|c| PathBuf::from(&c.location).join(LEDGER_FILE))
+        })
+    }
+
     /// The defaults of `crowdgrad serve` with the given data directory (for tests and benches).
     pub fn defaults(data_dir: impl Into<PathBuf>) -> Self {
         use clap::Parser;

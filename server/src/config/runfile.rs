@@ -104,6 +104,7 @@ pub const KEYS: &[Key] = &[
     key("checkpoint.every", "checkpoint_every", Kind::Float),
     key("checkpoint.keep", "checkpoint_keep", Kind::Int),
     key("checkpoint.reshard", "reshard", Kind::Bool),
+    key("ledger.path", "ledger", Kind::Str),
     key("limits.max_workers", "max_workers", Kind::Int),
     key("limits.max_connections", "max_connections", Kind::Int),
     key(

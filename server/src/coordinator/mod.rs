@@ -101,6 +101,15 @@ pub async fn run(
         data.test = spaced(&data.test, EVAL_WINDOWS)?;
     }
     data.test.set_normalize(&spec.normalize)?;
+    // The contribution ledger's file (crate::registry::ledger): opened first, so a corrupt
+    // or foreign file stops the start before anything else happens (and is left untouched).
+    let ledger_path = cfg.ledger_path();
+    let (ledger, mut ledger_db) = registry::ledger::store::Store::open(ledger_path.as_deref())?;
+    if ledger.is_temporary() {
+        tracing::warn!(path = %ledger.path().display(), "ledger: no --ledger and no local --checkpoint-dir: contributions are kept in a temporary file, lost at exit");
+    } else {
+        tracing::info!(path = %ledger.path().display(), seq = ledger.seq(), "ledger opened");
+    }
     // Continue the newest valid checkpoint, if any (crate::checkpoint); its run id stays, so
     // workers that rejoin see the same run.
     let (checkpoints, mut restored) = match &cfg.checkpoint {
@@ -248,11 +257,9 @@ pub async fn run(
         tokio::spawn(async move { r.monitor(stop).await });
     }
     if let Some(r) = &restored {
-        match registry::ledger::Ledger::restore(&r.ledger) {
-            Ok(l) => app.registry.restore_ledger(l),
-            Err(e) => tracing::warn!(%e, "the checkpoint's ledger is unusable; starting it empty"),
-        }
+        resume_ledger(&mut ledger_db, ledger.seq(), r);
     }
+    let ledger_writer = app.registry.start_ledger(&ledger, ledger_db)?;
     let stop_tx = Arc::new(stop_tx);
     let stopper = stop_tx.clone();
     let evaluator = tokio::spawn(app::evaluator(app.clone()));
@@ -311,11 +318,42 @@ pub async fn run(
             }
         }
     }
+    // The last credit goes to the ledger's file (after the final checkpoint, which records
+    // the position it flushed to).
+    let _ = tokio::task::spawn_blocking(move || ledger_writer.stop()).await;
     // Updates are applied inside the connection tasks, so once those are done every in-flight
     // push has been applied or rejected.
     drop(app);
     drop(stop_tx);
     served
+}
+
+/// The ledger on resume from checkpoint `r` (the ledger file, at `seq`, is the source of
+/// truth: credit given after the checkpoint stays, though the parameters go back to it). A
+/// checkpoint from before the ledger moved to SQLite carries the whole ledger as JSON: it is
+/// imported once (identities the file already has keep their row). A ledger file behind the
+/// checkpoint's position (replaced, or restored from an older backup) is used with a warning.
+fn resume_ledger(db: &mut registry::ledger::db::Db, seq: u64, r: &checkpoint::Restored) {
+    if r.ledger.get("contributors").is_some() {
+        let name = format!("{}/{}", r.run_id, r.name);
+        match registry::ledger::import_json(&r.ledger).and_then(|rows| db.import(&name, &rows)) {
+            Ok(Some(n)) => {
+                tracing::info!(checkpoint = %r.name, identities = n, "ledger: imported the checkpoint's JSON ledger")
+            }
+            Ok(None) => {}
+            Err(e) => tracing::warn!(%e, "the checkpoint's ledger could not be imported"),
+        }
+    } else if let Some(saved) = r.ledger.get("seq").and_then(|s| s.as_u64()) {
+        if saved > seq {
+            tracing::warn!(
+                checkpoint = %r.name,
+                checkpoint_seq = saved,
+                ledger_seq = seq,
+                path = %db.path().display(),
+                "ledger: the file is behind the checkpoint (replaced, or an older backup?): credit between is missing"
+            );
+        }
+    }
 }
 
 /// A server started in the background (for tests, benches and embedding).

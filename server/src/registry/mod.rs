@@ -270,7 +270,8 @@ struct Inner {
     reads: VecDeque<ReadEntry>,
     read_skew_hist: Vec<u64>,
     epoch: Option<Instant>,
-    /// Contributions by stable identity (crate::registry::ledger), kept across restarts by checkpoints.
+    /// The contribution ledger's in-memory part (crate::registry::ledger): seats and the
+    /// credit not yet flushed to its database.
     ledger: crate::registry::ledger::Ledger,
 }
 
@@ -279,6 +280,9 @@ struct Inner {
 pub struct Registry {
     inner: Arc<Mutex<Inner>>,
     capacity: usize,
+    /// The ledger's database, once [`Registry::start_ledger`] attached it (read without the
+    /// registry's lock).
+    ledger_store: Arc<std::sync::OnceLock<Arc<ledger::store::Store>>>,
 }
 
 /// Workers not seen for this long while disconnected are forgotten.
@@ -296,6 +300,7 @@ impl Registry {
                 ..Inner::default()
             })),
             capacity,
+            ledger_store: Arc::default(),
         }
     }
 
@@ -474,7 +479,16 @@ impl Registry {
     /// Records a push's outcome on `shard` from `worker` (`None` when it came before Hello).
     /// Samples count once per step: on shard 0. Refused frames that are not pushes go to
     /// [`Registry::frame_rejected`].
-    pub fn pushed(&self, shard: u32, worker: Option<u64>, outcome: &Outcome, samples: u32) {
+    /// `nonzero`: the gradient moved anything (the ledger credits no samples for an all-zero
+    /// push).
+    pub fn pushed(
+        &self,
+        shard: u32,
+        worker: Option<u64>,
+        outcome: &Outcome,
+        samples: u32,
+        nonzero: bool,
+    ) {
         let mut g = self.lock();
         let samples = (shard == 0).then_some(samples);
         if let Some(c) = g.shards.get_mut(shard as usize) {
@@ -489,7 +503,7 @@ impl Registry {
             }
         }
         if let Some(id) = worker {
-            g.ledger.pushed(id, outcome, samples);
+            g.ledger.pushed(id, outcome, samples, nonzero);
         }
     }
 
@@ -499,14 +513,40 @@ impl Registry {
         self.lock().ledger.joined(worker, identity, name, client);
     }
 
-    /// Runs `f` on the ledger (read-only).
+    /// Runs `f` on the ledger's in-memory part (read-only).
     pub fn with_ledger<R>(&self, f: impl FnOnce(&crate::registry::ledger::Ledger) -> R) -> R {
         f(&self.lock().ledger)
     }
 
-    /// Replaces the ledger (with the one a checkpoint saved).
-    pub fn restore_ledger(&self, ledger: crate::registry::ledger::Ledger) {
-        self.lock().ledger = ledger;
+    // --- The ledger's database (crate::registry::ledger::store): attached once; its writer
+    // --- thread takes the pending credit with a swap under the lock, never more.
+
+    /// Attaches the ledger's database `store` and starts its writer over `db` (both from
+    /// [`ledger::store::Store::open`]).
+    ///
+    /// # Errors
+    /// [`crate::Error::Task`] when a database is already attached or the thread cannot start.
+    pub fn start_ledger(
+        &self,
+        store: &Arc<ledger::store::Store>,
+        db: ledger::db::Db,
+    ) -> crate::error::Result<ledger::store::Writer> {
+        if self.ledger_store.set(store.clone()).is_err() {
+            return Err(crate::error::Error::Task(
+                "the registry already has a ledger".into(),
+            ));
+        }
+        let (take, back) = (self.clone(), self.clone());
+        store.start(
+            db,
+            move || take.lock().ledger.take(),
+            move |batch| back.lock().ledger.give_back(batch),
+        )
+    }
+
+    /// The ledger's database, once attached.
+    pub fn ledger(&self) -> Option<Arc<ledger::store::Store>> {
+        self.ledger_store.get().cloned()
     }
 
     /// Bytes moved on `shard` for `worker`: a push frame received (`up`), a parameter frame
@@ -711,7 +751,7 @@ mod tests {
     fn refused_frames_are_not_rejected_pushes() {
         let r = Registry::new(2, 10);
         let (id, _) = r.join(ClientKind::Native, None, 1).unwrap();
-        r.pushed(0, Some(id), &applied(0), 32);
+        r.pushed(0, Some(id), &applied(0), 32, true);
         r.pushed(
             1,
             Some(id),
@@ -720,6 +760,7 @@ mod tests {
                 message: "old".into(),
             },
             32,
+            false,
         );
         r.frame_rejected(1, Some(id), ErrorCode::Malformed);
         r.frame_rejected(1, None, ErrorCode::Protocol);
