@@ -435,6 +435,24 @@ impl Model {
         self.stages.iter().any(|s| s.dropout > 0.0)
     }
 
+    /// About how many f32 a [`Model::workspace`] (`train`) or [`Model::inference_workspace`]
+    /// of `capacity` rows holds, without making one: what a server checks a worker's memory
+    /// against before it serves a model (activations, their gradients, im2col columns).
+    pub fn workspace_floats(&self, capacity: usize, train: bool) -> u128 {
+        let capacity = capacity.max(1) as u128;
+        if let Some(g) = &self.gpt {
+            let per = gpt::floats_per_example(&g.info, train);
+            return if train {
+                per * capacity
+            } else {
+                (per * capacity).min(gpt::EVAL_BUDGET as u128)
+            };
+        }
+        let acts: u128 = self.stages.iter().map(|s| s.out_len as u128).sum();
+        let cols = COLS_BUDGET as u128;
+        capacity * acts * if train { 2 } else { 1 } + cols
+    }
+
     fn make_workspace(&self, capacity: usize, train: bool) -> Workspace {
         let capacity = capacity.max(1);
         let seq = self

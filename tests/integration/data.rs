@@ -321,3 +321,37 @@ async fn text_windows_are_served_and_a_real_worker_trains_on_token_ids() {
     server.kill();
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Issue 20: a model a worker (a browser tab: wasm32) could not hold is refused when the
+/// server starts, with the numbers, before any parameter is allocated; a 10M-parameter gpt
+/// is not.
+#[tokio::test]
+async fn a_language_model_too_large_for_a_tab_is_refused_at_start() {
+    use crowdgrad::support::text::{load_text, TextConfig};
+    let dir = crate::util::scratch("data", "big-gpt");
+    let line = "The quick brown fox jumps over the lazy dog, again and again.\n";
+    std::fs::write(dir.join("train.txt"), line.repeat(40)).unwrap();
+    std::fs::write(dir.join("valid.txt"), line.repeat(8)).unwrap();
+    let text = || load_text(&dir, &TextConfig::default(), 128).expect("a text dataset");
+    let mut cfg = crate::util::config();
+    cfg.dataset = "toy-text".into();
+    cfg.training.model = "gpt:16,2048,16,128".into();
+    let err = refused(cfg, text()).await;
+    assert!(
+        err.contains("a worker would need about")
+            && err.contains("MiB")
+            && err.contains("--batch-size"),
+        "{err}"
+    );
+    let big = crowdgrad_core::model::Model::new(
+        crowdgrad_core::model::ModelSpec::parse_sequence("gpt:8,320,8,128", 256).unwrap(),
+    )
+    .unwrap();
+    assert!(big.param_len() > 9_000_000, "{}", big.param_len());
+    let need = crowdgrad::coordinator::worker_memory(&big, 32);
+    assert!(
+        need < crowdgrad::coordinator::MAX_WORKER_BYTES,
+        "{} MiB",
+        need >> 20
+    );
+}

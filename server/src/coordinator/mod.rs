@@ -37,6 +37,19 @@ use tokio_util::task::TaskTracker;
 /// How long shutdown waits for open WebSocket connections to finish.
 const DRAIN: Duration = Duration::from_secs(5);
 
+/// Copies of the parameters a worker holds: the pulled ones, its own (local steps), the
+/// gradient, the inner optimizer's two Adam moments, the push encoder's error feedback.
+pub const WORKER_PARAM_COPIES: u128 = 6;
+
+/// Most bytes a worker may need for a run's model: a wasm32 tab addresses 4 GiB at most,
+/// and its page, bundle and buffers need some of it.
+pub const MAX_WORKER_BYTES: u128 = 3 << 30;
+
+/// About the bytes a worker needs to train `model` at `batch` (parameters and activations).
+pub fn worker_memory(model: &Model, batch: usize) -> u128 {
+    4 * (WORKER_PARAM_COPIES * model.param_len() as u128 + model.workspace_floats(batch, true))
+}
+
 /// Validation windows a language model's evaluator reads (about 33,000 tokens at T = 64).
 pub const EVAL_WINDOWS: usize = 512;
 
@@ -127,6 +140,25 @@ pub async fn run(
         .as_mut()
         .map(|r| std::mem::take(&mut r.exports).into_iter());
     let model = Model::new(spec.model.clone())?;
+    let worker_bytes = worker_memory(&model, spec.batch_size);
+    if worker_bytes > MAX_WORKER_BYTES {
+        return Err(Error::Config(format!(
+            "model {}: a worker would need about {} MiB ({} parameters x {WORKER_PARAM_COPIES} \
+             copies + {} MiB of activations at batch {}), more than the {} MiB a browser tab \
+             (wasm32) can have; use a smaller model or --batch-size",
+            spec.model,
+            worker_bytes >> 20,
+            model.param_len(),
+            (4 * model.workspace_floats(spec.batch_size, true)) >> 20,
+            spec.batch_size,
+            MAX_WORKER_BYTES >> 20
+        )));
+    }
+    tracing::info!(
+        params = model.param_len(),
+        worker_mib = (worker_bytes >> 20) as u64,
+        "a worker needs about this much memory for the model"
+    );
     let ranges = spec.ranges();
     let initial = model.init_params(cfg.training.seed);
     let mut shards = Vec::new();
