@@ -7,9 +7,9 @@ mod ledger;
 use crate::coordinator::app::App;
 use crate::net::ConnSlot;
 use crate::registry::{MAX_PAGE, RECENT_WORKERS};
+use crate::shard::upgrade::ShardUpgrade;
 use crate::support::limits::client_ip;
 use axum::body::Bytes;
-use axum::extract::ws::WebSocketUpgrade;
 use axum::extract::{ConnectInfo, Path, RawQuery, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -351,7 +351,7 @@ async fn ws(
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     Extension(slot): Extension<Arc<ConnSlot>>,
     headers: HeaderMap,
-    upgrade: WebSocketUpgrade,
+    upgrade: ShardUpgrade,
 ) -> Response {
     let Some(shard) = app.shards.get(id).cloned() else {
         return error(StatusCode::NOT_FOUND, format!("no shard {id}"));
