@@ -114,6 +114,10 @@ pub enum BenchCmd {
     /// Honest workers' samples/s with default limits, none and a tight push rate, without and
     /// with a flooding attacker from 127.0.0.2.
     Flood(Box<crate::bench::flood::FloodArgs>),
+    /// A crowd of simulated volunteers (join, a socket per shard, pulls, pushes, reports and a
+    /// dashboard stream) from one process against one server: RSS per volunteer, CPU, fds,
+    /// bytes/s per dashboard and per socket, round trips, per phase (ramp, steady, leave).
+    Crowd(Box<crate::bench::crowd::CrowdArgs>),
     /// Checkpoint time and size for the MLP and a 10M-parameter model, and training samples/s
     /// with `--checkpoint-every 1` against none.
     Checkpoint(Box<crate::bench::checkpoint::CheckpointArgs>),

@@ -6,6 +6,7 @@ mod access;
 mod churn;
 mod conformance;
 mod consistency;
+mod crowd;
 mod data;
 mod defences;
 mod durability;

@@ -135,6 +135,8 @@ pub struct App {
     pub remote: Option<Arc<crate::coordinator::remote::RemoteShards>>,
     /// Per-worker reputation and quarantine, and the spot checker ([`crate::defence::spotcheck`]).
     pub defence: crate::defence::spotcheck::Defence,
+    /// The dashboard stream's newest tick ([`crate::coordinator::dashboard`]).
+    pub dashboard: crate::coordinator::dashboard::Dashboard,
 }
 
 /// Totals with a recent rate.
@@ -205,6 +207,43 @@ pub struct Status {
     pub spot_checks: Option<crate::defence::spotcheck::SpotStatus>,
 }
 
+/// The data of the dashboard's `tick` event (docs/protocol.md, "Dashboard stream"): the
+/// status without the run's description, the evaluation history, the workers and the
+/// per-worker reputation.
+#[derive(Debug, Serialize)]
+pub struct TickBody {
+    /// Tick number, from 1, one per second.
+    pub seq: u64,
+    /// Seconds since start.
+    pub uptime_s: f64,
+    /// Consistency mode now.
+    pub consistency: String,
+    /// Staleness policy.
+    pub staleness_policy: String,
+    /// Read-skew histogram.
+    pub read_skew_hist: Vec<u64>,
+    /// Per shard.
+    pub shards: Vec<ShardStatus>,
+    /// Workers with at least one open connection.
+    pub workers_connected: usize,
+    /// Totals.
+    pub totals: Totals,
+    /// Latest evaluation.
+    pub eval: Option<EvalPoint>,
+    /// Evaluations added since the previous tick, oldest first.
+    pub evals: Vec<EvalPoint>,
+    /// What the limits refused.
+    pub limits: crate::support::limits::LimitCounts,
+    /// With `--shard-urls`: the shard processes' health.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remote_shards: Option<Vec<crate::coordinator::remote::Health>>,
+    /// Quarantine counts (the per-worker part comes with `/api/workers`).
+    pub reputation: crate::defence::reputation::ReputationSummary,
+    /// The spot checker's counters (absent: spot checks off).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub spot_checks: Option<crate::defence::spotcheck::SpotStatus>,
+}
+
 /// A remote shard's counters from the `status` record it reported (the per-reason maps stay
 /// with the shard process's own `/metrics`).
 fn remote_counters(status: Option<&serde_json::Value>) -> Counters {
@@ -260,35 +299,11 @@ impl App {
 
     /// The status now.
     pub fn status(&self) -> Status {
-        let (workers, shard_counters, mut totals) = self.registry.view();
+        let (workers, shard_counters, totals) = self.registry.view();
         let evals = self.evals.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let rate = self.samples_per_sec();
         let remote_shards = self.remote.as_ref().map(|r| r.health());
-        let mut shards: Vec<ShardStatus> = self
-            .shards
-            .iter()
-            .zip(shard_counters)
-            .map(|(s, counters)| ShardStatus::of(s, counters))
-            .collect();
-        if let Some(health) = &remote_shards {
-            // The shard processes count pushes and pulls; the coordinator sees their reports.
-            shards = health
-                .iter()
-                .zip(self.spec.ranges())
-                .map(|(h, range)| ShardStatus {
-                    id: h.id,
-                    range,
-                    version: h.version.unwrap_or(0),
-                    updates_by_merged: Default::default(),
-                    counters: remote_counters(h.status.as_ref()),
-                })
-                .collect();
-            totals.pulls = shards.iter().map(|s| s.counters.pulls).sum();
-            totals.pushes_applied = shards.iter().map(|s| s.counters.pushes_applied).sum();
-            totals.pushes_rejected = shards.iter().map(|s| s.counters.pushes_rejected).sum();
-            totals.frames_rejected = shards.iter().map(|s| s.counters.frames_rejected).sum();
-            totals.samples = shards.first().map_or(0, |s| s.counters.samples);
-        }
+        let (shards, totals) = self.shard_view(shard_counters, totals, remote_shards.as_deref());
         Status {
             run_id: self.spec.run_id.clone(),
             model: self.model.spec().to_string(),
@@ -329,6 +344,92 @@ impl App {
                 .status(crate::registry::RECENT_WORKERS),
             spot_checks: self.defence.spot.as_ref().map(|s| s.status()),
         }
+    }
+
+    /// The shards as the status shows them, and the totals: from the registry's counters, or
+    /// with remote shards from their last reports.
+    fn shard_view(
+        &self,
+        shard_counters: Vec<Counters>,
+        mut totals: Counters,
+        remote: Option<&[crate::coordinator::remote::Health]>,
+    ) -> (Vec<ShardStatus>, Counters) {
+        let mut shards: Vec<ShardStatus> = self
+            .shards
+            .iter()
+            .zip(shard_counters)
+            .map(|(s, counters)| ShardStatus::of(s, counters))
+            .collect();
+        if let Some(health) = remote {
+            // The shard processes count pushes and pulls; the coordinator sees their reports.
+            shards = health
+                .iter()
+                .zip(self.spec.ranges())
+                .map(|(h, range)| ShardStatus {
+                    id: h.id,
+                    range,
+                    version: h.version.unwrap_or(0),
+                    updates_by_merged: Default::default(),
+                    counters: remote_counters(h.status.as_ref()),
+                })
+                .collect();
+            totals.pulls = shards.iter().map(|s| s.counters.pulls).sum();
+            totals.pushes_applied = shards.iter().map(|s| s.counters.pushes_applied).sum();
+            totals.pushes_rejected = shards.iter().map(|s| s.counters.pushes_rejected).sum();
+            totals.frames_rejected = shards.iter().map(|s| s.counters.frames_rejected).sum();
+            totals.samples = shards.first().map_or(0, |s| s.counters.samples);
+        }
+        (shards, totals)
+    }
+
+    /// The dashboard's tick number `seq` ([`crate::coordinator::dashboard`]): the counters, and
+    /// the evaluation points newer than `after` (seconds since start); also the newest point's
+    /// time. Copies the registry's totals under its lock and walks no worker.
+    pub fn tick_body(&self, seq: u64, after: f64) -> (TickBody, f64) {
+        let (shard_counters, totals) = self.registry.summary();
+        let remote_shards = self.remote.as_ref().map(|r| r.health());
+        let (shards, totals) = self.shard_view(shard_counters, totals, remote_shards.as_deref());
+        let (eval, evals) = {
+            let e = self.evals.lock().unwrap_or_else(|p| p.into_inner());
+            let new: Vec<EvalPoint> = e.iter().filter(|p| p.time_s > after).copied().collect();
+            (e.last().copied(), new)
+        };
+        let newest = eval.map_or(after, |e| e.time_s.max(after));
+        let body = TickBody {
+            seq,
+            uptime_s: self.started.elapsed().as_secs_f64(),
+            consistency: self.consistency().to_string(),
+            staleness_policy: self.cfg.training.staleness.to_string(),
+            read_skew_hist: self.registry.read_skew_hist(),
+            shards,
+            workers_connected: totals.workers.map_or(0, |w| w.connected as usize),
+            totals: Totals {
+                counters: totals,
+                samples_per_sec: self.samples_per_sec(),
+            },
+            eval,
+            evals,
+            limits: self.limits.counts(),
+            remote_shards,
+            reputation: self.defence.reputation.summary(),
+            spot_checks: self.defence.spot.as_ref().map(|s| s.status()),
+        };
+        (body, newest)
+    }
+
+    /// What does not change while the run lasts (but the configuration an operator may
+    /// switch: the tick carries the consistency mode): the dashboard's `run` event.
+    pub fn run_description(&self) -> serde_json::Value {
+        serde_json::json!({
+            "run_id": self.spec.run_id,
+            "model": self.model.spec().to_string(),
+            "params": self.model.param_len(),
+            "batch_size": self.spec.batch_size,
+            "dataset": self.spec.dataset.name,
+            "optimizer": self.spec.optimizer,
+            "private_run": self.cfg.join_token.is_some(),
+            "config": self.cfg.resolved,
+        })
     }
 
     /// The examples behind all applied pushes (with remote shards: as shard 0 last reported).

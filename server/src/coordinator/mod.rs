@@ -5,6 +5,7 @@
 //!
 //! - [`run`] / [`start`]: the server (mini-redis' `server::run(listener, shutdown)`).
 //! - [`app`]: the shared state, the side-car evaluator and `/api/status`.
+//! - [`dashboard`]: the dashboard stream's tick, built once a second for every viewer.
 //! - [`admin`]: the admin state (pause, drain, stop, live learning rate).
 //! - [`http`]: the router, one file per endpoint group.
 //! - [`remote`]: shards in other processes (`--shard-urls`).
@@ -12,6 +13,7 @@
 
 pub mod admin;
 pub mod app;
+pub mod dashboard;
 pub mod http;
 pub mod parts;
 pub mod remote;
@@ -283,6 +285,7 @@ pub async fn run(
         remote,
         checkpoints: checkpoints.clone(),
         admin,
+        dashboard: Default::default(),
     });
     if let Some(r) = app.remote.clone() {
         let stop = app.shutdown.clone();
@@ -295,6 +298,7 @@ pub async fn run(
     let stop_tx = Arc::new(stop_tx);
     let stopper = stop_tx.clone();
     let evaluator = tokio::spawn(app::evaluator(app.clone()));
+    tokio::spawn(dashboard::task(app.clone()));
     tokio::spawn(trim::task(app.limits.clone(), app.shutdown.clone()));
     let checkpointer = checkpoints.clone().map(|ck| {
         tokio::spawn(checkpoint::task(
