@@ -320,6 +320,53 @@ function sparkline(h) {
   return counts.slice(0, last + 1).map((c) => (c === 0 ? ' ' : bars[Math.min(7, Math.floor((c / max) * 7.999))])).join('');
 }
 
+// A language model's run (status `task.kind` "language") shows validation bits per character
+// (bits per token with byte tokens) where a classifier shows accuracy and loss, and the text
+// its current weights write (/api/sample).
+let language = null;
+const SAMPLE_EVERY_MS = 5_000;
+let sampleTimer = null;
+
+function setTask(task) {
+  const lm = task && task.kind === 'language' ? task : null;
+  if (JSON.stringify(lm) === JSON.stringify(language)) return;
+  language = lm;
+  const unit = lm && lm.level === 'bytes' ? 'byte' : 'character';
+  $('kpi-accuracy-label').textContent = lm ? `Next-${unit} accuracy` : 'Test accuracy';
+  $('kpi-loss-label').textContent = lm ? `Validation bits/${unit === 'byte' ? 'byte' : 'char'}` : 'Test loss';
+  $('chart-caption').textContent = lm
+    ? `Next-${unit} accuracy (left axis) and validation bits per ${unit} (right axis; lower is better) against seconds since the run began.`
+    : 'Test accuracy (left axis) and loss (right axis) against seconds since the run began.';
+  if (chart) {
+    chart.destroy();
+    chart = null;
+    $('chart').replaceChildren();
+    makeChart();
+  }
+  $('sample').hidden = !lm;
+  if (lm && !sampleTimer) {
+    loadSample();
+    sampleTimer = setInterval(() => { if (!document.hidden) loadSample(); }, SAMPLE_EVERY_MS);
+  }
+}
+
+async function loadSample() {
+  try {
+    const r = await fetch('/api/sample');
+    if (r.status !== 200) return;
+    const s = await r.json();
+    const out = $('sample-text');
+    const prompt = document.createElement('span');
+    prompt.className = 'sample-prompt';
+    prompt.textContent = s.prompt;
+    out.replaceChildren(prompt, document.createTextNode(s.text));
+    $('sample-info').textContent = `After ${num(s.samples)} samples (step ${num(s.step)}), at temperature ${s.temperature}: `
+      + 'the bold prompt is the server\'s, the rest the model\'s.';
+  } catch (_) {
+    // The next poll tries again.
+  }
+}
+
 function makeChart() {
   const box = $('chart');
   const width = Math.max(280, box.clientWidth);
@@ -329,13 +376,13 @@ function makeChart() {
     scales: { x: { time: false }, acc: { range: [0, 1] }, loss: { auto: true } },
     axes: [
       { label: 'seconds', stroke: '#555' },
-      { scale: 'acc', label: 'accuracy', stroke: '#1f6f43', values: (u, vs) => vs.map((v) => `${Math.round(v * 100)}%`) },
-      { scale: 'loss', label: 'loss', side: 1, grid: { show: false }, stroke: '#a3441f' },
+      { scale: 'acc', label: language ? 'next-token accuracy' : 'accuracy', stroke: '#1f6f43', values: (u, vs) => vs.map((v) => `${Math.round(v * 100)}%`) },
+      { scale: 'loss', label: language ? 'bits per token' : 'loss', side: 1, grid: { show: false }, stroke: '#a3441f' },
     ],
     series: [
       { label: 'time (s)' },
-      { label: 'test accuracy', scale: 'acc', stroke: '#1f6f43', width: 2, value: (u, v) => pct(v) },
-      { label: 'test loss', scale: 'loss', stroke: '#a3441f', width: 2, value: (u, v) => fixed(v, 4) },
+      { label: language ? 'next-token accuracy' : 'test accuracy', scale: 'acc', stroke: '#1f6f43', width: 2, value: (u, v) => pct(v) },
+      { label: language ? 'validation bits/token' : 'test loss', scale: 'loss', stroke: '#a3441f', width: 2, value: (u, v) => fixed(v, language ? 3 : 4) },
     ],
     legend: { live: true },
   };
@@ -586,9 +633,10 @@ function renderStatus(st) {
     st.batch_size && `batch ${st.batch_size}`, rule && `${rule}${opt.lr ? ` lr ${opt.lr}` : ''}`,
     `up ${Math.round(st.uptime_s || 0)} s`,
   ].filter(Boolean).join(' · ');
+  setTask(st.task);
   const ev = st.eval;
   $('kpi-accuracy').textContent = ev ? pct(ev.accuracy) : '–';
-  $('kpi-loss').textContent = ev ? fixed(ev.loss, 4) : '–';
+  $('kpi-loss').textContent = ev ? (language ? fixed(ev.bits_per_token, 3) : fixed(ev.loss, 4)) : '–';
   const t = st.totals || {};
   $('kpi-rate').textContent = num(t.samples_per_sec);
   $('kpi-workers').textContent = num(st.workers_connected);
@@ -611,7 +659,8 @@ function renderStatus(st) {
   $('config').textContent = configText(st.config);
   renderHist(st);
   const h = st.eval_history || [];
-  if (chart) chart.setData([h.map((e) => e.time_s), h.map((e) => e.accuracy), h.map((e) => e.loss)]);
+  const second = language ? (e) => e.bits_per_token : (e) => e.loss;
+  if (chart) chart.setData([h.map((e) => e.time_s), h.map((e) => e.accuracy), h.map(second)]);
 }
 
 function setLive(live) {

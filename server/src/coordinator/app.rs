@@ -427,6 +427,7 @@ impl App {
             "batch_size": self.spec.batch_size,
             "dataset": self.spec.dataset.name,
             "optimizer": self.spec.optimizer,
+            "task": self.task(),
             "private_run": self.cfg.join_token.is_some(),
             "config": self.cfg.resolved,
         })
