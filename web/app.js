@@ -1,7 +1,10 @@
 // The page: a volunteer panel driving K Web Workers ("use K of N cores"; each web/worker.js
-// hosts one Rust BrowserWorker, joined as thread i of K of one volunteer), and a live dashboard fed by the server's status stream (/api/events). The
-// status carries only the newest 100 workers and totals by kind; older pages of the worker
-// table come from /api/workers.
+// hosts one Rust BrowserWorker, joined as thread i of K of one volunteer), and a live dashboard fed by the server's dashboard stream (/api/events:
+// a `run` event once, then a small `tick` a second with the counters and only the new
+// evaluation points; docs/protocol.md, "Dashboard stream"). The worker table (with its
+// reputation records) comes from /api/workers and the leaderboard from /api/contributors,
+// polled only while the page is visible; a hidden page closes its stream and reopens it when
+// shown (issue 18).
 // No training logic lives here: the numbers shown come from the worker's progress reports and
 // the server's status.
 import uPlot from './vendor/uPlot.esm.js';
@@ -317,6 +320,53 @@ function sparkline(h) {
   return counts.slice(0, last + 1).map((c) => (c === 0 ? ' ' : bars[Math.min(7, Math.floor((c / max) * 7.999))])).join('');
 }
 
+// A language model's run (status `task.kind` "language") shows validation bits per character
+// (bits per token with byte tokens) where a classifier shows accuracy and loss, and the text
+// its current weights write (/api/sample).
+let language = null;
+const SAMPLE_EVERY_MS = 5_000;
+let sampleTimer = null;
+
+function setTask(task) {
+  const lm = task && task.kind === 'language' ? task : null;
+  if (JSON.stringify(lm) === JSON.stringify(language)) return;
+  language = lm;
+  const unit = lm && lm.level === 'bytes' ? 'byte' : 'character';
+  $('kpi-accuracy-label').textContent = lm ? `Next-${unit} accuracy` : 'Test accuracy';
+  $('kpi-loss-label').textContent = lm ? `Validation bits/${unit === 'byte' ? 'byte' : 'char'}` : 'Test loss';
+  $('chart-caption').textContent = lm
+    ? `Next-${unit} accuracy (left axis) and validation bits per ${unit} (right axis; lower is better) against seconds since the run began.`
+    : 'Test accuracy (left axis) and loss (right axis) against seconds since the run began.';
+  if (chart) {
+    chart.destroy();
+    chart = null;
+    $('chart').replaceChildren();
+    makeChart();
+  }
+  $('sample').hidden = !lm;
+  if (lm && !sampleTimer) {
+    loadSample();
+    sampleTimer = setInterval(() => { if (!document.hidden) loadSample(); }, SAMPLE_EVERY_MS);
+  }
+}
+
+async function loadSample() {
+  try {
+    const r = await fetch('/api/sample');
+    if (r.status !== 200) return;
+    const s = await r.json();
+    const out = $('sample-text');
+    const prompt = document.createElement('span');
+    prompt.className = 'sample-prompt';
+    prompt.textContent = s.prompt;
+    out.replaceChildren(prompt, document.createTextNode(s.text));
+    $('sample-info').textContent = `After ${num(s.samples)} samples (step ${num(s.step)}), at temperature ${s.temperature}: `
+      + 'the bold prompt is the server\'s, the rest the model\'s.';
+  } catch (_) {
+    // The next poll tries again.
+  }
+}
+
 function makeChart() {
   const box = $('chart');
   const width = Math.max(280, box.clientWidth);
@@ -326,13 +376,13 @@ function makeChart() {
     scales: { x: { time: false }, acc: { range: [0, 1] }, loss: { auto: true } },
     axes: [
       { label: 'seconds', stroke: '#555' },
-      { scale: 'acc', label: 'accuracy', stroke: '#1f6f43', values: (u, vs) => vs.map((v) => `${Math.round(v * 100)}%`) },
-      { scale: 'loss', label: 'loss', side: 1, grid: { show: false }, stroke: '#a3441f' },
+      { scale: 'acc', label: language ? 'next-token accuracy' : 'accuracy', stroke: '#1f6f43', values: (u, vs) => vs.map((v) => `${Math.round(v * 100)}%`) },
+      { scale: 'loss', label: language ? 'bits per token' : 'loss', side: 1, grid: { show: false }, stroke: '#a3441f' },
     ],
     series: [
       { label: 'time (s)' },
-      { label: 'test accuracy', scale: 'acc', stroke: '#1f6f43', width: 2, value: (u, v) => pct(v) },
-      { label: 'test loss', scale: 'loss', stroke: '#a3441f', width: 2, value: (u, v) => fixed(v, 4) },
+      { label: language ? 'next-token accuracy' : 'test accuracy', scale: 'acc', stroke: '#1f6f43', width: 2, value: (u, v) => pct(v) },
+      { label: language ? 'validation bits/token' : 'test loss', scale: 'loss', stroke: '#a3441f', width: 2, value: (u, v) => fixed(v, language ? 3 : 4) },
     ],
     legend: { live: true },
   };
@@ -350,11 +400,12 @@ function cell(text, cls) {
   return td;
 }
 
-// The worker table shows one page of PAGE workers, newest first. Page 0 is the status's own
-// list (live with every status event); later pages are fetched from /api/workers and refreshed
-// on each status event while shown, one request at a time.
+// The worker table shows one page of PAGE workers, newest first, from /api/workers (with the
+// reputation records of its rows): fetched when the page moves and every WORKERS_EVERY_MS
+// while the page is visible, one request at a time.
 const PAGE = 100;
-const workerPages = { offset: 0, total: 0, recent: [], loading: false };
+const WORKERS_EVERY_MS = 3_000;
+const workerPages = { offset: 0, total: 0, loading: false };
 
 function renderWorkerPager() {
   const { offset, total } = workerPages;
@@ -367,7 +418,7 @@ function renderWorkerPager() {
 }
 
 async function loadWorkerPage() {
-  if (workerPages.offset === 0 || workerPages.loading) return;
+  if (workerPages.loading) return;
   const offset = workerPages.offset;
   workerPages.loading = true;
   try {
@@ -376,10 +427,10 @@ async function loadWorkerPage() {
     if (!r.ok) throw new Error(page.error || r.statusText);
     if (offset !== workerPages.offset) return; // the user moved on meanwhile
     workerPages.total = page.total;
+    reputation.workers = page.reputation || {};
     if (page.workers.length === 0 && offset > 0) {
       // Workers were forgotten since: show the last page that still exists.
       workerPages.offset = Math.max(0, Math.ceil(page.total / PAGE) - 1) * PAGE;
-      if (workerPages.offset === 0) renderWorkers(workerPages.recent);
     } else {
       renderWorkers(page.workers);
     }
@@ -394,8 +445,7 @@ async function loadWorkerPage() {
 function moveWorkerPage(pages) {
   const last = Math.max(0, Math.ceil(workerPages.total / PAGE) - 1) * PAGE;
   workerPages.offset = Math.min(last, Math.max(0, workerPages.offset + pages * PAGE));
-  if (workerPages.offset === 0) renderWorkers(workerPages.recent);
-  else loadWorkerPage();
+  loadWorkerPage();
   renderWorkerPager();
 }
 
@@ -475,9 +525,10 @@ function renderWorkers(workers) {
   markMyWorker();
 }
 
-// Spot checks and quarantine (issue 10), from the status's reputation section: checks passed
-// / failed over the row's worker ids, or QUARANTINED with the reason as the tooltip.
-let reputation = { workers: {} };
+// Spot checks and quarantine (issue 10): the counts from the tick, the records of the shown
+// rows from /api/workers: checks passed / failed over the row's worker ids, or QUARANTINED
+// with the reason as the tooltip.
+const reputation = { workers: {}, quarantined: 0 };
 function trustCell(ids, tr) {
   const reps = ids.map((id) => (reputation.workers || {})[String(id)]).filter(Boolean);
   const q = reps.find((r) => r.quarantined);
@@ -582,9 +633,10 @@ function renderStatus(st) {
     st.batch_size && `batch ${st.batch_size}`, rule && `${rule}${opt.lr ? ` lr ${opt.lr}` : ''}`,
     `up ${Math.round(st.uptime_s || 0)} s`,
   ].filter(Boolean).join(' · ');
+  setTask(st.task);
   const ev = st.eval;
   $('kpi-accuracy').textContent = ev ? pct(ev.accuracy) : '–';
-  $('kpi-loss').textContent = ev ? fixed(ev.loss, 4) : '–';
+  $('kpi-loss').textContent = ev ? (language ? fixed(ev.bits_per_token, 3) : fixed(ev.loss, 4)) : '–';
   const t = st.totals || {};
   $('kpi-rate').textContent = num(t.samples_per_sec);
   $('kpi-workers').textContent = num(st.workers_connected);
@@ -593,7 +645,7 @@ function renderStatus(st) {
   $('kpi-samples').textContent = num(t.samples);
   $('kpi-pushes').textContent = `${num(t.pushes_applied)} / ${num(t.pushes_rejected)}`;
   $('kpi-frames').textContent = num(t.frames_rejected);
-  reputation = st.reputation || { workers: {} };
+  reputation.quarantined = (st.reputation && st.reputation.quarantined) || 0;
   const sc = st.spot_checks;
   $('kpi-spot').textContent = `${sc ? `${num(sc.passed)} / ${num(sc.failed)}` : 'off'} · ${num(reputation.quarantined || 0)}`;
   $('kpi-bytes').textContent = `${bytes(t.bytes_up)} / ${bytes(t.bytes_down)}`;
@@ -601,16 +653,14 @@ function renderStatus(st) {
   $('kpi-mode').textContent = st.consistency || '–';
   $('kpi-policy').textContent = st.staleness_policy || '–';
   $('kpi-skew').textContent = t.read_steps ? `${fixed(t.read_skew_mean, 2)} / ${num(t.read_skew_max)}` : '–';
-  workerPages.recent = st.workers || [];
-  workerPages.total = t.workers ? t.workers.registered : workerPages.recent.length;
-  if (workerPages.offset === 0) renderWorkers(workerPages.recent);
-  else loadWorkerPage();
+  if (t.workers) workerPages.total = t.workers.registered;
   renderWorkerPager();
   renderShards(st.shards || [], st.remote_shards);
   $('config').textContent = configText(st.config);
   renderHist(st);
   const h = st.eval_history || [];
-  if (chart) chart.setData([h.map((e) => e.time_s), h.map((e) => e.accuracy), h.map((e) => e.loss)]);
+  const second = language ? (e) => e.bits_per_token : (e) => e.loss;
+  if (chart) chart.setData([h.map((e) => e.time_s), h.map((e) => e.accuracy), h.map(second)]);
 }
 
 function setLive(live) {
@@ -669,25 +719,80 @@ async function loadBoard() {
 }
 
 loadBoard();
-setInterval(loadBoard, BOARD_EVERY_MS);
+setInterval(() => { if (document.visibilityState !== 'hidden') loadBoard(); }, BOARD_EVERY_MS);
+
+// The dashboard stream. `run` (first, and again after a missed tick) carries the run's
+// description, the whole evaluation history and the current tick; each `tick` carries the
+// counters and only the evaluation points added since the previous one, appended here (thinned
+// as the server thins its own history: every other point once it holds EVAL_HISTORY).
+const EVAL_HISTORY = 1024;
+let run = null;
+let history = [];
+let events = null;
+
+function applyTick(tick) {
+  if (!run || !tick) return;
+  renderStatus({ ...run, ...tick, eval_history: history });
+}
+
+function onRun(data) {
+  run = data.run || {};
+  history = data.eval_history || [];
+  applyTick(data.tick);
+}
+
+function onTick(tick) {
+  for (const p of tick.evals || []) {
+    // A point the `run` event already carried (it may be taken a moment after its tick).
+    if (history.length && p.time_s <= history[history.length - 1].time_s) continue;
+    if (history.length >= EVAL_HISTORY) history = history.filter((_, i) => i % 2 === 0);
+    history.push(p);
+  }
+  applyTick(tick);
+}
 
 function connectEvents() {
+  if (events) return;
   const es = new EventSource('/api/events');
-  es.addEventListener('status', (e) => {
+  events = es;
+  const on = (name, f) => es.addEventListener(name, (e) => {
     setLive(true);
     try {
-      renderStatus(JSON.parse(e.data));
+      f(JSON.parse(e.data));
     } catch (err) {
-      console.warn('crowdgrad: bad status event', err);
+      console.warn(`crowdgrad: bad ${name} event`, err);
     }
   });
+  on('run', onRun);
+  on('tick', onTick);
   es.onopen = () => setLive(true);
   // EventSource reconnects by itself (e.g. across a server restart).
   es.onerror = () => setLive(false);
 }
 
+function closeEvents() {
+  if (!events) return;
+  events.close();
+  events = null;
+}
+
+// A hidden page sends nothing and receives nothing: its stream closes, its polls stop; both
+// resume (a fresh `run` event first) when it is shown again.
+function dashboardVisibility() {
+  if (document.visibilityState === 'hidden') {
+    closeEvents();
+  } else {
+    connectEvents();
+    loadWorkerPage();
+    loadBoard();
+  }
+}
+document.addEventListener('visibilitychange', dashboardVisibility);
+setInterval(() => { if (document.visibilityState !== 'hidden') loadWorkerPage(); }, WORKERS_EVERY_MS);
+
 makeChart();
 connectEvents();
+loadWorkerPage();
 
 // A handle for debugging from the console (and for the browser test to read figures).
 window.crowdgrad = { volunteer };

@@ -1,5 +1,7 @@
-//! Micro-benchmarks of the hot paths: shard apply per optimizer, frame encode/decode, and one
-//! gradient step of the MLP 784-128-10 at batch 32. Run: `cargo bench -p crowdgrad-core`.
+//! Micro-benchmarks of the hot paths: shard apply per optimizer, frame encode/decode, one
+//! gradient step of the MLP 784-128-10 at batch 32, and one of `gpt` (4 blocks of 128, T = 64,
+//! V = 100) at batch 32, in tokens. Run: `cargo bench -p crowdgrad-core`
+//! (`--example model_bench -- gpt 32` splits a gpt step per stage).
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use crowdgrad_core::model::{Model, ModelSpec};
@@ -20,6 +22,7 @@ fn apply(c: &mut Criterion) {
             lr: 0.01,
             weight_decay: 0.0,
             clip_norm: None,
+            schedule: Default::default(),
         };
         let mut state = OptState::new(&cfg.rule, N);
         let mut params = vec![0.5f32; N];
@@ -84,9 +87,30 @@ fn gradient(c: &mut Criterion) {
     g.finish();
 }
 
+fn gpt(c: &mut Criterion) {
+    let model = Model::new(ModelSpec::parse_sequence("gpt", 100).expect("spec")).expect("model");
+    let params = model.init_params(1);
+    let mut rng = Rng::new(2);
+    let x = Array2::from_shape_fn((32, 65), |_| rng.below(100) as f32);
+    let y = vec![0u8; 32];
+    let mut ws = model.workspace(32);
+    let mut grad = vec![0.0; params.len()];
+    let mut g = c.benchmark_group("gradient");
+    g.sample_size(10);
+    g.throughput(Throughput::Elements(32 * 64));
+    g.bench_function("gpt_4_128_4_64_batch32_tokens", |b| {
+        b.iter(|| {
+            model
+                .loss_and_grad(&params, x.view(), &y, &mut grad, &mut ws)
+                .expect("fits")
+        })
+    });
+    g.finish();
+}
+
 mod group {
     #![allow(missing_docs)] // criterion_group! generates an undocumented fn
     use super::*;
-    criterion_group!(benches, apply, codec, gradient);
+    criterion_group!(benches, apply, codec, gradient, gpt);
 }
 criterion_main!(group::benches);

@@ -2,9 +2,12 @@
 //! of the step each stage takes.
 //!
 //! Run: `cargo run --release -p crowdgrad-core --example model_bench [-- MODEL [BATCH [SECONDS [HxW[xC]]]]]`,
-//! e.g. `-- cnn 32 5` (defaults: `cnn`, 32, 5 s, `28x28`).
+//! e.g. `-- cnn 32 5` (defaults: `cnn`, 32, 5 s, `28x28`). A language model takes a vocabulary
+//! size in place of the shape (default 100) and also prints tokens/s, e.g. `-- gpt 32 10 100`
+//! (batch 32 x T = 64).
 //!
-//! Inputs are uniform in [0, 1) (the speed of these kernels does not depend on the values).
+//! Inputs are uniform in [0, 1) (the speed of these kernels does not depend on the values); a
+//! language model's are uniform token ids.
 //! The per-stage shares come from [`Model::loss_and_grad_timed`] over the same steps; its
 //! clock reads add about 1 µs per stage. A tool, not a test: the figures vary with the machine
 //! and its load.
@@ -25,7 +28,9 @@ fn main() {
         .split('x')
         .filter_map(|d| d.parse().ok())
         .collect();
-    let spec = match ModelSpec::parse_shaped(text, &shape, 10) {
+    let vocab = args.get(3).and_then(|v| v.parse().ok()).unwrap_or(100);
+    let spec = ModelSpec::parse_sequence(text, vocab);
+    let spec = match spec.or_else(|_| ModelSpec::parse_shaped(text, &shape, 10)) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("{e}");
@@ -35,7 +40,11 @@ fn main() {
     let model = Model::new(spec).expect("a valid spec builds");
     let params = model.init_params(1);
     let mut rng = Rng::new(2);
-    let x = Array2::from_shape_fn((batch, model.spec().inputs), |_| rng.next_f64() as f32);
+    let seq = model.sequence();
+    let x = Array2::from_shape_fn((batch, model.spec().inputs), |_| match seq {
+        Some(s) => rng.below(s.vocab as u64) as f32,
+        None => rng.next_f64() as f32,
+    });
     let y: Vec<u8> = (0..batch).map(|i| (i % 10) as u8).collect();
     let mut ws = model.workspace(batch);
     let mut grad = vec![0.0; params.len()];
@@ -88,6 +97,13 @@ fn main() {
         per_step * 1e3,
         batch as f64 / per_step
     );
+    if let Some(s) = seq {
+        println!(
+            "{:.0} tokens/s (batch {batch} x context {})",
+            (batch * s.context) as f64 / per_step,
+            s.context
+        );
+    }
     println!("| stage | forward | backward | share |");
     println!("|---|---|---|---|");
     for (i, name) in times.names.iter().enumerate() {

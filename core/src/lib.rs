@@ -5,6 +5,8 @@
 //! - [`model`]: [`model::ModelSpec`], [`model::Model`] (forward/backward over a flat vector),
 //!   [`model::ParamLayout`].
 //! - [`optim`]: update rules ([`optim::step`]) over slices with explicit [`optim::OptState`].
+//! - [`schedule`]: learning-rate warmup and decay ([`schedule::Schedule`]), positioned by the
+//!   shard's version.
 //! - [`partition`]: [`partition::KeyRange`], [`partition::partition`], [`partition::Slicer`].
 //! - [`wire`]: frames, [`wire::decode`] / [`wire::encode`]; spec in docs/protocol.md.
 //! - [`codec`]: payload encodings ([`codec::Encoding`]: f32, bf16, int8 blocks) and
@@ -41,6 +43,7 @@ pub mod optim;
 pub mod partition;
 pub mod rng;
 pub mod robust;
+pub mod schedule;
 pub mod session;
 pub mod shard;
 pub mod spec;

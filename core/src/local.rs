@@ -58,6 +58,7 @@ pub fn default_inner() -> OptimizerConfig {
         lr: DEFAULT_INNER_LR,
         weight_decay: 0.0,
         clip_norm: None,
+        schedule: Default::default(),
     }
 }
 

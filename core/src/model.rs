@@ -12,13 +12,20 @@
 //! - `model/gemm.rs`: [`Gemm`], the matrix products' kernels and their switch.
 //! - `model/sparse.rs`: the first dense layer on a sparse batch, skipping zero inputs
 //!   ([`SparseInput`], chosen per batch by its density).
+//! - `model/gpt.rs`: the language model `gpt:L,D,H,T` (token and position embeddings,
+//!   pre-LayerNorm transformer blocks with causal attention, a tied or untied head; cross-entropy
+//!   at every position), behind the same [`Model`] API, plus [`Model::generate`]. It is a path
+//!   of its own inside [`Model`] (not stages of the layer stack): its tensors, workspace and
+//!   stages (`embed`, `block{i}`, `head`) are its own.
 //!
 //! Layout of the flat vector, for the i-th layer with parameters in order: `layer{i}.weight`
 //! (dense `[fan_in, units]`, convolution `[KH, KW, C, filters]`, row-major), then
 //! `layer{i}.bias` `[units]` / `[filters]`. [`ParamLayout`] lists every tensor's name, shape and
-//! offset.
+//! offset. A language model's tensors are named after their role instead (`tok_emb.weight`,
+//! `block{i}.attn.qkv.weight`, ...: `model/gpt.rs`).
 
 mod gemm;
+mod gpt;
 mod kernels;
 mod sparse;
 mod spec;
@@ -28,8 +35,12 @@ pub use sparse::{
     default_sparse_input, set_default_sparse_input, SparseInput, MAX_DENSITY as SPARSE_MAX_DENSITY,
 };
 
+pub use gpt::{EVAL_BUDGET, MAX_GENERATE};
 use kernels::{col2im, im2col, pool_backward, pool_forward, ConvGeom, PoolGeom};
-pub use spec::{Layer, ModelSpec, Resolved, Shape, CNN, MAX_ACTIVATIONS, MAX_PARAMS, MAX_PATCHES};
+pub use spec::{
+    Layer, ModelSpec, Resolved, SeqInfo, Shape, CNN, GPT, MAX_ACTIVATIONS, MAX_GPT_BLOCKS,
+    MAX_GPT_CONTEXT, MAX_GPT_VOCAB, MAX_GPT_WIDTH, MAX_PARAMS, MAX_PATCHES,
+};
 
 use crate::error::{Error, Result};
 use crate::rng::Rng;
@@ -93,14 +104,16 @@ impl ParamLayout {
     }
 }
 
-/// Loss and accuracy counts over a batch.
+/// Loss and accuracy counts over a batch. A language model counts positions, not examples
+/// (`B x T` predictions), so its mean loss is the mean cross-entropy per token in nats and its
+/// accuracy the next-token accuracy.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct BatchStats {
     /// Sum over the batch of the cross-entropy loss.
     pub loss_sum: f64,
     /// Number of correct argmax predictions.
     pub correct: usize,
-    /// Number of examples.
+    /// Number of examples (of predicted positions, for a language model).
     pub count: usize,
 }
 
@@ -180,6 +193,8 @@ pub struct Workspace {
     sparse: SparseInput,
     /// The batch's nonzeros when it does.
     nonzeros: sparse::Nonzeros,
+    /// A language model's buffers (`None` for a layer stack).
+    seq: Option<gpt::GptWorkspace>,
     /// True when the last training forward pass took the sparse path (its backward does too).
     first_sparse: bool,
     /// Forward passes whose first layer took the sparse path (tests, benchmarks).
@@ -241,7 +256,10 @@ pub struct LayerTimes {
 pub struct Model {
     spec: ModelSpec,
     layout: ParamLayout,
+    /// A layer stack's stages (empty for a language model).
     stages: Vec<Stage>,
+    /// A language model (then `stages` is empty).
+    gpt: Option<gpt::Gpt>,
 }
 
 struct Clock<'a> {
@@ -274,6 +292,15 @@ impl Model {
     pub fn new(spec: ModelSpec) -> Result<Self> {
         let resolved = spec.resolve()?;
         let layout = spec.layout();
+        if let Some(info) = spec.sequence() {
+            let g = gpt::Gpt::new(info, &layout)?;
+            return Ok(Self {
+                spec,
+                layout,
+                stages: Vec::new(),
+                gpt: Some(g),
+            });
+        }
         let mut stages: Vec<Stage> = Vec::new();
         let mut t = 0;
         for r in &resolved {
@@ -362,6 +389,7 @@ impl Model {
             spec,
             layout,
             stages,
+            gpt: None,
         })
     }
 
@@ -381,9 +409,25 @@ impl Model {
     }
 
     /// The computing stages, e.g. `["conv:16x5x5+relu", "pool:2", ...]`: a layer with
-    /// parameters or a pooling layer, with the ReLU/dropout after it.
+    /// parameters or a pooling layer, with the ReLU/dropout after it; for a language model
+    /// `["embed", "block0", ..., "head"]`.
     pub fn stage_names(&self) -> Vec<String> {
-        self.stages.iter().map(|s| s.label.clone()).collect()
+        match &self.gpt {
+            Some(g) => g.stage_names(),
+            None => self.stages.iter().map(|s| s.label.clone()).collect(),
+        }
+    }
+
+    /// Number of stages ([`Model::stage_names`]).
+    fn stage_count(&self) -> usize {
+        self.gpt
+            .as_ref()
+            .map_or(self.stages.len(), |g| g.info.layers + 2)
+    }
+
+    /// The sizes of a language model, `None` for a layer stack ([`ModelSpec::sequence`]).
+    pub fn sequence(&self) -> Option<SeqInfo> {
+        self.gpt.as_ref().map(|g| g.info)
     }
 
     /// True when the model has a dropout layer (its gradient depends on a seed).
@@ -391,8 +435,30 @@ impl Model {
         self.stages.iter().any(|s| s.dropout > 0.0)
     }
 
+    /// About how many f32 a [`Model::workspace`] (`train`) or [`Model::inference_workspace`]
+    /// of `capacity` rows holds, without making one: what a server checks a worker's memory
+    /// against before it serves a model (activations, their gradients, im2col columns).
+    pub fn workspace_floats(&self, capacity: usize, train: bool) -> u128 {
+        let capacity = capacity.max(1) as u128;
+        if let Some(g) = &self.gpt {
+            let per = gpt::floats_per_example(&g.info, train);
+            return if train {
+                per * capacity
+            } else {
+                (per * capacity).min(gpt::EVAL_BUDGET as u128)
+            };
+        }
+        let acts: u128 = self.stages.iter().map(|s| s.out_len as u128).sum();
+        let cols = COLS_BUDGET as u128;
+        capacity * acts * if train { 2 } else { 1 } + cols
+    }
+
     fn make_workspace(&self, capacity: usize, train: bool) -> Workspace {
         let capacity = capacity.max(1);
+        let seq = self
+            .gpt
+            .as_ref()
+            .map(|g| gpt::GptWorkspace::new(g.info, capacity, train));
         let chunks: Vec<usize> = self
             .stages
             .iter()
@@ -455,6 +521,7 @@ impl Model {
             nonzeros: sparse::Nonzeros::default(),
             first_sparse: false,
             sparse_passes: 0,
+            seq,
         }
     }
 
@@ -464,15 +531,22 @@ impl Model {
     }
 
     /// Scratch for evaluating batches of up to `capacity` rows: no gradient buffers (about
-    /// half the memory of [`Model::workspace`]); [`Model::loss_and_grad`] refuses it.
+    /// half the memory of [`Model::workspace`]); [`Model::loss_and_grad`] refuses it. A
+    /// language model's holds at most [`EVAL_BUDGET`] floats (one block's activations, and as
+    /// many examples as fit: [`Model::evaluate`] runs a larger batch in pieces).
     pub fn inference_workspace(&self, capacity: usize) -> Workspace {
         self.make_workspace(capacity, false)
     }
 
     /// Deterministic initial parameters: He-normal weights for the hidden layers (fan-in
     /// `KH * KW * C` for a convolution), Glorot-normal for the output layer, zero biases; the
-    /// weights are drawn from one stream in layout order.
+    /// weights are drawn from one stream in layout order. A language model: every weight
+    /// matrix and both embeddings `N(0, 0.02)`, the two residual projections of each block
+    /// `N(0, 0.02 / sqrt(2L))`, biases 0, LayerNorm gains 1 (one stream in layout order too).
     pub fn init_params(&self, seed: u64) -> Vec<f32> {
+        if let Some(g) = &self.gpt {
+            return g.init_params(&self.layout, seed);
+        }
         let mut rng = Rng::new(seed);
         let mut p = vec![0.0f32; self.param_len()];
         let weights: Vec<usize> = self
@@ -693,9 +767,14 @@ impl Model {
     /// batch itself (a hash of `x` and `y`), so the gradient is a function of the parameters
     /// and the batch; [`Model::loss_and_grad_seeded`] takes the seed explicitly.
     ///
+    /// A language model reads each row of `x` as `T + 1` token ids (exact f32 integers) and
+    /// its loss is the mean over the batch's `B x T` positions; `y` must have one entry per
+    /// row but is not read.
+    ///
     /// # Errors
     /// When `params`/`grad` have the wrong length, the batch does not fit the model or the
-    /// workspace (or the workspace is an inference one), or a label is out of range.
+    /// workspace (or the workspace is an inference one), a label is out of range, or (a
+    /// language model) a token is not an id of the vocabulary.
     pub fn loss_and_grad(
         &self,
         params: &[f32],
@@ -748,7 +827,7 @@ impl Model {
         now: &mut dyn FnMut() -> f64,
         times: &mut LayerTimes,
     ) -> Result<BatchStats> {
-        if times.names.len() != self.stages.len() {
+        if times.names.len() != self.stage_count() {
             *times = self.layer_times();
         }
         let last = now();
@@ -760,8 +839,8 @@ impl Model {
     pub fn layer_times(&self) -> LayerTimes {
         LayerTimes {
             names: self.stage_names(),
-            forward: vec![0.0; self.stages.len()],
-            backward: vec![0.0; self.stages.len()],
+            forward: vec![0.0; self.stage_count()],
+            backward: vec![0.0; self.stage_count()],
             loss: 0.0,
         }
     }
@@ -777,6 +856,9 @@ impl Model {
         ws: &mut Workspace,
         clock: &mut Option<Clock<'_>>,
     ) -> Result<BatchStats> {
+        if self.gpt.is_some() {
+            return self.gpt_train_step(params, x, y, grad, ws, clock);
+        }
         self.check(params, &x, y, ws)?;
         if !ws.train {
             return Err(Error::Config(
@@ -923,6 +1005,9 @@ impl Model {
         y: &[u8],
         ws: &mut Workspace,
     ) -> Result<BatchStats> {
+        if self.gpt.is_some() {
+            return self.gpt_evaluate(params, x, y, ws);
+        }
         self.check(params, &x, y, ws)?;
         Ok(self.forward(params, x, y, ws, None, &mut None))
     }

@@ -3,11 +3,18 @@
 //! [`OptState`] the shard owns. Every rule is element-wise, so applying one push to N shards gives
 //! bit-for-bit the same parameters as applying it to one unsharded vector.
 //!
-//! Weight decay is L2 regularisation folded into the gradient (`g + wd * p`) for every rule.
-//! Gradient clipping by global norm is done by the worker on the full gradient before it is
-//! sliced ([`clip_by_global_norm`]), because a shard only sees its own slice.
+//! Weight decay is L2 regularisation folded into the gradient (`g + wd * p`) for every rule but
+//! [`Rule::AdamW`], whose decay is decoupled from the gradient (Loshchilov & Hutter 2019):
+//! `p -= lr * (m̂ / (sqrt(v̂) + eps) + wd * p)`, as PyTorch's `AdamW` does. Gradient clipping by
+//! global norm is done by the worker on the full gradient before it is sliced
+//! ([`clip_by_global_norm`]), because a shard only sees its own slice; it clips every inner
+//! step's gradient too under local steps.
+//!
+//! A learning-rate schedule ([`crate::schedule::Schedule`], in [`OptimizerConfig::schedule`])
+//! is applied by the caller through `lr_scale`: [`step`] does not know the version it runs at.
 
 use crate::error::{Error, Result};
+use crate::schedule::Schedule;
 use serde::{Deserialize, Serialize};
 
 /// The update rule and its own hyperparameters.
@@ -47,11 +54,25 @@ pub enum Rule {
         /// Added to the root for stability.
         eps: f32,
     },
+    /// AdamW: Adam with decoupled weight decay (Loshchilov & Hutter 2019), `p -= lr * (m̂ /
+    /// (sqrt(v̂) + eps) + wd * p)` with [`OptimizerConfig::weight_decay`] as `wd`, on every
+    /// parameter. Its defaults are the language-model recipe (GPT-3, Chinchilla, nanoGPT; the
+    /// PyTorch comparison peer's): betas 0.9 / 0.95, eps 1e-8, weight decay 0.1
+    /// ([`Rule::default_weight_decay`]).
+    #[serde(rename = "adamw")]
+    AdamW {
+        /// First-moment decay.
+        beta1: f32,
+        /// Second-moment decay.
+        beta2: f32,
+        /// Added to the root for stability.
+        eps: f32,
+    },
 }
 
 impl Rule {
     /// The rule named `name` with its customary defaults: `sgd`, `momentum`, `nesterov`,
-    /// `adagrad`, `rmsprop`, `adam`.
+    /// `adagrad`, `rmsprop`, `adam`, `adamw`.
     ///
     /// # Errors
     /// [`Error::Config`] for an unknown name.
@@ -79,9 +100,17 @@ impl Rule {
                 beta2: 0.999,
                 eps: 1e-7,
             },
+            // β2 = 0.95 rather than 0.999: a second moment that forgets in ~20 steps follows
+            // the gradient-scale jumps of language-model training, which 0.999 answers with
+            // too large steps (the GPT-3 / nanoGPT setting); eps is PyTorch's.
+            "adamw" => Rule::AdamW {
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+            },
             other => {
                 return Err(Error::Config(format!(
-                    "unknown optimizer {other:?} (expected sgd, momentum, nesterov, adagrad, rmsprop or adam)"
+                    "unknown optimizer {other:?} (expected sgd, momentum, nesterov, adagrad, rmsprop, adam or adamw)"
                 )))
             }
         })
@@ -92,19 +121,31 @@ impl Rule {
         match self {
             Rule::Sgd => 0,
             Rule::Momentum { .. } | Rule::Adagrad { .. } | Rule::RmsProp { .. } => 1,
-            Rule::Adam { .. } => 2,
+            Rule::Adam { .. } | Rule::AdamW { .. } => 2,
+        }
+    }
+
+    /// The weight decay a run gets unless it names one: 0.1 for `adamw` (decoupled: at lr
+    /// 0.001 it shrinks a weight by 1e-4 per update, a half-life of ~7,000 updates; the
+    /// language-model recipe its defaults come from), 0 for every other rule (where the decay
+    /// is an L2 term in the gradient, off unless asked for).
+    pub fn default_weight_decay(&self) -> f32 {
+        match self {
+            Rule::AdamW { .. } => 0.1,
+            _ => 0.0,
         }
     }
 
     /// Stable names of the rule's state slots, in slot order (`slot0`, `slot1`). Checkpoints
-    /// store slot `i` of tensor `T` as `T.{name}`, e.g. `layer0.weight.adagrad_acc`.
+    /// store slot `i` of tensor `T` as `T.{name}`, e.g. `layer0.weight.adagrad_acc`. AdamW's
+    /// moments are Adam's and keep Adam's names.
     pub fn slot_names(&self) -> &'static [&'static str] {
         match self {
             Rule::Sgd => &[],
             Rule::Momentum { .. } => &["momentum"],
             Rule::Adagrad { .. } => &["adagrad_acc"],
             Rule::RmsProp { .. } => &["rmsprop_sq"],
-            Rule::Adam { .. } => &["adam_m", "adam_v"],
+            Rule::Adam { .. } | Rule::AdamW { .. } => &["adam_m", "adam_v"],
         }
     }
 
@@ -119,6 +160,7 @@ impl Rule {
             Rule::Adagrad { .. } => "adagrad",
             Rule::RmsProp { .. } => "rmsprop",
             Rule::Adam { .. } => "adam",
+            Rule::AdamW { .. } => "adamw",
         }
     }
 }
@@ -130,10 +172,16 @@ pub struct OptimizerConfig {
     pub rule: Rule,
     /// Learning rate.
     pub lr: f32,
-    /// L2 weight decay folded into the gradient; 0 disables it.
+    /// Weight decay: L2 folded into the gradient, or decoupled for [`Rule::AdamW`]; 0
+    /// disables it.
     pub weight_decay: f32,
-    /// Clip the worker's full gradient to this global L2 norm before pushing; `None` disables it.
+    /// Clip the worker's full gradient (every inner step's, under local steps) to this global
+    /// L2 norm; `None` disables it. Read from the shards' optimizer of the run spec.
     pub clip_norm: Option<f32>,
+    /// The learning-rate schedule (absent in JSON: the constant rate). The caller applies it
+    /// through `lr_scale` ([`crate::schedule`] says who and at which version).
+    #[serde(default, skip_serializing_if = "Schedule::is_constant")]
+    pub schedule: Schedule,
 }
 
 impl Default for OptimizerConfig {
@@ -143,16 +191,18 @@ impl Default for OptimizerConfig {
             lr: 0.05,
             weight_decay: 0.0,
             clip_norm: None,
+            schedule: Schedule::default(),
         }
     }
 }
 
 impl OptimizerConfig {
-    /// Checks every value is finite and in range.
+    /// Checks every value is finite and in range, the schedule's too.
     ///
     /// # Errors
     /// [`Error::Config`] naming the first bad value.
     pub fn validate(&self) -> Result<()> {
+        self.schedule.validate()?;
         let bad = |what: &str, v: f32| Err(Error::Config(format!("{what} = {v} is out of range")));
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return bad("learning rate", self.lr);
@@ -176,14 +226,21 @@ impl OptimizerConfig {
             } if !(initial_accumulator.is_finite() && initial_accumulator >= 0.0) => {
                 bad("initial accumulator", initial_accumulator)
             }
-            Rule::Adagrad { eps, .. } | Rule::RmsProp { eps, .. } | Rule::Adam { eps, .. }
+            Rule::Adagrad { eps, .. }
+            | Rule::RmsProp { eps, .. }
+            | Rule::Adam { eps, .. }
+            | Rule::AdamW { eps, .. }
                 if !pos(eps) =>
             {
                 bad("epsilon", eps)
             }
             Rule::RmsProp { decay, .. } if !unit(decay) => bad("decay", decay),
-            Rule::Adam { beta1, .. } if !unit(beta1) => bad("beta1", beta1),
-            Rule::Adam { beta2, .. } if !unit(beta2) => bad("beta2", beta2),
+            Rule::Adam { beta1, .. } | Rule::AdamW { beta1, .. } if !unit(beta1) => {
+                bad("beta1", beta1)
+            }
+            Rule::Adam { beta2, .. } | Rule::AdamW { beta2, .. } if !unit(beta2) => {
+                bad("beta2", beta2)
+            }
             _ => Ok(()),
         }
     }
@@ -335,6 +392,20 @@ pub fn step(
                 *p -= lr * (*m * c1) / ((*v * c2).sqrt() + eps);
             }
         }
+        Rule::AdamW { beta1, beta2, eps } => {
+            let t = state.t.min(i32::MAX as u64) as i32;
+            let c1 = 1.0 / (1.0 - beta1.powi(t));
+            let c2 = 1.0 / (1.0 - beta2.powi(t));
+            let (m, v) = (
+                &mut state.slot0[..params.len()],
+                &mut state.slot1[..params.len()],
+            );
+            for (((p, &g), m), v) in params.iter_mut().zip(grad).zip(m).zip(v) {
+                *m = beta1 * *m + (1.0 - beta1) * g;
+                *v = beta2 * *v + (1.0 - beta2) * g * g;
+                *p -= lr * ((*m * c1) / ((*v * c2).sqrt() + eps) + wd * *p);
+            }
+        }
     }
 }
 
@@ -358,6 +429,7 @@ mod tests {
             lr,
             weight_decay: 0.0,
             clip_norm: None,
+            schedule: Schedule::default(),
         }
     }
 
@@ -476,13 +548,158 @@ mod tests {
     }
 
     #[test]
+    fn adamw_by_hand() {
+        let mut c = cfg(Rule::from_name("adamw").unwrap(), 0.01);
+        c.weight_decay = 0.1;
+        let mut s = OptState::new(&c.rule, 1);
+        let mut p = [1.0f32];
+        // Step 1, g = 5: m̂ = 5, v̂ = 25, so the Adam part is 5 / (5 + 1e-8) ≈ 1; the decay
+        // adds wd * p = 0.1.
+        step(&c, &mut s, &mut p, &[5.0], 1.0);
+        let (b1, b2, eps, lr, wd) = (0.9f64, 0.95f64, 1e-8f64, 0.01f64, 0.1f64);
+        let (mut m, mut v, mut want) = (0.0f64, 0.0f64, 1.0f64);
+        for (t, g) in [(1, 5.0f64), (2, 1.0), (3, -2.0)] {
+            if t > 1 {
+                step(&c, &mut s, &mut p, &[g as f32], 1.0);
+            }
+            m = b1 * m + (1.0 - b1) * g;
+            v = b2 * v + (1.0 - b2) * g * g;
+            let mhat = m / (1.0 - b1.powi(t));
+            let vhat = v / (1.0 - b2.powi(t));
+            want -= lr * (mhat / (vhat.sqrt() + eps) + wd * want);
+            assert!(
+                (f64::from(p[0]) - want).abs() < 1e-6,
+                "step {t}: {} != {want}",
+                p[0]
+            );
+        }
+        assert!(
+            (f64::from(p[0]) - (1.0 - 0.01 * 1.1)).abs() > 1e-4,
+            "moved on"
+        );
+        // lr_scale (a schedule's factor) scales the decay too, as PyTorch's group lr does.
+        let mut s = OptState::new(&c.rule, 1);
+        let mut q = [2.0f32];
+        step(&c, &mut s, &mut q, &[0.0], 0.5);
+        assert_eq!(q[0], 2.0 - (0.01 * 0.5) * (0.1 * 2.0));
+    }
+
+    #[test]
+    fn adamw_decay_is_decoupled() {
+        // A zero gradient leaves the moments at 0: the parameter shrinks by exactly lr*wd*p.
+        let mut c = cfg(Rule::from_name("adamw").unwrap(), 0.01);
+        c.weight_decay = 0.1;
+        let mut s = OptState::new(&c.rule, 3);
+        let start = [1.0f32, -3.0, 0.25];
+        let mut p = start;
+        step(&c, &mut s, &mut p, &[0.0; 3], 1.0);
+        for (got, p0) in p.iter().zip(start) {
+            assert_eq!(*got, p0 - 0.01 * (0.1 * p0));
+        }
+        assert_eq!(s.slot0, vec![0.0; 3]);
+        assert_eq!(s.slot1, vec![0.0; 3]);
+        // Adam's L2 decay goes through the moments instead: its first step is a full lr.
+        let mut a = c;
+        a.rule = Rule::from_name("adam").unwrap();
+        let mut sa = OptState::new(&a.rule, 1);
+        let mut q = [1.0f32];
+        step(&a, &mut sa, &mut q, &[0.0], 1.0);
+        close(q[0], 1.0 - 0.01);
+        // Without decay AdamW is Adam with its betas.
+        let mut w = cfg(Rule::from_name("adamw").unwrap(), 0.001);
+        let mut adam = cfg(
+            Rule::Adam {
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+            },
+            0.001,
+        );
+        w.weight_decay = 0.0;
+        adam.weight_decay = 0.0;
+        let (mut sw, mut sa) = (OptState::new(&w.rule, 2), OptState::new(&adam.rule, 2));
+        let (mut pw, mut pa) = ([0.5f32, -0.5], [0.5f32, -0.5]);
+        for g in [[1.0f32, 0.1], [-0.3, 0.2], [0.7, -0.9]] {
+            step(&w, &mut sw, &mut pw, &g, 1.0);
+            step(&adam, &mut sa, &mut pa, &g, 1.0);
+        }
+        for (x, y) in pw.iter().zip(pa) {
+            close(*x, y);
+        }
+    }
+
+    #[test]
+    fn adamw_defaults_and_json() {
+        let r = Rule::from_name("adamw").unwrap();
+        assert_eq!(
+            r,
+            Rule::AdamW {
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8
+            }
+        );
+        assert_eq!(r.default_weight_decay(), 0.1);
+        assert_eq!(Rule::from_name("adam").unwrap().default_weight_decay(), 0.0);
+        assert_eq!(
+            r.slot_names(),
+            Rule::from_name("adam").unwrap().slot_names()
+        );
+        let json = serde_json::to_value(r).unwrap();
+        assert_eq!(json["kind"], "adamw");
+        assert_eq!(serde_json::from_value::<Rule>(json).unwrap(), r);
+    }
+
+    #[test]
+    fn a_config_without_a_schedule_decodes_and_one_with_round_trips() {
+        // JSON of a run spec's optimizer from before schedules existed.
+        let old = r#"{"rule":{"kind":"adagrad","initial_accumulator":0.1,"eps":1e-7},
+                      "lr":0.05,"weight_decay":0.0,"clip_norm":null}"#;
+        let c: OptimizerConfig = serde_json::from_str(old).unwrap();
+        assert_eq!(c.schedule, Schedule::default());
+        assert!(c.validate().is_ok());
+        // A constant schedule is left out, so such a spec encodes as it did.
+        let json = serde_json::to_value(c).unwrap();
+        assert!(json.get("schedule").is_none(), "{json}");
+        let mut s = c;
+        s.rule = Rule::from_name("adamw").unwrap();
+        s.schedule = Schedule {
+            warmup: 64,
+            decay: crate::schedule::Decay::Cosine,
+            decay_samples: 6400,
+            min_ratio: 0.1,
+            samples_per_version: 32,
+        };
+        let back: OptimizerConfig =
+            serde_json::from_value(serde_json::to_value(s).unwrap()).unwrap();
+        assert_eq!(back, s);
+        // A bad schedule makes the config invalid.
+        s.schedule.decay_samples = 10;
+        assert!(s.validate().is_err());
+    }
+
+    #[test]
     fn sharded_apply_equals_unsharded() {
-        for name in ["sgd", "momentum", "nesterov", "adagrad", "rmsprop", "adam"] {
+        let schedule = Schedule {
+            warmup: 2,
+            decay: crate::schedule::Decay::Cosine,
+            decay_samples: 5,
+            min_ratio: 0.1,
+            samples_per_version: 1,
+        };
+        let names = [
+            "sgd", "momentum", "nesterov", "adagrad", "rmsprop", "adam", "adamw",
+        ];
+        for (name, schedule) in names
+            .iter()
+            .flat_map(|n| [(*n, Schedule::default()), (*n, schedule)])
+        {
             let c = OptimizerConfig {
                 rule: Rule::from_name(name).unwrap(),
                 lr: 0.01,
                 weight_decay: 1e-4,
                 clip_norm: None,
+                schedule,
             };
             let n = 1001;
             let init: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
@@ -493,26 +710,30 @@ mod tests {
                         .collect()
                 })
                 .collect();
+            // Each update at its version's factor, as every shard computes it for itself.
             let mut whole = init.clone();
             let mut ws = OptState::new(&c.rule, n);
-            for g in &grads {
-                step(&c, &mut ws, &mut whole, g, 1.0);
+            for (v, g) in grads.iter().enumerate() {
+                step(&c, &mut ws, &mut whole, g, c.schedule.factor(v as u64));
             }
             let ranges = crate::partition::partition(n, 4).unwrap();
             let mut sharded = init.clone();
             for r in ranges {
                 let mut st = OptState::new(&c.rule, r.len());
-                for g in &grads {
+                for (v, g) in grads.iter().enumerate() {
                     step(
                         &c,
                         &mut st,
                         &mut sharded[r.start..r.end],
                         &g[r.start..r.end],
-                        1.0,
+                        c.schedule.factor(v as u64),
                     );
                 }
             }
-            assert_eq!(whole, sharded, "{name}");
+            assert_eq!(whole, sharded, "{name} {schedule:?}");
+            if !schedule.is_constant() {
+                assert_ne!(c.schedule.factor(0), 1.0, "the schedule is exercised");
+            }
         }
     }
 
@@ -534,6 +755,18 @@ mod tests {
             eps: 0.0,
         };
         assert!(c.validate().is_err());
+        c.rule = Rule::AdamW {
+            beta1: 0.9,
+            beta2: 1.0,
+            eps: 1e-8,
+        };
+        assert!(c.validate().is_err());
+        c.rule = Rule::AdamW {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: -1.0,
+        };
+        assert!(c.validate().is_err());
         c.rule = Rule::Sgd;
         c.clip_norm = Some(-1.0);
         assert!(c.validate().is_err());
@@ -542,7 +775,9 @@ mod tests {
 
     #[test]
     fn slots_round_trip_and_are_checked() {
-        for name in ["sgd", "momentum", "nesterov", "adagrad", "rmsprop", "adam"] {
+        for name in [
+            "sgd", "momentum", "nesterov", "adagrad", "rmsprop", "adam", "adamw",
+        ] {
             let rule = Rule::from_name(name).unwrap();
             assert_eq!(rule.name(), name);
             assert_eq!(rule.slot_names().len(), rule.slots());

@@ -6,7 +6,7 @@
 //! simulator, the loopback and the tests all call it), and checked again with
 //! [`RunSpec::validate`] by whoever receives one.
 
-use crate::data::{channels_of, Dataset, Normalize};
+use crate::data::{channels_of, Dataset, Normalize, TextInfo};
 use crate::error::{Error, Result};
 use crate::local::LocalConfig;
 use crate::model::ModelSpec;
@@ -53,6 +53,11 @@ pub struct DataInfo {
     pub train_len: usize,
     /// Test examples on the server.
     pub test_len: usize,
+    /// For a text run, its tokenizer (examples are windows of `T + 1` token ids, `classes` is
+    /// the vocabulary size `V`); the server decodes samples and encodes prompts with it.
+    /// Absent for images, and in specs from before text existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<TextInfo>,
 }
 
 impl DataInfo {
@@ -65,6 +70,23 @@ impl DataInfo {
             classes: train.classes().max(test.classes()),
             train_len: train.len(),
             test_len: test.len(),
+            text: None,
+        }
+    }
+
+    /// The description of a text run's training and validation windows
+    /// ([`crate::data::windows`]) tokenized by `text`: the class count is its vocabulary size
+    /// (a token need not occur as a label to be predicted).
+    pub fn of_text(
+        name: impl Into<String>,
+        train: &Dataset,
+        test: &Dataset,
+        text: TextInfo,
+    ) -> Self {
+        Self {
+            classes: text.vocab_size(),
+            text: Some(text),
+            ..Self::of(name, train, test)
         }
     }
 }
@@ -197,6 +219,21 @@ impl RunSpec {
         }
         self.normalize
             .validate(channels_of(&self.dataset.image_dims))?;
+        if let Some(text) = &self.dataset.text {
+            text.validate()?;
+            if self.dataset.classes != text.vocab_size() {
+                return Err(Error::Config(format!(
+                    "a text run of {} tokens states {} classes",
+                    text.vocab_size(),
+                    self.dataset.classes
+                )));
+            }
+            if !self.normalize.tokens {
+                return Err(Error::Config(
+                    "a text run's batches are token ids: its normalisation must be tokens".into(),
+                ));
+            }
+        }
         Ok(slicer)
     }
 }
@@ -337,6 +374,7 @@ mod tests {
                 classes: 4,
                 train_len: 10,
                 test_len: 5,
+                text: None,
             },
             local: crate::local::LocalConfig::default(),
             normalize: Normalize::default(),
@@ -395,5 +433,63 @@ mod tests {
         let mut bad = json;
         bad["consistency"] = "sync:0".into();
         assert!(serde_json::from_value::<RunSpec>(bad).is_err());
+    }
+
+    /// A text run: windows of 9 tokens, `classes` = the vocabulary size, token mode.
+    fn text_params() -> RunParams {
+        let text = TextInfo::chars_of("the cat sat\n");
+        let mut p = params();
+        p.dataset = DataInfo {
+            name: "sentences".into(),
+            image_dims: vec![9],
+            classes: text.vocab_size(),
+            train_len: 10,
+            test_len: 5,
+            text: Some(text),
+        };
+        p.normalize = Normalize::tokens();
+        p
+    }
+
+    #[test]
+    fn a_text_run_spec_round_trips_through_json_with_its_vocabulary() {
+        let spec = RunSpec::build(text_params()).unwrap();
+        let json = serde_json::to_value(&spec).unwrap();
+        assert_eq!(json["dataset"]["text"]["level"], "chars");
+        assert_eq!(json["dataset"]["text"]["vocab"], "\n acehst");
+        assert_eq!(json["dataset"]["classes"], 9);
+        assert_eq!(json["normalize"]["tokens"], true);
+        let back: RunSpec = serde_json::from_value(json).unwrap();
+        assert_eq!(back, spec);
+        let text = back.dataset.text.as_ref().unwrap();
+        assert_eq!(text.decode(&text.encode("a cat")), "a cat");
+        // An image run's JSON has neither key (old readers and specs are unchanged).
+        let img = serde_json::to_value(RunSpec::build(params()).unwrap()).unwrap();
+        assert!(img["dataset"].get("text").is_none());
+        assert!(img.get("normalize").is_none());
+    }
+
+    #[test]
+    fn a_text_run_needs_token_mode_and_its_vocabulary_size() {
+        type Edit = fn(&mut RunParams);
+        let cases: [(&str, Edit); 4] = [
+            ("p / 255", |p| p.normalize = Normalize::default()),
+            ("mean/std", |p| {
+                p.normalize = Normalize::parse("0.5/0.2").unwrap()
+            }),
+            ("classes", |p| p.dataset.classes += 1),
+            ("unsorted vocabulary", |p| {
+                if let Some(t) = p.dataset.text.as_mut() {
+                    t.vocab = "ba".into();
+                }
+                p.dataset.classes = 3;
+            }),
+        ];
+        for (what, edit) in cases {
+            let mut p = text_params();
+            edit(&mut p);
+            assert!(RunSpec::build(p).is_err(), "{what}");
+        }
+        assert!(RunSpec::build(text_params()).is_ok());
     }
 }

@@ -791,8 +791,11 @@ impl Worker {
         let samples = self.idx.len();
         let pseudo = self.join.run.local.steps.pseudo_gradients();
         if pseudo {
+            // The round's inner steps follow the schedule at the versions it read
+            // (crate::schedule), which a spot check recomputes from the push's tag.
             let inner = self.join.run.local.inner;
-            optim::step(&inner, &mut self.inner, &mut self.params, &self.grad, 1.0);
+            let scale = inner.schedule.factor_read(&round.versions);
+            optim::step(&inner, &mut self.inner, &mut self.params, &self.grad, scale);
         }
         round.done += 1;
         round.samples += samples;
@@ -939,6 +942,7 @@ mod tests {
                     classes: 3,
                     train_len: 6,
                     test_len: 0,
+                    text: None,
                 },
                 local: crate::local::LocalConfig::default(),
                 normalize: Default::default(),

@@ -293,6 +293,7 @@ pub fn setup_of(b: u8) -> ShardSetup {
             lr: 0.1,
             weight_decay: 0.0,
             clip_norm: None,
+            schedule: Default::default(),
         },
         staleness: if b & 4 != 0 {
             StalenessPolicy::parse("drop:1").unwrap_or_default()

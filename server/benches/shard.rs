@@ -24,6 +24,7 @@ fn apply(c: &mut Criterion) {
                 lr: 1e-3,
                 weight_decay: 0.0,
                 clip_norm: None,
+                schedule: Default::default(),
             },
             staleness: StalenessPolicy::default(),
             consistency: Consistency::Async,

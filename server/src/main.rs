@@ -54,8 +54,14 @@ fn main() -> anyhow::Result<()> {
                 println!("# crowdgrad serve: resolved configuration\n{}", r.to_toml());
                 cfg.resolved = r.to_json();
             }
-            let data = crowdgrad::support::data::ensure(&cfg.data_dir, &cfg.dataset, cfg.fetch)
-                .with_context(|| format!("loading the dataset from {}", cfg.data_dir.display()))?;
+            let data = crowdgrad::support::text::ensure(
+                &cfg.data_dir,
+                &cfg.dataset,
+                cfg.fetch,
+                &cfg.text,
+                &cfg.training.model,
+            )
+            .with_context(|| format!("loading the dataset from {}", cfg.data_dir.display()))?;
             let rt = tokio::runtime::Runtime::new()?;
             rt.block_on(async move {
                 let listener = tokio::net::TcpListener::bind(cfg.addr)
@@ -167,12 +173,34 @@ fn main() -> anyhow::Result<()> {
         Cmd::Data {
             command: DataCmd::Fetch { dataset, from, dir },
         } => {
+            let dir = dir.unwrap_or_else(|| crowdgrad::support::text::default_dir(&dataset));
+            if dataset == "sentences" && from.is_none() {
+                let got = crowdgrad::support::text::fetch_sentences(&dir)?;
+                let data = crowdgrad::support::text::load_text(
+                    &dir,
+                    &crowdgrad::support::text::TextConfig::default(),
+                    crowdgrad::support::text::DEFAULT_CONTEXT,
+                )?;
+                println!(
+                    "sentences: {} sentences; train.txt {} bytes, valid.txt {} bytes; {} characters (chars level: {} tokens); {} training and {} validation windows of {} tokens in {}",
+                    got.sentences,
+                    got.train_bytes,
+                    got.valid_bytes,
+                    data.text.as_ref().map_or(0, |t| t.vocab.chars().count()),
+                    data.text.as_ref().map_or(0, |t| t.vocab_size()),
+                    data.train.len(),
+                    data.test.len(),
+                    crowdgrad::support::text::DEFAULT_CONTEXT + 1,
+                    dir.display()
+                );
+                return Ok(());
+            }
             let data = match from {
                 Some(from) => crowdgrad::support::data::import_dir(&from, &dir)?,
                 None => {
                     anyhow::ensure!(
                         dataset == "mnist",
-                        "only mnist can be downloaded; use --from DIR for {dataset}"
+                        "only mnist and sentences can be downloaded; use --from DIR for {dataset}"
                     );
                     crowdgrad::support::data::fetch_mnist(&dir)?;
                     crowdgrad::support::data::load_dir(&dir)?
@@ -212,8 +240,14 @@ fn main() -> anyhow::Result<()> {
             command: BenchCmd::Flood(args),
         } => crowdgrad::bench::flood::cli_flood(&args)?,
         Cmd::Bench {
+            command: BenchCmd::Crowd(args),
+        } => crowdgrad::bench::crowd::cli(&args)?,
+        Cmd::Bench {
             command: BenchCmd::Checkpoint(args),
         } => crowdgrad::bench::checkpoint::cli(&args)?,
+        Cmd::Bench {
+            command: BenchCmd::Ledger(args),
+        } => crowdgrad::bench::ledger::cli(&args)?,
         Cmd::Bench {
             command:
                 BenchCmd::Roundtrip {

@@ -52,10 +52,15 @@ const SPARSE = ['off', 'auto'];
 // Nonzero fractions for the density sweep of loss_and_grad (MNIST's pixel / 255: 0.19).
 const DENSITIES = [0.1, 0.19, 0.3, 0.5, 0.7, 1.0];
 // Steps per round: MLP steps take ~0.3-1 ms, CNN steps ~5-20 ms.
+// The gpt (issue 20: the wasm step at most 2x the native one) steps ~0.2-1 s: few steps, and no
+// per-layer run (layer_bench feeds images).
 const MODELS = [
   { model: 'mlp:128', batch: 32, shards: 2, steps: 300 },
   { model: 'cnn', batch: 32, shards: 2, steps: 20 },
+  { model: 'gpt', batch: 32, shards: 2, steps: 4, dense: true },
 ];
+/// The models without a sparse first layer to choose (convolutions, embeddings) run `auto` only.
+const sparseChoices = (m) => (m.model === 'cnn' || m.dense ? ['auto'] : SPARSE);
 
 const median = (v) => {
   const s = [...v].sort((a, b) => a - b);
@@ -180,7 +185,7 @@ async function main() {
         const jobs = [];
         for (const k of b.info.kernels) {
           for (const m of MODELS) {
-            for (const sparse of m.model === 'cnn' ? ['auto'] : SPARSE) jobs.push({ kind: 'step', kernel: k, sparse, ...m });
+            for (const sparse of sparseChoices(m)) jobs.push({ kind: 'step', kernel: k, sparse, ...m });
           }
         }
         const r = await inWorker(browser, b, jobs, 600_000);
@@ -193,7 +198,7 @@ async function main() {
       for (const which of ['avx2', 'sse2']) {
         if (which === 'sse2' && !haveSse2) continue;
         for (const m of MODELS) {
-          for (const sparse of m.model === 'cnn' ? ['auto'] : SPARSE) {
+          for (const sparse of sparseChoices(m)) {
             const n = await nativeRun(which, m, false, sparse);
             nativeMaxDensity = n.sparse_max_density ?? nativeMaxDensity;
             const key = `${which}/${sparse}`;
@@ -230,7 +235,7 @@ async function main() {
     // Per-layer times of both models, every kernel of every build, and native, on a batch of
     // MNIST's density (0.19); the MLP with the first layer dense and sparse.
     const lj = builds.flatMap((b) => b.info.kernels.map((k) => ({ b, k })));
-    for (const m of MODELS) {
+    for (const m of MODELS.filter((x) => !x.dense)) {
       const steps = 3 * m.steps;
       const choices = m.model === 'cnn' ? ['auto'] : SPARSE;
       layersWasm[m.model] = {};
@@ -301,6 +306,13 @@ async function main() {
     console.log(`| wasm ${key} | ${fmt(mlp)} | ${x(mlp, 'avx2', sparse, 'mlp:128')} | ${x(mlp, 'sse2', sparse, 'mlp:128')} | ${x(mlp, 'avx2', 'off', 'mlp:128')} | `
       + `${Number.isFinite(cnn) ? fmt(cnn) : ''} | ${x(cnn, 'avx2', sparse, 'cnn')} | ${x(cnn, 'sse2', sparse, 'cnn')} |`);
   }
+  // The gpt (issue 20): wasm against native AVX2, both with the default first-layer choice.
+  const gptNative = median(((native['avx2/auto'] || {}).gpt) || []);
+  console.log(`\ngpt (gpt:4,128,4,64, V = 256, batch 32 x 64 tokens): native AVX2 ${fmt(gptNative)} ms per step (${(2048 / (gptNative / 1e3)).toFixed(0)} tokens/s)`);
+  for (const [key, per] of Object.entries(wasm)) {
+    const g = median(per.gpt || []);
+    if (Number.isFinite(g)) console.log(`  wasm ${key}: ${fmt(g)} ms per step (${(2048 / (g / 1e3)).toFixed(0)} tokens/s), ${(g / gptNative).toFixed(2)}x native`);
+  }
   console.log('\nsamples/s against the in-memory loopback shards (worker and shards on one thread), MLP:');
   for (const [key, per] of Object.entries(wasmLoop)) if (per['mlp:128']) console.log(`  wasm ${key}: ${median(per['mlp:128']).toFixed(0)}`);
   for (const [key, per] of Object.entries(nativeLoop)) if (per['mlp:128']) console.log(`  native ${key}: ${median(per['mlp:128']).toFixed(0)}`);
@@ -324,7 +336,7 @@ async function main() {
     console.log(`  ${where}: ${p.samples_per_sec.toFixed(0)} samples/s; per step ${p.step_ms.toFixed(3)} ms computing + ${(p.wait_ms || 0).toFixed(3)} ms waiting`);
   }
 
-  for (const m of MODELS) {
+  for (const m of MODELS.filter((x) => !x.dense)) {
     console.log(`\n${m.model} per stage: forward + backward ms per step (share of loss_and_grad), batch ${m.batch}, `
       + 'density 0.19 (MNIST\'s); step() adds the batch copy, clipping and push encoding to loss_and_grad:');
     const ln = layersNative[m.model];

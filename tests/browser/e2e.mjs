@@ -41,8 +41,8 @@ import zlib from 'node:zlib';
 import { chromium } from 'playwright-core';
 import {
   CHROMIUM, CHROMIUM_ARGS, OUT, ROOT, SERVER, TARGET, WEB, check, deadline, finish, freePort,
-  getStatus, killChildren, killChildrenOnExit, log, openBrowser, runCapture, sleep, spawnLogged,
-  startServer, stopChild, tmpDir, waitFor,
+  getStatus, killChildren, killChildrenOnExit, log, openBrowser, runCapture, SENTENCES, sleep,
+  spawnLogged, startServer, stopChild, tmpDir, waitFor,
 } from './harness.mjs';
 
 const STEP_TIME = path.join(TARGET, 'release/examples/step_time');
@@ -594,6 +594,63 @@ async function cnnTab() {
   }
 }
 
+/// The language model the gpt phase trains: two blocks of width 64 (about 0.12M
+/// parameters), context 64, so a headless tab on a loaded 2-core machine moves it in a minute.
+const E2E_GPT = 'gpt:2,64,4,64';
+/// Validation bits per character the tab's training must get below. A uniform guess over the
+/// 256 tokens is 8 bits, a fresh model about 8; the PyTorch peer's default gpt is at 3.66 after
+/// 256,000 tokens (bench/peer/README.md).
+const E2E_GPT_BPC = 4.5;
+
+/// Issue 20: one plain tab trains a small gpt on the sentences from scratch (one Web Worker):
+/// the validation bits per character fall below E2E_GPT_BPC and the page shows a sample of
+/// the current weights' writing.
+async function gptTab() {
+  phase = 'gpt';
+  if (!fs.existsSync(path.join(SENTENCES, 'train.txt'))) {
+    check('the sentences corpus is there (crowdgrad data fetch --dataset sentences)', false, SENTENCES);
+    return;
+  }
+  const port = await freePort();
+  const base = `http://127.0.0.1:${port}`;
+  const server = await startServer(port, 'gpt', ['--model', E2E_GPT, '--dataset', 'sentences', '--eval-every', '2'],
+    { dataDir: SENTENCES });
+  const dir = tmpDir('crowdgrad-gpt-');
+  let browser = null;
+  try {
+    const st = await getStatus(base);
+    check('the server runs a language model on text', st.task && st.task.kind === 'language' && st.task.vocab > 2,
+      JSON.stringify(st.task));
+    browser = await openBrowser(dir);
+    await contributeOneCore(browser, base, 'gpt');
+    await firstPush(browser, 'gpt');
+    const started = Date.now();
+    const bpc = await waitFor(`validation bits/char below ${E2E_GPT_BPC}`, async () => {
+      const s = await getStatus(base);
+      const b = s.eval && s.eval.bits_per_token;
+      return b !== undefined && b < E2E_GPT_BPC ? b : null;
+    }, 240_000, 1000);
+    const p = JSON.parse(await browser.evaluate('JSON.stringify(window.crowdgrad.volunteer.progress)'));
+    check(`a headless tab trains the gpt (validation bits/char < ${E2E_GPT_BPC})`, bpc < E2E_GPT_BPC && p.pushes_accepted > 0,
+      `${bpc.toFixed(3)} bits/char after ${((Date.now() - started) / 1000).toFixed(0)} s, ${p.pushes_accepted} pushes accepted`);
+    // The page polls /api/sample: it must come to show the server's current sample itself.
+    const shown = await waitFor('the page to show the current sample', async () => {
+      const t = (await browser.evaluate("(document.querySelector('#sample-text') || {}).textContent || ''")).trim();
+      const r = await fetch(`${base}/api/sample`);
+      if (r.status !== 200) return null;
+      const api = await r.json();
+      return t.length >= 20 && t.includes(api.text.trim()) ? t : null;
+    }, 30_000, 500);
+    check('the page shows what the weights write (/api/sample)', true, JSON.stringify(shown.slice(0, 160)));
+    figures['gpt (gpt:2,64,4,64) in one tab'] =
+      `${p.samples_per_sec.toFixed(1)} windows/s (x64 tokens); per step ${p.step_ms.toFixed(1)} ms computing + ${p.wait_ms.toFixed(1)} ms waiting; ${bpc.toFixed(3)} bits/char`;
+  } finally {
+    if (browser) await browser.close();
+    await stopChild(server, 'gpt server');
+    fs.rmSync(dir, { recursive: true, force: true });
+  }
+}
+
 /// Issue 8: one plain tab in a compressed, local-step run (`--local-steps 4`, bf16 pulls,
 /// int8 block pushes): the tab's exchange view on the server must show H = 4 and the
 /// negotiated encodings, and test accuracy must rise well above its first evaluation.
@@ -944,6 +1001,7 @@ const PHASES = [
   ['functional', functional],
   ['figures', measureFigures],
   ['cnn', cnnTab],
+  ['gpt', gptTab],
   ['local-steps', localStepsTab],
   ['overlap', overlapTab],
   ['remote', remoteShardTab],

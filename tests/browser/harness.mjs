@@ -31,6 +31,8 @@ export const TARGET = process.env.CARGO_TARGET_DIR
 export const SERVER = process.env.CROWDGRAD_BIN || path.join(TARGET, 'release/crowdgrad');
 export const WEB = path.join(ROOT, 'web');
 export const DATA = path.join(ROOT, 'data/mnist');
+/// The sentences corpus (`crowdgrad data fetch --dataset sentences`), for the language model.
+export const SENTENCES = path.join(ROOT, 'data/sentences');
 /// Logs, screenshots: target/browser.
 export const OUT = path.join(TARGET, 'browser');
 
@@ -155,10 +157,10 @@ export async function getStatus(base) {
 /// after the defaults, logging to OUT/server-`tag`.log, and waits (`timeoutMs`) until it answers
 /// /api/status. Returns the child, with `base` (its URL, `scheme` http or https) and `status`
 /// (that first answer). `say` gets its up and exit lines (default: `log`).
-export async function startServer(port, tag, args = [], { scheme = 'http', env, timeoutMs = 180_000, say = log } = {}) {
+export async function startServer(port, tag, args = [], { scheme = 'http', env, timeoutMs = 180_000, say = log, dataDir = DATA } = {}) {
   const base = `${scheme}://127.0.0.1:${port}`;
   const child = spawnLogged(`server-${tag}`, SERVER,
-    ['serve', '--addr', `127.0.0.1:${port}`, '--data-dir', DATA, '--web-dir', WEB, ...args], { env });
+    ['serve', '--addr', `127.0.0.1:${port}`, '--data-dir', dataDir, '--web-dir', WEB, ...args], { env });
   child.on('exit', (code, signal) => say(`server ${tag} exited (${signal || code})`));
   // Generous by default: on a first run the server fetches MNIST itself.
   child.status = await waitFor(`server ${tag} to answer /api/status`, async () => {

@@ -168,3 +168,190 @@ async fn npy_images_with_channels_train_a_cnn_and_bad_specs_are_refused() {
     running.stop().await.unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Issue 20: text as a dataset, end to end with real processes. A real `crowdgrad serve` on a
+/// directory of train.txt and valid.txt (an MLP over the 65 raw ids of each window, as no
+/// text model exists yet) states the tokenizer and token mode in its join reply, serves the
+/// partition as IDX rows of 65 token ids that are contiguous windows of the training text, and
+/// a real `crowdgrad work` trains on it. Every push is spot-checked: the server recomputes the
+/// worker's gradient on the batch it fills in token mode, so a worker filling `p / 255` (or
+/// any other batch) would fail the checks.
+#[tokio::test]
+async fn text_windows_are_served_and_a_real_worker_trains_on_token_ids() {
+    use crate::util::{get, post, scratch, wait_for, Proc};
+    use crowdgrad_core::data::{parse_idx, windows, Dataset, TextInfo};
+    use crowdgrad_core::spec::{JoinRequest, JoinResponse};
+    use crowdgrad_core::wire::ClientKind;
+    use std::time::Duration;
+
+    let dir = scratch("data", "text");
+    let sentences = [
+        "The quick brown fox jumps over the lazy dog.",
+        "A stitch in time saves nine.",
+        "Ünïcödé characters travel as single tokens.",
+    ];
+    let train: String = (0..300)
+        .map(|i| format!("{} {i}\n", sentences[i % 3]))
+        .collect();
+    std::fs::write(dir.join("train.txt"), &train).unwrap();
+    std::fs::write(
+        dir.join("valid.txt"),
+        "The lazy fox saves time: 42 ~ unseen!\n".repeat(8),
+    )
+    .unwrap();
+    let mut serve = crate::util::crowdgrad();
+    serve
+        .args([
+            "serve",
+            "--addr",
+            "127.0.0.1:0",
+            "--no-fetch",
+            "--eval-every",
+            "0.5",
+        ])
+        .args([
+            "--dataset",
+            "toy-text",
+            "--model",
+            "mlp:32",
+            "--partitions",
+            "2",
+        ])
+        .args(["--spot-check", "1"])
+        .arg("--data-dir")
+        .arg(&dir);
+    let mut server = Proc::spawn(serve, "text-serve");
+    let url = server.listening(Duration::from_secs(60));
+
+    // The join reply: the tokenizer and token mode, as JSON on the wire.
+    let req = serde_json::to_vec(&JoinRequest::new(ClientKind::Native)).unwrap();
+    let (code, body) = post(format!("{url}/api/join"), req).await;
+    assert_eq!(code, 200, "{}", String::from_utf8_lossy(&body));
+    let raw: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(raw["run"]["normalize"]["tokens"], true, "{raw}");
+    assert_eq!(raw["run"]["dataset"]["text"]["level"], "chars");
+    let join: JoinResponse = serde_json::from_slice(&body).unwrap();
+    let expected = TextInfo::chars_of(&train);
+    let text = join.run.dataset.text.clone().expect("text info");
+    assert_eq!(text, expected);
+    assert_eq!(join.run.dataset.classes, expected.vocab_size());
+    assert_eq!(join.run.dataset.image_dims, [65]);
+    assert_eq!(join.run.dataset.name, "toy-text");
+    assert_eq!(join.run.model.inputs, 65);
+
+    // The partition: rows of 65 ids, the training windows of this partition's range.
+    let part = &join.partition;
+    let (code, images) = get(format!("{url}{}", part.images)).await;
+    assert_eq!(code, 200);
+    let (code, labels) = get(format!("{url}{}", part.labels)).await;
+    assert_eq!(code, 200);
+    let idx = parse_idx(&images).unwrap();
+    assert_eq!(idx.dims, [part.examples, 65]);
+    let all = windows(&expected.encode(&train), 64).unwrap();
+    assert_eq!(join.run.dataset.train_len, all.len());
+    let range = all.partition(part.index, part.count).unwrap();
+    let mine = Dataset::from_idx(&images, &labels).unwrap();
+    assert_eq!(mine, all.subset(range.clone()).unwrap());
+    // Contiguous windows: each row starts with the token the previous one ended with.
+    for k in 1..mine.len() {
+        assert_eq!(mine.pixels(k)[0], mine.pixels(k - 1)[64]);
+    }
+    // What the worker does with it (core::worker: set_normalize(&run.normalize)): exact ids.
+    let mut filled = mine.clone();
+    filled.set_normalize(&join.run.normalize).unwrap();
+    let mut x = ndarray::Array2::zeros((2, 65));
+    let mut y = [0u8; 2];
+    filled.fill_batch(&[0, 1], &mut x.view_mut(), &mut y);
+    for r in 0..2 {
+        for j in 0..65 {
+            assert_eq!(x[[r, j]], f32::from(mine.pixels(r)[j]));
+        }
+        assert_eq!(y[r], mine.pixels(r)[64]);
+    }
+    assert!(x.iter().any(|&v| v > 1.0), "ids, not intensities");
+
+    // A real worker process trains; every push is recomputed by the server and passes.
+    let mut work = crate::util::crowdgrad();
+    work.args([
+        "work",
+        "--json",
+        "--threads",
+        "1",
+        "--server",
+        &url,
+        "--steps",
+        "40",
+    ]);
+    let mut worker = Proc::spawn(work, "text-work");
+    let st = worker
+        .exit_within(Duration::from_secs(120))
+        .await
+        .unwrap_or_else(|| panic!("the worker did not finish: {}", worker.stderr()));
+    assert!(st.success(), "worker failed: {}", worker.stderr());
+    let sum: serde_json::Value = serde_json::from_str(worker.stdout().trim()).unwrap();
+    assert!(sum["stats"]["pushes_accepted"].as_u64() > Some(0), "{sum}");
+    assert!(
+        sum["stats"]["ema_loss"]
+            .as_f64()
+            .is_some_and(f64::is_finite),
+        "{sum}"
+    );
+    let s = wait_for(
+        &url,
+        Duration::from_secs(30),
+        "spot checks of the text worker",
+        |s| {
+            s["spot_checks"]["passed"].as_u64().unwrap_or(0) > 0
+                || s["spot_checks"]["failed"].as_u64().unwrap_or(0) > 0
+        },
+    )
+    .await;
+    assert_eq!(s["spot_checks"]["failed"], 0, "{}", s["spot_checks"]);
+    assert!(s["spot_checks"]["passed"].as_u64() > Some(0));
+    // The evaluator runs on the validation windows in token mode.
+    let s = wait_for(&url, Duration::from_secs(30), "an evaluation", |s| {
+        s["eval"]["loss"].as_f64().is_some()
+    })
+    .await;
+    assert!(
+        s["eval"]["loss"].as_f64().is_some_and(f64::is_finite),
+        "{}",
+        s["eval"]
+    );
+    server.kill();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Issue 20: a model a worker (a browser tab: wasm32) could not hold is refused when the
+/// server starts, with the numbers, before any parameter is allocated; a 10M-parameter gpt
+/// is not.
+#[tokio::test]
+async fn a_language_model_too_large_for_a_tab_is_refused_at_start() {
+    use crowdgrad::support::text::{load_text, TextConfig};
+    let dir = crate::util::scratch("data", "big-gpt");
+    let line = "The quick brown fox jumps over the lazy dog, again and again.\n";
+    std::fs::write(dir.join("train.txt"), line.repeat(40)).unwrap();
+    std::fs::write(dir.join("valid.txt"), line.repeat(8)).unwrap();
+    let text = || load_text(&dir, &TextConfig::default(), 128).expect("a text dataset");
+    let mut cfg = crate::util::config();
+    cfg.dataset = "toy-text".into();
+    cfg.training.model = "gpt:16,2048,16,128".into();
+    let err = refused(cfg, text()).await;
+    assert!(
+        err.contains("a worker would need about")
+            && err.contains("MiB")
+            && err.contains("--batch-size"),
+        "{err}"
+    );
+    let big = crowdgrad_core::model::Model::new(
+        crowdgrad_core::model::ModelSpec::parse_sequence("gpt:8,320,8,128", 256).unwrap(),
+    )
+    .unwrap();
+    assert!(big.param_len() > 9_000_000, "{}", big.param_len());
+    let need = crowdgrad::coordinator::worker_memory(&big, 32);
+    assert!(
+        need < crowdgrad::coordinator::MAX_WORKER_BYTES,
+        "{} MiB",
+        need >> 20
+    );
+}

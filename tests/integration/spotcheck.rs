@@ -117,6 +117,45 @@ async fn honest_native_workers_pass_every_spot_check_in_every_encoding_and_with_
     honest_run(c, "honest native, H = 4 (adam inner), push int8_block", 100).await;
 }
 
+/// Issue 20: spot checks still match under a learning-rate schedule and AdamW. Gradient pushes
+/// with a cosine schedule on AdamW shards (the checker recomputes the gradient, which the
+/// schedule does not touch), and local rounds of H = 4 whose AdamW inner optimizer warms up and
+/// decays during the test: the checker reruns each round at the schedule's factor for the
+/// versions in the push's tag. A worker that ignored the schedule would push a pseudo-gradient
+/// off by the factor's ratio, far outside the 5% norm tolerance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn honest_workers_pass_spot_checks_under_a_schedule_with_adamw() {
+    use crowdgrad_core::schedule::{Decay, Schedule};
+    let schedule = |per_version: u64| Schedule {
+        warmup: 20 * per_version,
+        decay: Decay::Cosine,
+        decay_samples: 200 * per_version,
+        min_ratio: 0.1,
+        samples_per_version: per_version,
+    };
+    let mut c = config();
+    c.training.optimizer =
+        crowdgrad::config::optimizer_from_flags("adamw", None, None, None, None).expect("adamw");
+    c.training.optimizer.schedule = schedule(32);
+    honest_run(c, "honest native, H = 1, adamw shards, cosine", 150).await;
+    let mut c = config();
+    c.training.exchange.local.steps = LocalSteps::Fixed(4);
+    let mut inner = crowdgrad::config::optimizer_from_flags("adamw", Some(0.003), None, None, None)
+        .expect("adamw");
+    inner.schedule = schedule(4 * 32);
+    c.training.exchange.local.inner = inner;
+    c.training.optimizer =
+        crowdgrad::config::optimizer_from_flags("sgd", Some(1.0), None, None, None).expect("sgd");
+    c.training.optimizer.clip_norm = Some(1.0);
+    c.training.exchange.push_encoding = Encoding::F32;
+    honest_run(
+        c,
+        "honest native, H = 4, adamw inner, warmup + cosine, clip 1",
+        100,
+    )
+    .await;
+}
+
 /// What became of an attacker.
 #[derive(Debug)]
 struct Attack {

@@ -1,6 +1,6 @@
 //! Training end to end on real MNIST with native workers over real WebSockets.
 
-use crate::util::{config, get, server, status, wait_for};
+use crate::util::{config, get, server, status, wait_for, Proc};
 use crowdgrad::worker::{WorkOptions, WorkerThread};
 use std::time::Duration;
 
@@ -167,4 +167,99 @@ async fn normalize_auto_is_stated_in_the_run_spec_and_trains() {
     .await;
     assert_eq!(done["totals"]["pushes_rejected"], 0, "{done}");
     w.stop().expect("worker");
+}
+
+/// Issue 20: a real `crowdgrad serve` with AdamW, a linear warmup and a cosine decay (the
+/// flags) trains a real `crowdgrad work` on MNIST; the status states the schedule, and the
+/// rate it shows is the warmup's first step at the start and the floor once the decay is over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_with_adamw_and_a_cosine_schedule_trains_a_real_worker() {
+    crate::util::mnist();
+    let data = crate::util::mnist_dir();
+    // 500 steps of 32 = 16,000 samples: the decay ends with the worker's last push.
+    let mut c = crate::util::crowdgrad();
+    c.args([
+        "serve",
+        "--addr",
+        "127.0.0.1:0",
+        "--no-fetch",
+        "--data-dir",
+        data.to_str().expect("utf-8 path"),
+        "--eval-every",
+        "0.5",
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "0.002",
+        "--lr-warmup",
+        "1600",
+        "--lr-decay",
+        "cosine",
+        "--lr-decay-samples",
+        "16000",
+        "--clip-norm",
+        "1.0",
+    ])
+    .env("RUST_LOG", "info");
+    let mut serve = Proc::spawn(c, "schedule-serve");
+    let base = serve
+        .listening(Duration::from_secs(60))
+        .replace("ws://", "http://");
+    let s = status(&base).await;
+    let o = &s["optimizer"];
+    assert_eq!(o["rule"]["kind"], "adamw", "{o}");
+    assert_eq!(o["rule"]["beta2"].as_f64(), Some(0.95), "{o}");
+    assert_eq!(o["weight_decay"].as_f64(), Some(0.1), "{o}");
+    assert_eq!(o["clip_norm"].as_f64(), Some(1.0), "{o}");
+    let sched = &o["schedule"];
+    assert_eq!(sched["decay"], "cosine", "{o}");
+    assert_eq!(sched["warmup"], 1600, "{o}");
+    assert_eq!(sched["decay_samples"], 16000, "{o}");
+    assert_eq!(sched["samples_per_version"], 32, "{o}");
+    let lr0 = s["lr_now"].as_f64().unwrap_or(f64::NAN);
+    assert!(
+        (lr0 - 0.002 * 32.0 / 1600.0).abs() < 1e-7,
+        "first warmup step: {lr0}"
+    );
+    let mut work = Proc::crowdgrad(
+        "schedule-work",
+        &[
+            "work",
+            "--server",
+            &base,
+            "--steps",
+            "500",
+            "--threads",
+            "1",
+            "--quiet",
+            "--json",
+            "--id",
+            "schedule-test-volunteer",
+        ],
+    );
+    let exit = work
+        .exit_within(Duration::from_secs(600))
+        .await
+        .expect("the worker finishes its 500 steps");
+    assert!(exit.success(), "{exit:?}: {}", work.stderr());
+    let done = wait_for(
+        &base,
+        Duration::from_secs(30),
+        "an evaluation of the last version",
+        |s| s["eval"]["step"].as_u64() >= Some(500),
+    )
+    .await;
+    let acc = done["eval"]["accuracy"].as_f64().unwrap_or(0.0);
+    let lr = done["lr_now"].as_f64().unwrap_or(f64::NAN);
+    eprintln!("adamw lr 0.002, warmup 1600, cosine to 16000 samples: test accuracy {acc:.4}, lr now {lr:e}");
+    assert!(acc >= 0.9, "test accuracy {acc} after 500 steps");
+    assert!(
+        (lr - 0.0002).abs() < 1e-7,
+        "the floor, 10% of the peak: {lr}"
+    );
+    for shard in done["shards"].as_array().expect("shards") {
+        assert_eq!(shard["version"], 500, "{shard}");
+    }
+    serve.terminate();
+    let _ = serve.exit_within(Duration::from_secs(10)).await;
 }

@@ -117,6 +117,7 @@ pub fn step_bench(
         lr: 0.05,
         weight_decay: 0.0,
         clip_norm: None,
+        schedule: Default::default(),
     };
     let (join, data) = synthetic_run(model, shards, optimizer, batch, 2_000, 7)?;
     let nonzero: usize = (0..data.len())

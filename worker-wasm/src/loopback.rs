@@ -37,7 +37,8 @@ pub fn synthetic_idx(n: usize, seed: u64) -> (Vec<u8>, Vec<u8>) {
 }
 
 /// A join reply for `model` (e.g. `mlp:128`) cut into `shards`, with `optimizer` and `batch`,
-/// and a synthetic dataset of `examples` from `seed`.
+/// and a synthetic dataset of `examples` from `seed`: MNIST-shaped images, or for a language
+/// model (`gpt...`) windows of random byte tokens (V = 256, token mode).
 ///
 /// # Errors
 /// When the model text or the shard count is invalid.
@@ -49,6 +50,45 @@ pub fn synthetic_run(
     examples: usize,
     seed: u64,
 ) -> Result<(JoinResponse, Dataset)> {
+    // A language model (`gpt...`) gets random windows of byte tokens instead of images.
+    let language = crowdgrad_core::model::ModelSpec::parse_sequence(model, 256)
+        .ok()
+        .and_then(|s| s.sequence());
+    let data = match language {
+        Some(seq) => {
+            let mut r = Rng::new(seed ^ 0x5eed);
+            let tokens: Vec<u8> = (0..examples * seq.context + 1)
+                .map(|_| r.below(256) as u8)
+                .collect();
+            crowdgrad_core::data::windows(&tokens, seq.context)?
+        }
+        None => {
+            let (img, lab) = synthetic_idx(examples, seed ^ 0x5eed);
+            Dataset::from_idx(&img, &lab)?
+        }
+    };
+    let (dataset, normalize) = match language {
+        Some(_) => (
+            DataInfo::of_text(
+                "synthetic-text",
+                &data,
+                &data,
+                crowdgrad_core::data::TextInfo::bytes(),
+            ),
+            crowdgrad_core::data::Normalize::tokens(),
+        ),
+        None => (
+            DataInfo {
+                name: "synthetic".into(),
+                image_dims: vec![28, 28],
+                classes: 10,
+                train_len: examples,
+                test_len: 0,
+                text: None,
+            },
+            Default::default(),
+        ),
+    };
     let join = JoinResponse {
         protocol: PROTOCOL_VERSION,
         worker_id: 3,
@@ -60,15 +100,9 @@ pub fn synthetic_run(
             seed,
             consistency: Consistency::Async,
             shards,
-            dataset: DataInfo {
-                name: "synthetic".into(),
-                image_dims: vec![28, 28],
-                classes: 10,
-                train_len: examples,
-                test_len: 0,
-            },
+            dataset,
             local: crowdgrad_core::local::LocalConfig::default(),
-            normalize: Default::default(),
+            normalize,
         })?,
         partition: PartitionInfo {
             index: 0,
@@ -79,8 +113,7 @@ pub fn synthetic_run(
         },
         credential: None,
     };
-    let (img, lab) = synthetic_idx(examples, seed ^ 0x5eed);
-    Ok((join, Dataset::from_idx(&img, &lab)?))
+    Ok((join, data))
 }
 
 /// In-memory shards answering one worker.
@@ -201,6 +234,7 @@ mod tests {
             lr: 0.1,
             weight_decay: 0.0,
             clip_norm: None,
+            schedule: Default::default(),
         };
         let (join, data) = synthetic_run("softmax", 3, cfg, 16, 64, 1).unwrap();
         let mut shards = Loopback::new(&join, 42).unwrap();

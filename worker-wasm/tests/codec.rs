@@ -251,6 +251,7 @@ fn a_worker_with_local_steps_negotiates_bf16_pulls_and_int8_pushes() {
         lr: 0.05,
         weight_decay: 0.0,
         clip_norm: None,
+        schedule: Default::default(),
     };
     let (mut join, data) = synthetic_run("mlp:16", 2, inner, 8, 256, 4).unwrap();
     join.run.local = LocalConfig {
@@ -264,6 +265,7 @@ fn a_worker_with_local_steps_negotiates_bf16_pulls_and_int8_pushes() {
         lr: 1.0,
         weight_decay: 0.0,
         clip_norm: None,
+        schedule: Default::default(),
     };
     let init = crowdgrad_core::model::Model::new(join.run.model.clone())
         .unwrap()

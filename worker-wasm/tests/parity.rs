@@ -36,6 +36,9 @@
 //! sparse, checked), and the same images normalised with `--normalize 0.1307/0.3081` (no zero
 //! left: `auto` must take the dense GEMM, checked; `on` computes the sparse product of a full
 //! batch). The CNNs' first layer is a convolution: no choice changes them (checked).
+//!
+//! A tiny `gpt` language model (issue 20: embeddings, causal attention through the GEMM
+//! switch, LayerNorm, GELU, a tied and an untied head) is compared the same way, every kernel.
 
 use crowdgrad_core::data::{BatchSampler, Dataset, Normalize};
 use crowdgrad_core::model::{
@@ -135,6 +138,7 @@ fn compute() -> Fingerprint {
             lr: 0.01,
             weight_decay: 1e-4,
             clip_norm: None,
+            schedule: Default::default(),
         };
         let mut state = OptState::new(&cfg.rule, 100);
         // Inputs from exact integer arithmetic (f32 `sin`/`cos` would differ across libms).
@@ -262,6 +266,47 @@ fn gradients(fp: &mut Fingerprint, kernel: Gemm, sparse: SparseInput, batch: &Ba
     fp.put_approx("tiny.grad", tg.iter().map(|&g| f64::from(g)));
 
     cnn(fp, kernel, sparse, x, y);
+    gpt(fp, kernel, sparse);
+}
+
+/// A tiny `gpt` language model (embeddings, two attention blocks, tied head) on a batch of
+/// random token ids: initial weights exactly, loss and gradient within tolerance (its L2 and L1
+/// norms, and the first and middle entry of every tensor, to keep the fixture small), and the
+/// same for an untied head. No sparse choice touches it (checked).
+fn gpt(fp: &mut Fingerprint, kernel: Gemm, sparse: SparseInput) {
+    let (t, v) = (8, 11);
+    let mut r = Rng::new(17);
+    let x = Array2::from_shape_fn((4, t + 1), |_| r.below(v as u64) as f32);
+    let y = vec![0u8; 4];
+    for (key, text) in [
+        ("gpt", "gpt:2,16,4,8"),
+        ("gpt_untied", "gpt:1,16,2,8/untied"),
+    ] {
+        let m = Model::new(ModelSpec::parse(text, t + 1, v).expect("spec")).expect("model");
+        let p0 = m.init_params(7);
+        fp.put_exact(&format!("{key}.init.bits"), fnv_f32(&p0));
+        let mut grad = vec![0.0f32; p0.len()];
+        let mut ws = m.workspace(4);
+        ws.set_gemm(kernel);
+        ws.set_sparse_input(sparse);
+        let stats = m
+            .loss_and_grad(&p0, x.view(), &y, &mut grad, &mut ws)
+            .expect("fits");
+        assert_eq!(ws.sparse_passes(), 0, "a language model: never sparse");
+        fp.put_approx(&format!("{key}.loss"), [stats.mean_loss()]);
+        // Norms, not the plain sum: a LayerNorm's input gradient sums to about zero, so the
+        // sum of this gradient cancels and its relative rounding is large.
+        let l1: f64 = grad.iter().map(|&g| f64::from(g.abs())).sum();
+        fp.put_approx(&format!("{key}.grad.l2_l1"), [l2(&grad), l1]);
+        let picks: Vec<f64> = m
+            .layout()
+            .tensors
+            .iter()
+            .flat_map(|t| [t.offset, t.offset + t.len() / 2])
+            .map(|i| f64::from(grad[i]))
+            .collect();
+        fp.put_approx(&format!("{key}.grad.picks"), picks);
+    }
 }
 
 /// The default CNN (`cnn`: im2col convolutions, max-pooling, dense layers) and a small model
@@ -322,6 +367,7 @@ fn worker_session(fp: &mut Fingerprint) {
         lr: 0.1,
         weight_decay: 0.0,
         clip_norm: Some(5.0),
+        schedule: Default::default(),
     };
     let (join, data) = synthetic_run("mlp:32", 2, cfg, 16, 64, 21).expect("run");
     let mut shards = Loopback::new(&join, 42).expect("shards");

@@ -416,6 +416,14 @@ impl Xtask {
                 .arg(x.root.join("data/mnist"));
             run(c)
         })?;
+        self.stage("the sentences corpus into data/sentences", |x| {
+            let exe = x.target_dir().join("release/crowdgrad");
+            let mut c = Command::new(exe);
+            c.current_dir(&x.root)
+                .args(["data", "fetch", "--dataset", "sentences", "--dir"])
+                .arg(x.root.join("data/sentences"));
+            run(c)
+        })?;
         self.stage("cargo test --workspace --release", |x| {
             let mut c = x.cargo();
             c.args(["test", "--workspace", "--release"]);

@@ -16,7 +16,8 @@ pub struct Dataset {
     pub features: usize,
     pub(super) pixels: Vec<u8>,
     labels: Vec<u8>,
-    /// `x = p * scale[c] + offset[c]` per channel (empty: `p / 255`).
+    /// `x = p * scale[c] + offset[c]` per channel (empty: `p / 255`; token mode is one channel
+    /// of scale 1 and offset 0, exact in f32).
     scale: Vec<f32>,
     offset: Vec<f32>,
 }
@@ -86,13 +87,19 @@ impl Dataset {
         channels_of(&self.image_dims)
     }
 
-    /// Normalises every batch filled from now on with `n` (`x = (p / 255 - mean[c]) / std[c]`).
+    /// Normalises every batch filled from now on with `n` (`x = (p / 255 - mean[c]) / std[c]`,
+    /// or `x = p` in token mode).
     ///
     /// # Errors
     /// As [`Normalize::validate`] for this dataset's channels (nothing changes then).
     pub fn set_normalize(&mut self, n: &Normalize) -> Result<()> {
         let c = self.channels();
         n.validate(c)?;
+        if n.tokens {
+            self.scale = vec![1.0];
+            self.offset = vec![0.0];
+            return Ok(());
+        }
         if n.is_identity() {
             self.scale.clear();
             self.offset.clear();
@@ -194,7 +201,7 @@ impl Dataset {
     }
 
     /// Writes examples `indices` into `x` (as `pixel / 255`, then normalised per channel when
-    /// [`Dataset::set_normalize`] said so) and `y`.
+    /// [`Dataset::set_normalize`] said so, or as the exact byte in token mode) and `y`.
     ///
     /// # Panics
     /// If `x` is not `indices.len() x features`, `y` is not `indices.len()` long or an index is

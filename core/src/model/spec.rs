@@ -14,9 +14,21 @@
 //! | `dense:W` | fully connected, W units, then ReLU (flattens an image input) |
 //! | `dropout:P` | drops each unit of the previous layer with probability P in training (`0 <= P < 1`) |
 //! | `flatten` | explicit flatten (a `dense` after an image flattens by itself) |
+//! | `embed:D/tT` | token and position embeddings of a language model: width D, context T (first layer) |
+//! | `block:H` | a pre-LayerNorm transformer block with H heads (causal self-attention, then a 4D GELU MLP) |
+//! | `lnorm` | the final LayerNorm over the width (after the last block) |
+//! | `head:untied` | the output head with its own `[D, V]` weight (last); without it the head is tied to the token embedding |
 //!
-//! Names: `softmax` (no hidden layer), `mlp:W1[,W2...]` (= `dense:W1,dense:W2,...`) and
-//! [`CNN`] (`cnn`, the default convolutional network).
+//! Names: `softmax` (no hidden layer), `mlp:W1[,W2...]` (= `dense:W1,dense:W2,...`),
+//! [`CNN`] (`cnn`, the default convolutional network), `gpt:L,D,H,T` (= `embed:D/tT`, L times
+//! `block:H`, `lnorm`: a character-level GPT, `model/gpt.rs`), `gpt:L,D,H,T/untied` (the same
+//! with `head:untied`) and `gpt` (= [`GPT`]).
+//!
+//! A language model (`embed`, blocks, `lnorm`, head: exactly that order) reads examples of T+1
+//! token ids (input shape `[T+1]`, the ids as exact f32 integers) and predicts tokens 1..=T
+//! from tokens 0..T; its classes are the vocabulary V. Its output layer is the head (tied
+//! unless `head:untied` ends the list), not `dense`. [`ModelSpec::sequence`] says whether a spec
+//! is one, and its context.
 //!
 //! Images are `H x W x C`, channels last (the order of IDX `N x H x W x C` and of NumPy arrays);
 //! a flattened image is indexed `(y * W + x) * C + c`. Convolution and pooling windows must fit
@@ -29,6 +41,19 @@ use std::fmt;
 /// The text of the default convolutional network, `cnn`: two 5x5 convolutions with 2x2
 /// max-pooling, one hidden dense layer (LeNet's shape, sized for a 2-core machine).
 pub const CNN: &str = "conv:16x5x5,pool:2,conv:32x5x5,pool:2,dense:128";
+
+/// The text of the default language model, `gpt`: 4 blocks of width 128 with 4 heads over a
+/// context of 64 tokens (about 0.8M parameters with a vocabulary of 100).
+pub const GPT: &str = "gpt:4,128,4,64";
+
+/// Largest width `D` of a language model.
+pub const MAX_GPT_WIDTH: usize = 4096;
+/// Largest context `T` of a language model.
+pub const MAX_GPT_CONTEXT: usize = 4096;
+/// Largest number of blocks `L` of a language model.
+pub const MAX_GPT_BLOCKS: usize = 64;
+/// Largest vocabulary (classes) of a language model.
+pub const MAX_GPT_VOCAB: usize = 65_536;
 
 /// Largest parameter count a model may have.
 pub const MAX_PARAMS: u128 = 1 << 31;
@@ -85,12 +110,84 @@ pub enum Layer {
         /// Probability of dropping a unit, `0 <= rate < 1`.
         rate: f32,
     },
+    /// Token and position embeddings, the first layer of a language model: `tok_emb.weight`
+    /// `[V, D]`, `pos_emb.weight` `[T, D]`.
+    Embed {
+        /// Width `D`.
+        dim: usize,
+        /// Context `T` (tokens per example, plus one target).
+        context: usize,
+    },
+    /// A pre-LayerNorm transformer block (`block{i}.*`): `x += proj(attn(ln1(x)))`, then
+    /// `x += mlp_proj(gelu(fc(ln2(x))))`.
+    Block {
+        /// Attention heads (they divide the width).
+        heads: usize,
+    },
+    /// The final LayerNorm of a language model (`ln_f.weight`, `ln_f.bias`).
+    LayerNorm,
+    /// The output head of a language model: logits over the vocabulary, from the token
+    /// embedding (tied) or its own `head.weight` `[D, V]`.
+    Head {
+        /// True when the head is the token embedding transposed (no tensor of its own).
+        tied: bool,
+    },
+}
+
+/// What a language model is ([`ModelSpec::sequence`]): its sizes, for cutting text into
+/// windows of `context + 1` tokens and for labelling.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqInfo {
+    /// Context `T`: positions predicted per example (an example holds `T + 1` tokens).
+    pub context: usize,
+    /// Vocabulary `V` (the spec's classes).
+    pub vocab: usize,
+    /// Blocks `L`.
+    pub layers: usize,
+    /// Width `D`.
+    pub dim: usize,
+    /// Heads `H`.
+    pub heads: usize,
+    /// True when the head is tied to the token embedding.
+    pub tied: bool,
+}
+
+impl SeqInfo {
+    /// The model text, `gpt:L,D,H,T` (with `/untied` for an untied head).
+    pub fn text(&self) -> String {
+        let untied = if self.tied { "" } else { "/untied" };
+        format!(
+            "gpt:{},{},{},{}{untied}",
+            self.layers, self.dim, self.heads, self.context
+        )
+    }
+
+    /// The layer list of this model, head included.
+    pub fn layers(&self) -> Vec<Layer> {
+        let mut l = vec![Layer::Embed {
+            dim: self.dim,
+            context: self.context,
+        }];
+        l.extend((0..self.layers).map(|_| Layer::Block { heads: self.heads }));
+        l.push(Layer::LayerNorm);
+        l.push(Layer::Head { tied: self.tied });
+        l
+    }
 }
 
 impl Layer {
     /// True for the layers that own parameters (`layer{i}.*` tensors).
+    /// (The layers of a language model name their tensors themselves: `model/gpt.rs`.)
     pub fn has_params(&self) -> bool {
         matches!(self, Layer::Dense { .. } | Layer::Conv { .. })
+    }
+
+    /// True for the layers of a language model (`embed`, `block`, `lnorm`, the head).
+    pub fn is_sequence(&self) -> bool {
+        matches!(
+            self,
+            Layer::Embed { .. } | Layer::Block { .. } | Layer::LayerNorm | Layer::Head { .. }
+        )
     }
 }
 
@@ -128,6 +225,11 @@ impl fmt::Display for Layer {
             Layer::Relu => write!(f, "relu"),
             Layer::Flatten => write!(f, "flatten"),
             Layer::Dropout { rate } => write!(f, "dropout:{rate}"),
+            Layer::Embed { dim, context } => write!(f, "embed:{dim}/t{context}"),
+            Layer::Block { heads } => write!(f, "block:{heads}"),
+            Layer::LayerNorm => write!(f, "lnorm"),
+            Layer::Head { tied: true } => write!(f, "head"),
+            Layer::Head { tied: false } => write!(f, "head:untied"),
         }
     }
 }
@@ -191,7 +293,9 @@ impl fmt::Display for Shape {
 }
 
 /// Architecture of a model: an input shape, a list of layers and the class count. The last
-/// layer is the output `dense` to `classes` units (logits), with softmax cross-entropy on top.
+/// layer is the output `dense` to `classes` units (logits), with softmax cross-entropy on top;
+/// a language model's is its head, over a vocabulary of `classes` tokens, and its input shape
+/// is `[T + 1]` ([`ModelSpec::sequence`]).
 ///
 /// In JSON: `{"inputs": 784, "input_shape": [28, 28], "layers": [...], "classes": 10}`, plus
 /// `"hidden": [W...]` when the model is a plain MLP (what protocol-1 workers before layers read;
@@ -305,6 +409,25 @@ impl ModelSpec {
         Self::from_layers(shape, layers, classes)
     }
 
+    /// Parses a language model's text (`gpt`, `gpt:L,D,H,T`, or `embed:D/tT,...`) for a
+    /// vocabulary of `vocab` tokens: its input shape, `[T + 1]`, comes from the text, so a
+    /// caller can learn the context (and cut its text into windows of `T + 1`) from the model
+    /// text alone.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for text outside the grammar, a model that is not a language model,
+    /// or one that fails [`ModelSpec::validate`].
+    pub fn parse_sequence(text: &str, vocab: usize) -> Result<Self> {
+        let layers = parse_layers(text, vocab)?;
+        let Some(&Layer::Embed { context, .. }) = layers.first() else {
+            return Err(Error::Config(format!(
+                "model {:?} is not a language model (gpt:L,D,H,T or embed:D/tT,...)",
+                text.trim()
+            )));
+        };
+        Self::from_layers(vec![context.saturating_add(1)], layers, vocab)
+    }
+
     /// Checks a model text against the grammar only, before the examples' shape is known
     /// (shapes are checked by [`ModelSpec::parse_shaped`] when it is).
     ///
@@ -358,7 +481,11 @@ impl ModelSpec {
     /// # Errors
     /// [`Error::Config`] naming the first layer that does not fit and its input shape, fewer
     /// than 2 classes, a last layer that is not `dense` to `classes`, or more than 2^31
-    /// parameters / 2^24 activations per example.
+    /// parameters / 2^24 activations per example. A language model: its layers out of the
+    /// order `embed`, blocks, `lnorm`, head, blocks with different heads, `D % H != 0`, an
+    /// input that is not `[T + 1]`, or sizes over [`MAX_GPT_WIDTH`], [`MAX_GPT_CONTEXT`],
+    /// [`MAX_GPT_BLOCKS`], [`MAX_GPT_VOCAB`] and the same parameter and activation limits (its
+    /// training workspace per example).
     pub fn validate(&self) -> Result<()> {
         self.resolve().map(|_| ())
     }
@@ -383,6 +510,9 @@ impl ModelSpec {
                 shape.len(),
                 self.inputs
             ));
+        }
+        if self.layers.iter().any(Layer::is_sequence) {
+            return self.resolve_sequence(shape);
         }
         match self.layers.last() {
             Some(Layer::Dense { units }) if *units == self.classes => {}
@@ -481,6 +611,13 @@ impl ModelSpec {
                     shape
                 }
                 Layer::Flatten => Shape::Flat(shape.len()),
+                Layer::Embed { .. }
+                | Layer::Block { .. }
+                | Layer::LayerNorm
+                | Layer::Head { .. } => {
+                    // resolve_sequence() takes every model with one of these.
+                    return Err(at("a language-model layer in a layer stack".into()));
+                }
             };
             acts = acts.saturating_add(output.len());
             if params > MAX_PARAMS {
@@ -500,6 +637,135 @@ impl ModelSpec {
         Ok(out)
     }
 
+    /// The structure of a language model's layer list: `Ok(None)` when it has no
+    /// language-model layer, `Err` naming what is out of place.
+    fn sequence_form(&self) -> std::result::Result<Option<SeqInfo>, String> {
+        if !self.layers.iter().any(Layer::is_sequence) {
+            return Ok(None);
+        }
+        let form =
+            "a language model is embed:D/tT, block:H (1 or more, the same H), lnorm, then its head";
+        if let Some((i, l)) = self
+            .layers
+            .iter()
+            .enumerate()
+            .find(|(_, l)| !l.is_sequence())
+        {
+            return Err(format!(
+                "{form}; layer {i} ({l}) is out of place (not a language-model layer)"
+            ));
+        }
+        let n = self.layers.len();
+        let (Some(Layer::Embed { dim, context }), Some(Layer::Head { tied })) =
+            (self.layers.first(), self.layers.last())
+        else {
+            return Err(format!(
+                "{form}; it must start with embed and end with the head"
+            ));
+        };
+        if n < 4 || self.layers[n - 2] != Layer::LayerNorm {
+            return Err(format!("{form}; lnorm must come right before the head"));
+        }
+        let mut heads = None;
+        for (i, l) in self.layers[1..n - 2].iter().enumerate() {
+            match (l, heads) {
+                (Layer::Block { heads: h }, None) => heads = Some(*h),
+                (Layer::Block { heads: h }, Some(first)) if *h == first => {}
+                (Layer::Block { heads: h }, Some(first)) => {
+                    return Err(format!(
+                        "{form}; layer {} (block:{h}) has other heads than block:{first}",
+                        i + 1
+                    ))
+                }
+                (other, _) => {
+                    return Err(format!("{form}; layer {} ({other}) is out of place", i + 1))
+                }
+            }
+        }
+        Ok(Some(SeqInfo {
+            context: *context,
+            vocab: self.classes,
+            layers: n - 3,
+            dim: *dim,
+            heads: heads.unwrap_or(0),
+            tied: *tied,
+        }))
+    }
+
+    /// The sizes of a language model (module docs: `embed`, `block`, `lnorm`, head), `None`
+    /// for every other model (and for a list that is not a valid language model).
+    pub fn sequence(&self) -> Option<SeqInfo> {
+        self.sequence_form().ok().flatten()
+    }
+
+    /// [`ModelSpec::resolve`] for a language model: the structure, its sizes and limits.
+    fn resolve_sequence(&self, input: Shape) -> Result<Vec<Resolved>> {
+        let info = match self.sequence_form() {
+            Ok(Some(info)) => info,
+            Ok(None) => return Err(Error::Config("not a language model".into())),
+            Err(why) => return Err(Error::Config(why)),
+        };
+        let bad = |m: String| Err(Error::Config(format!("model {}: {m}", info.text())));
+        let SeqInfo {
+            context: t,
+            vocab: v,
+            layers: l,
+            dim: d,
+            heads: h,
+            ..
+        } = info;
+        if !(1..=MAX_GPT_WIDTH).contains(&d) {
+            return bad(format!("width {d} is outside 1..={MAX_GPT_WIDTH}"));
+        }
+        if !(1..=MAX_GPT_CONTEXT).contains(&t) {
+            return bad(format!("context {t} is outside 1..={MAX_GPT_CONTEXT}"));
+        }
+        if !(1..=MAX_GPT_BLOCKS).contains(&l) {
+            return bad(format!("{l} blocks is outside 1..={MAX_GPT_BLOCKS}"));
+        }
+        if h == 0 || d % h != 0 {
+            return bad(format!(
+                "{h} heads do not divide the width {d} (D % H != 0)"
+            ));
+        }
+        if v > MAX_GPT_VOCAB {
+            return bad(format!("a vocabulary of {v} is over {MAX_GPT_VOCAB}"));
+        }
+        if input != Shape::Flat(t + 1) {
+            return bad(format!(
+                "an example holds T+1 = {} tokens, but the input is {input}",
+                t + 1
+            ));
+        }
+        let params = super::gpt::param_count(&info);
+        if params > MAX_PARAMS {
+            return bad(format!(
+                "{params} parameters, too many (at most {MAX_PARAMS})"
+            ));
+        }
+        let acts = super::gpt::floats_per_example(&info, true);
+        if acts > MAX_ACTIVATIONS as u128 {
+            return bad(format!(
+                "{acts} activations per example, too many (at most {MAX_ACTIVATIONS})"
+            ));
+        }
+        let stream = Shape::Flat(t * d);
+        Ok(self
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, &layer)| Resolved {
+                layer,
+                input: if i == 0 { input } else { stream },
+                output: if i + 1 == self.layers.len() {
+                    Shape::Flat(t * v)
+                } else {
+                    stream
+                },
+            })
+            .collect())
+    }
+
     /// Hidden widths when the model is a plain MLP (`dense` + ReLU layers, then the output),
     /// `Some(vec![])` for softmax regression; `None` for anything else.
     pub fn mlp_widths(&self) -> Option<Vec<usize>> {
@@ -517,7 +783,11 @@ impl ModelSpec {
     }
 
     /// The hidden layers' text in the grammar (implied ReLUs and the output layer left out).
+    /// A language model's is its name, `gpt:L,D,H,T` (`/untied`).
     pub fn layers_text(&self) -> String {
+        if let Some(info) = self.sequence() {
+            return info.text();
+        }
         let n = self.layers.len().saturating_sub(1);
         let mut items: Vec<String> = Vec::new();
         for (i, l) in self.layers[..n].iter().enumerate() {
@@ -536,6 +806,9 @@ impl ModelSpec {
         let Ok(resolved) = self.resolve() else {
             return l;
         };
+        if let Some(info) = self.sequence() {
+            return super::gpt::layout(&info);
+        }
         for (i, r) in resolved.iter().filter(|r| r.layer.has_params()).enumerate() {
             match (r.layer, r.input) {
                 (Layer::Dense { units }, input) => {
@@ -589,22 +862,28 @@ impl fmt::Display for ModelSpec {
 /// Parses the text into the full layer list (implied ReLUs and the output layer added).
 fn parse_layers(text: &str, classes: usize) -> Result<Vec<Layer>> {
     let t = text.trim();
+    let gpt = if t == "gpt" { GPT } else { t };
     let items: Vec<String> = match t {
         "softmax" => Vec::new(),
         "cnn" => CNN.split(',').map(str::to_string).collect(),
-        _ => match t.strip_prefix("mlp:") {
-            Some(widths) => widths
+        _ => match (t.strip_prefix("mlp:"), gpt.strip_prefix("gpt:")) {
+            (Some(widths), _) => widths
                 .split(',')
                 .map(|w| format!("dense:{}", w.trim()))
                 .collect(),
-            None => t.split(',').map(|s| s.trim().to_string()).collect(),
+            (None, Some(sizes)) => gpt_items(sizes).map_err(|why| {
+                Error::Config(format!(
+                    "bad model {t:?}: {why}; use gpt:L,D,H,T (L blocks, width D, H heads, context T), optionally /untied"
+                ))
+            })?,
+            (None, None) => t.split(',').map(|s| s.trim().to_string()).collect(),
         },
     };
     let mut layers = Vec::new();
     for item in &items {
         let layer = parse_item(item).map_err(|why| {
             Error::Config(format!(
-                "bad layer {item:?} in model {t:?}: {why}; use softmax, mlp:W1,W2,..., cnn, or a comma list of conv:FxKxK[/sS][/pP], pool:K[/sS], avgpool:K[/sS], dense:W, dropout:P, flatten"
+                "bad layer {item:?} in model {t:?}: {why}; use softmax, mlp:W1,W2,..., cnn, gpt:L,D,H,T, or a comma list of conv:FxKxK[/sS][/pP], pool:K[/sS], avgpool:K[/sS], dense:W, dropout:P, flatten (or of embed:D/tT, block:H, lnorm, head:untied)"
             ))
         })?;
         layers.push(layer);
@@ -612,8 +891,42 @@ fn parse_layers(text: &str, classes: usize) -> Result<Vec<Layer>> {
             layers.push(Layer::Relu);
         }
     }
-    layers.push(Layer::Dense { units: classes });
+    // The output layer: a language model's head (tied unless the list ends with one), else
+    // dense to the classes.
+    if layers.iter().any(Layer::is_sequence) {
+        if !matches!(layers.last(), Some(Layer::Head { .. })) {
+            layers.push(Layer::Head { tied: true });
+        }
+    } else {
+        layers.push(Layer::Dense { units: classes });
+    }
     Ok(layers)
+}
+
+/// `L,D,H,T[/untied]` of `gpt:L,D,H,T` into its layer items.
+fn gpt_items(sizes: &str) -> std::result::Result<Vec<String>, String> {
+    let (sizes, untied) = match sizes.split_once('/') {
+        None => (sizes, false),
+        Some((s, "untied")) => (s, true),
+        Some((_, other)) => return Err(format!("unknown option {other:?} (only /untied)")),
+    };
+    let n: Vec<usize> = sizes
+        .split(',')
+        .map(|v| number(v.trim(), "gpt size"))
+        .collect::<std::result::Result<_, _>>()?;
+    let [l, d, h, t] = n[..] else {
+        return Err(format!("gpt wants 4 sizes L,D,H,T, not {}", n.len()));
+    };
+    if l > MAX_GPT_BLOCKS {
+        return Err(format!("{l} blocks is outside 1..={MAX_GPT_BLOCKS}"));
+    }
+    let mut items = vec![format!("embed:{d}/t{t}")];
+    items.extend((0..l).map(|_| format!("block:{h}")));
+    items.push("lnorm".into());
+    if untied {
+        items.push("head:untied".into());
+    }
+    Ok(items)
 }
 
 fn number(s: &str, what: &str) -> std::result::Result<usize, String> {
@@ -655,6 +968,31 @@ fn options(rest: &str) -> std::result::Result<(Option<usize>, Option<usize>), St
 fn parse_item(item: &str) -> std::result::Result<Layer, String> {
     let (name, arg) = item.split_once(':').unwrap_or((item, ""));
     let (arg, opts) = arg.split_once('/').unwrap_or((arg, ""));
+    match name {
+        "embed" => {
+            let context = opts
+                .strip_prefix('t')
+                .ok_or_else(|| "embed wants embed:D/tT (width D, context T)".to_string())?;
+            return Ok(Layer::Embed {
+                dim: number(arg, "width")?,
+                context: number(context, "context")?,
+            });
+        }
+        "block" if opts.is_empty() => {
+            return Ok(Layer::Block {
+                heads: number(arg, "heads")?,
+            })
+        }
+        "lnorm" if arg.is_empty() && opts.is_empty() => return Ok(Layer::LayerNorm),
+        "head" if opts.is_empty() => {
+            return match arg {
+                "" | "tied" => Ok(Layer::Head { tied: true }),
+                "untied" => Ok(Layer::Head { tied: false }),
+                _ => Err("head is head:tied or head:untied".into()),
+            }
+        }
+        _ => {}
+    }
     let (stride, padding) = options(opts)?;
     let no_opts = |l: Layer| {
         if stride.is_some() || padding.is_some() {
@@ -708,5 +1046,236 @@ fn parse_item(item: &str) -> std::result::Result<Layer, String> {
         "flatten" if arg.is_empty() => no_opts(Layer::Flatten),
         "relu" => Err("ReLU is implied after every conv and dense layer".into()),
         _ => Err("unknown layer".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn gpt(text: &str, t: usize, v: usize) -> Result<ModelSpec> {
+        ModelSpec::parse_shaped(text, &[t + 1], v)
+    }
+
+    #[test]
+    fn gpt_names_and_layer_lists_are_one_grammar() {
+        let s = gpt("gpt:2,8,2,5", 5, 7).unwrap();
+        assert_eq!(
+            s.layers,
+            [
+                Layer::Embed { dim: 8, context: 5 },
+                Layer::Block { heads: 2 },
+                Layer::Block { heads: 2 },
+                Layer::LayerNorm,
+                Layer::Head { tied: true },
+            ]
+        );
+        assert_eq!(s.to_string(), "gpt:2,8,2,5 6-7");
+        assert_eq!(s.layers_text(), "gpt:2,8,2,5");
+        assert_eq!(
+            (s.inputs, s.input_shape.clone(), s.classes),
+            (6, vec![6], 7)
+        );
+        let info = s.sequence().unwrap();
+        assert_eq!(
+            info,
+            SeqInfo {
+                context: 5,
+                vocab: 7,
+                layers: 2,
+                dim: 8,
+                heads: 2,
+                tied: true
+            }
+        );
+        assert_eq!(info.layers(), s.layers);
+        for same in [
+            "embed:8/t5,block:2,block:2,lnorm",
+            " embed:8/t5, block:2 ,block:2,lnorm,head ",
+            "embed:8/t5,block:2,block:2,lnorm,head:tied",
+            "gpt: 2, 8, 2, 5",
+        ] {
+            assert_eq!(gpt(same, 5, 7).unwrap(), s, "{same}");
+        }
+        let u = gpt("gpt:2,8,2,5/untied", 5, 7).unwrap();
+        assert_eq!(u.layers.last(), Some(&Layer::Head { tied: false }));
+        assert_eq!(u.to_string(), "gpt:2,8,2,5/untied 6-7");
+        assert_eq!(
+            gpt("embed:8/t5,block:2,block:2,lnorm,head:untied", 5, 7).unwrap(),
+            u
+        );
+        assert!(!u.sequence().unwrap().tied);
+        // Plain `gpt`; `parse` with a flat count reads the same.
+        let d = gpt("gpt", 64, 100).unwrap();
+        assert_eq!(d.layers_text(), GPT);
+        assert_eq!(ModelSpec::parse("gpt", 65, 100).unwrap(), d);
+        assert!(ModelSpec::check_text("gpt").is_ok());
+        assert_eq!(ModelSpec::parse_sequence("gpt", 100).unwrap(), d);
+        assert_eq!(ModelSpec::parse_sequence("gpt:2,8,2,5", 7).unwrap(), s);
+        for not in ["mlp:8", "cnn", "block:2,lnorm", "gpt:2,7,2,5", "nonsense"] {
+            assert!(ModelSpec::parse_sequence(not, 7).is_err(), "{not}");
+        }
+        assert!(ModelSpec::check_text("gpt:1,4,2,3/untied").is_ok());
+        // Other models are not language models.
+        assert_eq!(ModelSpec::parse("mlp:8", 6, 3).unwrap().sequence(), None);
+        assert_eq!(
+            ModelSpec::parse("softmax", 6, 3).unwrap().mlp_widths(),
+            Some(vec![])
+        );
+        assert_eq!(d.mlp_widths(), None);
+    }
+
+    #[test]
+    fn gpt_json_round_trips_and_validates() {
+        let s = gpt("gpt:2,8,2,5/untied", 5, 7).unwrap();
+        let json = serde_json::to_value(&s).unwrap();
+        assert_eq!(json["inputs"], 6);
+        assert!(json.get("hidden").is_none());
+        assert_eq!(
+            json["layers"],
+            serde_json::json!([
+                {"kind": "embed", "dim": 8, "context": 5},
+                {"kind": "block", "heads": 2},
+                {"kind": "block", "heads": 2},
+                {"kind": "layer_norm"},
+                {"kind": "head", "tied": false},
+            ])
+        );
+        assert_eq!(
+            serde_json::from_value::<ModelSpec>(json.clone()).unwrap(),
+            s
+        );
+        let text = serde_json::to_string(&s).unwrap();
+        assert_eq!(serde_json::from_str::<ModelSpec>(&text).unwrap(), s);
+        // Unknown fields, a bad structure or a misfit do not decode.
+        let mut bad = json.clone();
+        bad["layers"][1]["dim"] = 3.into();
+        assert!(serde_json::from_value::<ModelSpec>(bad).is_err());
+        let mut bad = json.clone();
+        bad["layers"][1]["heads"] = 3.into();
+        let err = serde_json::from_value::<ModelSpec>(bad)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("other heads"), "{err}");
+        let mut bad = json.clone();
+        bad["inputs"] = 7.into();
+        bad["input_shape"] = serde_json::json!([7]);
+        let err = serde_json::from_value::<ModelSpec>(bad)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("T+1 = 6"), "{err}");
+        let mut bad = json;
+        bad["layers"][3] = serde_json::json!({"kind": "dense", "units": 7});
+        assert!(serde_json::from_value::<ModelSpec>(bad).is_err());
+    }
+
+    fn refusal(text: &str, t: usize, v: usize) -> String {
+        match gpt(text, t, v) {
+            Ok(s) => panic!("{text} was accepted as {s}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn bad_gpt_specs_say_why() {
+        let cases: [(&str, usize, usize, &[&str]); 16] = [
+            (
+                "gpt:2,10,4,5",
+                5,
+                7,
+                &["4 heads do not divide the width 10", "D % H"],
+            ),
+            ("gpt:2,8,2,5", 6, 7, &["T+1 = 6", "input is 7"]),
+            ("gpt:2,8,2", 5, 7, &["4 sizes"]),
+            ("gpt:2,8,2,5,1", 5, 7, &["4 sizes"]),
+            ("gpt:2,8,0,5", 5, 7, &["gpt size \"0\""]),
+            ("gpt:2,8,2,5/tied", 5, 7, &["only /untied"]),
+            ("gpt:2,8,2,x", 5, 7, &["gpt size"]),
+            ("gpt:65,8,2,5", 5, 7, &["65 blocks", "1..=64"]),
+            ("gpt:2,8192,2,5", 5, 7, &["width 8192", "1..=4096"]),
+            ("gpt:2,8,2,5000", 5000, 7, &["context 5000", "1..=4096"]),
+            ("gpt:64,4096,64,4096", 4096, 7, &["too many", "at most"]),
+            ("gpt:1,8,2,5", 5, 70_000, &["vocabulary of 70000", "65536"]),
+            ("embed:8/t5,block:2,lnorm,dense:4", 5, 7, &["out of place"]),
+            ("block:2,embed:8/t5,lnorm", 5, 7, &["start with embed"]),
+            (
+                "embed:8/t5,block:2",
+                5,
+                7,
+                &["lnorm must come right before the head"],
+            ),
+            (
+                "embed:8/t5,head:untied,block:2,lnorm",
+                5,
+                7,
+                &["out of place"],
+            ),
+        ];
+        for (text, t, v, needles) in cases {
+            let msg = refusal(text, t, v);
+            for n in needles {
+                assert!(msg.contains(n), "{text}: {msg:?} lacks {n:?}");
+            }
+        }
+        for text in [
+            "embed:8",
+            "embed:8/s5",
+            "block:2/t3",
+            "lnorm:1",
+            "head:both",
+            "embed:8/t5,block:2,block:4,lnorm",
+        ] {
+            assert!(gpt(text, 5, 7).is_err(), "{text}");
+        }
+        assert!(gpt("gpt:1,8,2,5", 5, 1).is_err());
+        // Too many activations per example: refused at parse time, with the numbers.
+        let msg = refusal("gpt:64,64,64,4096", 4096, 7);
+        assert!(
+            msg.contains("activations per example") && msg.contains("16777216"),
+            "{msg}"
+        );
+    }
+
+    proptest! {
+        /// No model text, however mangled, panics the grammar; what it accepts is shown and
+        /// parsed back to the same spec, and survives JSON.
+        #[test]
+        fn the_grammar_never_panics_and_round_trips(
+            text in "(gpt|mlp|cnn|softmax|embed|block|lnorm|head|dense|conv|pool|avgpool|dropout|flatten|untied|tied|relu|[:,/xstp0-9. é-]){0,12}",
+            t in 1usize..12,
+            classes in 0usize..12,
+        ) {
+            for shape in [vec![t + 1], vec![t, t], vec![t, t, 2]] {
+                if let Ok(s) = ModelSpec::parse_shaped(&text, &shape, classes) {
+                    // (Softmax regression has no hidden layer: an empty text, named `softmax`.)
+                    let shown = Some(s.layers_text()).filter(|t| !t.is_empty());
+                    let shown = shown.unwrap_or_else(|| "softmax".into());
+                    let again = ModelSpec::parse_shaped(&shown, &shape, classes);
+                    prop_assert_eq!(again.as_ref().ok(), Some(&s), "{} -> {}", text, s);
+                    let json = serde_json::to_string(&s).unwrap();
+                    prop_assert_eq!(serde_json::from_str::<ModelSpec>(&json).ok(), Some(s));
+                }
+            }
+            let _ = ModelSpec::check_text(&text);
+            let _ = ModelSpec::parse(&text, t + 1, classes);
+        }
+
+        /// Every gpt of small sizes that parses round-trips; the sizes decide acceptance.
+        #[test]
+        fn gpt_sizes_round_trip(l in 0usize..4, d in 0usize..20, h in 0usize..6, t in 0usize..9, v in 0usize..9, untied: bool) {
+            let text = format!("gpt:{l},{d},{h},{t}{}", if untied { "/untied" } else { "" });
+            let ok = l >= 1 && d >= 1 && h >= 1 && t >= 1 && v >= 2 && d % h == 0;
+            match gpt(&text, t, v) {
+                Ok(s) => {
+                    prop_assert!(ok, "{} accepted", text);
+                    prop_assert_eq!(s.layers_text(), text);
+                    let info = s.sequence().unwrap();
+                    prop_assert_eq!((info.layers, info.dim, info.heads, info.context, info.vocab, info.tied), (l, d, h, t, v, !untied));
+                    prop_assert_eq!(s.param_len() as u128, crate::model::gpt::param_count(&info));
+                }
+                Err(e) => prop_assert!(!ok, "{} refused: {}", text, e),
+            }
+        }
     }
 }

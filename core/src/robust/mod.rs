@@ -98,6 +98,7 @@ mod testing {
             lr: 1.0,
             weight_decay: 0.0,
             clip_norm: None,
+            schedule: Default::default(),
         };
         ShardCore::new(values, cfg, StalenessPolicy::default(), consistency).with_aggregation(rule)
     }

@@ -50,6 +50,10 @@ pub enum Record {
         samples: u32,
         /// Bytes of the Push frame.
         bytes: usize,
+        /// Whether the gradient had any non-zero value (false for a push refused before it
+        /// was decoded): the server's ledger credits samples only for non-zero pushes, so
+        /// pushing zeros earns nothing.
+        nonzero: bool,
     },
     /// A worker reported its measurements.
     Reported {
@@ -367,6 +371,7 @@ impl ShardSession {
                 },
                 samples,
                 bytes,
+                nonzero: false,
             },
             None => Record::Rejected { worker, code },
         };
@@ -613,7 +618,10 @@ impl ShardSession {
                         .to_string();
                     return self.fail(shard, request_id, ErrorCode::Protocol, m, push, now);
                 }
-                let outcome = shard.with(|s| s.push(worker, base_version, grad, samples, now));
+                let (outcome, nonzero) = shard.with(|s| {
+                    let o = s.push(worker, base_version, grad, samples, now);
+                    (o, s.last_push_nonzero)
+                });
                 if let Some(tag) = tag.filter(|t| {
                     matches!(outcome, Outcome::Applied { .. } | Outcome::Buffered { .. })
                         && shard.sample(worker, t)
@@ -646,6 +654,7 @@ impl ShardSession {
                     outcome,
                     samples,
                     bytes: bytes.len(),
+                    nonzero,
                 }));
                 self.send(wire::encode(&Message::Ack {
                     request_id,
@@ -762,6 +771,44 @@ mod tests {
     /// A push of `grad` from worker 7 to shard 1, claiming 8 samples.
     fn push(request_id: u32, base_version: u64, grad: &[f32]) -> Vec<u8> {
         wire::encode_push(request_id, 1, base_version, 8, grad)
+    }
+
+    /// Issue 21: the record of an accepted push says whether its gradient was all zero
+    /// (the server's ledger credits no samples for one), and a refused push is never
+    /// non-zero.
+    #[test]
+    fn pushed_records_say_whether_the_gradient_was_all_zero() {
+        let mut sh = state(Consistency::Async, 2);
+        let mut s = ShardSession::new(*sh.config());
+        s.handle_frame(&mut sh, &hello(1, 7), 0.0);
+        let mut flags = Vec::new();
+        for (rid, grad) in [(2, [0.0f32, 0.0]), (3, [0.0, 1e-30]), (4, [0.0, -0.0])] {
+            s.handle_frame(&mut sh, &push(rid, 0, &grad), 0.0);
+            while let Some(a) = s.poll_action() {
+                if let Action::Record(Record::Pushed {
+                    outcome, nonzero, ..
+                }) = a
+                {
+                    flags.push((rid, matches!(outcome, Outcome::Applied { .. }), nonzero));
+                }
+            }
+        }
+        // A push of the wrong length is refused before it is decoded.
+        s.handle_frame(&mut sh, &push(5, 0, &[1.0]), 0.0);
+        while let Some(a) = s.poll_action() {
+            if let Action::Record(Record::Pushed { nonzero, .. }) = a {
+                flags.push((5, false, nonzero));
+            }
+        }
+        assert_eq!(
+            flags,
+            [
+                (2, true, false),
+                (3, true, true),
+                (4, true, false),
+                (5, false, false)
+            ]
+        );
     }
 
     /// The row of `code`. The match is exhaustive, so a new `ErrorCode` does not compile

@@ -41,6 +41,9 @@ pub struct ShardState {
     pub(super) offered: u64,
     /// Pushes accepted so far (the norm bound's warm-up).
     pub(super) accepted: u64,
+    /// Whether the last push offered had a non-zero gradient (its norm was above 0): what
+    /// [`crate::session::Record::Pushed`] carries as `nonzero`.
+    pub(super) last_push_nonzero: bool,
 }
 
 impl ShardState {
@@ -92,6 +95,7 @@ impl ShardState {
             norm_scratch: Vec::new(),
             offered: 0,
             accepted: 0,
+            last_push_nonzero: false,
         })
     }
 
@@ -302,6 +306,9 @@ impl ShardState {
         // `zeno`'s norm ratio is taken against the same per-worker reference as the norm
         // bound, so a worker pushing faster than the others cannot set "the usual norm".
         let mut ratio = None;
+        // Whether the push moves anything: an all-zero push (norm 0) earns no credit in the
+        // server's ledger, though the shard accepts it (it is harmless to the model).
+        self.last_push_nonzero = false;
         let checked = self.guard(samples).and_then(|norm| {
             // The worker's norm counts in the reference whether or not this push passes, so
             // honest workers that arrive after a flooder are not locked out by its median.
@@ -322,6 +329,7 @@ impl ShardState {
                 ratio = Some(f64::from(norm) / f64::from(m));
             }
             self.note_norm(worker, norm);
+            self.last_push_nonzero = norm > 0.0;
             verdict.map(|()| norm)
         });
         if let Err(message) = checked {

@@ -24,6 +24,7 @@ pub(super) fn setup(consistency: Consistency) -> ShardSetup {
             lr: 1.0,
             weight_decay: 0.0,
             clip_norm: None,
+            schedule: Default::default(),
         },
         staleness: StalenessPolicy::default(),
         consistency,

@@ -26,7 +26,8 @@ pub enum Outcome {
         version: u64,
         /// Updates between the push's base version and the version it was applied to.
         staleness: u64,
-        /// Learning-rate multiplier used.
+        /// Learning-rate multiplier used: the schedule's factor at the version it was applied
+        /// to ([`crate::schedule`]) times the staleness policy's and the caller's.
         lr_scale: f32,
         /// Gradients merged into this update: 1 in async/SSP; in sync mode K, or fewer when
         /// the aggregate was flushed early.
@@ -293,7 +294,14 @@ impl ShardCore {
         self.paused
     }
 
-    /// Changes the learning rate from the next update on (the admin API's `set-lr`).
+    /// The learning rate the next update runs at before staleness scaling: the peak times the
+    /// schedule's factor at the current version (the status shows it).
+    pub fn current_lr(&self) -> f32 {
+        self.cfg.lr * self.cfg.schedule.factor(self.version)
+    }
+
+    /// Changes the (peak) learning rate from the next update on (the admin API's `set-lr`); a
+    /// schedule goes on multiplying it.
     ///
     /// # Errors
     /// [`Error::Config`] for a learning rate that is not finite and positive; nothing changes.
@@ -479,7 +487,9 @@ impl ShardCore {
                         };
                     }
                 }
-                let lr_scale = self.lr_scale(staleness) * scale;
+                // The schedule's factor at this version, times the staleness policy's.
+                let lr_scale =
+                    self.lr_scale(staleness) * scale * self.cfg.schedule.factor(self.version);
                 match self.policy.dc_lambda {
                     Some(lambda) if staleness > 0 => {
                         let read = self
@@ -553,7 +563,8 @@ impl ShardCore {
             let inv = 1.0 / self.pending as f32;
             sum.iter_mut().for_each(|s| *s *= inv);
         }
-        self.update(&sum, 1.0);
+        let lr_scale = self.cfg.schedule.factor(self.version);
+        self.update(&sum, lr_scale);
         sum.iter_mut().for_each(|s| *s = 0.0);
         self.sum = sum;
         self.pending = 0;
@@ -561,7 +572,7 @@ impl ShardCore {
         Outcome::Applied {
             version: self.version,
             staleness: 0,
-            lr_scale: 1.0,
+            lr_scale,
             merged,
         }
     }
@@ -596,17 +607,19 @@ mod tests {
             lr,
             weight_decay: 0.0,
             clip_norm: None,
+            schedule: Default::default(),
         }
     }
 
     #[test]
     fn an_exported_shard_restores_to_the_same_future() {
-        for name in ["sgd", "momentum", "adagrad", "rmsprop", "adam"] {
+        for name in ["sgd", "momentum", "adagrad", "rmsprop", "adam", "adamw"] {
             let cfg = OptimizerConfig {
                 rule: crate::optim::Rule::from_name(name).unwrap(),
                 lr: 0.01,
                 weight_decay: 0.0,
                 clip_norm: None,
+                schedule: Default::default(),
             };
             let policy = StalenessPolicy::parse("scale").unwrap();
             let grads: Vec<Vec<f32>> = (0..6)
@@ -631,8 +644,13 @@ mod tests {
             assert_eq!(a.values(), b.values(), "{name}");
             // A state for another rule is refused.
             let other = OptimizerConfig {
-                rule: crate::optim::Rule::from_name(if name == "adam" { "sgd" } else { "adam" })
-                    .unwrap(),
+                // (adam and adamw keep the same slots: the checkpoint compares rule names.)
+                rule: crate::optim::Rule::from_name(if name.starts_with("adam") {
+                    "sgd"
+                } else {
+                    "adam"
+                })
+                .unwrap(),
                 ..cfg
             };
             assert!(ShardCore::restore(saved.clone(), other, policy, Consistency::Async).is_err());
@@ -640,6 +658,100 @@ mod tests {
             Arc::make_mut(&mut bad.values)[0] = f32::INFINITY;
             assert!(ShardCore::restore(bad, cfg, policy, Consistency::Async).is_err());
         }
+    }
+
+    /// Issue 20: each update runs at the schedule's factor at the shard's version, times the
+    /// staleness policy's multiplier; a sync round at the factor of the version it makes.
+    #[test]
+    fn a_scheduled_shard_runs_each_version_at_its_factor() {
+        use crate::schedule::{Decay, Schedule};
+        let schedule = Schedule {
+            warmup: 8,
+            decay: Decay::Cosine,
+            decay_samples: 24,
+            min_ratio: 0.25,
+            samples_per_version: 4,
+        };
+        let cfg = OptimizerConfig {
+            schedule,
+            ..sgd(1.0)
+        };
+        // By hand, s = (v + 1) * 4: 4/8, then the cosine from 8 to 24, then the floor.
+        let cos =
+            |s: f64| 0.25 + 0.75 * 0.5 * (1.0 + (std::f64::consts::PI * (s - 8.0) / 16.0).cos());
+        let want = [0.5, 1.0, cos(12.0), cos(16.0), cos(20.0), 0.25, 0.25, 0.25];
+        let mut s = ShardCore::new(
+            vec![0.0],
+            cfg,
+            StalenessPolicy::default(),
+            Consistency::Async,
+        );
+        for (v, w) in want.iter().enumerate() {
+            assert!(
+                (f64::from(s.current_lr()) - w).abs() < 1e-6,
+                "current lr at {v}"
+            );
+            let before = s.values()[0];
+            match s.push(s.version(), &[1.0]) {
+                Outcome::Applied {
+                    version, lr_scale, ..
+                } => {
+                    assert_eq!(version, v as u64 + 1);
+                    assert!(
+                        (f64::from(lr_scale) - w).abs() < 1e-6,
+                        "version {v}: {lr_scale}"
+                    );
+                }
+                other => panic!("{other:?}"),
+            }
+            // SGD at lr 1 with g = 1 moves by exactly the factor.
+            assert!(
+                (f64::from(before - s.values()[0]) - w).abs() < 1e-6,
+                "version {v}"
+            );
+        }
+        // Staleness scaling multiplies the factor: a push 2 stale under scale:abs at version 8.
+        let p = StalenessPolicy::parse("scale:abs").unwrap();
+        let mut s = ShardCore::new(vec![0.0], cfg, p, Consistency::Async);
+        fresh_zero_pushes(&mut s, 1);
+        let out = s.push(0, &[1.0]);
+        assert!(
+            matches!(out, Outcome::Applied { staleness: 1, lr_scale, .. } if lr_scale == 1.0),
+            "{out:?}"
+        );
+        let out = s.push(0, &[1.0]);
+        let w = (cos(12.0) / 2.0) as f32;
+        assert!(
+            matches!(out, Outcome::Applied { staleness: 2, lr_scale, .. } if (lr_scale - w).abs() < 1e-6),
+            "{out:?}"
+        );
+        // sync:2: one mean per version, at that version's factor.
+        let mut s = ShardCore::new(
+            vec![0.0],
+            cfg,
+            StalenessPolicy::default(),
+            Consistency::Sync { k: 2 },
+        );
+        for w in &want[..3] {
+            let v = s.version();
+            s.push(v, &[1.0]);
+            match s.push(v, &[3.0]) {
+                Outcome::Applied {
+                    merged: 2,
+                    lr_scale,
+                    ..
+                } => {
+                    assert!((f64::from(lr_scale) - w).abs() < 1e-6, "{lr_scale} != {w}")
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        // The mean 2 at 0.5, 1.0 and cos(12).
+        let moved = -f64::from(s.values()[0]);
+        assert!(
+            (moved - 2.0 * (0.5 + 1.0 + cos(12.0))).abs() < 1e-5,
+            "{moved}"
+        );
     }
 
     #[test]

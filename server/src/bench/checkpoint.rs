@@ -75,6 +75,7 @@ fn spec(model: &str) -> Result<RunSpec> {
             classes: 10,
             train_len: 60_000,
             test_len: 10_000,
+            text: None,
         },
         local: Default::default(),
         normalize: Default::default(),

@@ -8,12 +8,20 @@
 //! - `churn` and `flood` ([`churn`]): 1,000 WebSocket connections joining and leaving (status
 //!   latency, server RSS and fds before, at peak, after), and honest workers' samples/s with
 //!   default limits vs none, with and without a flooding attacker (issue 10).
+//! - `crowd` ([`crowd`]): a crowd of simulated volunteers speaking the real protocol from one
+//!   process (joins, a socket per shard, pulls, pushes, reports, dashboards) against one
+//!   `serve`: RSS per volunteer, CPU, fds, bytes/s per dashboard and per socket, round trips,
+//!   per phase (issue 18).
 //! - `checkpoint` ([`checkpoint`]): checkpoint time and size for the MLP and a 10M-parameter
 //!   model, and samples/s with `--checkpoint-every 1` against none (issue 9).
+//! - `ledger` ([`ledger`]): the contribution ledger's SQLite database with 1,000,000
+//!   identities: insert rate, file size, rank and top-10 query latency (issue 18).
 
 pub mod checkpoint;
 pub mod churn;
+pub mod crowd;
 pub mod flood;
+pub mod ledger;
 pub mod link;
 mod load;
 

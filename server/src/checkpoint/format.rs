@@ -8,7 +8,8 @@
 //! - The header's metadata holds the rest as strings: `format` (`crowdgrad-checkpoint`),
 //!   `format_version` (`1`), `run` (the run spec JSON, its shard map included), `shards` (JSON:
 //!   per shard its range, version, optimizer update count and the `scale` policy's running
-//!   mean), `ledger` (the contribution ledger JSON), `created_unix_ms` and `checksum`.
+//!   mean), `ledger` (the contribution ledger's position, `{"seq": N}`; older checkpoints
+//!   hold the whole ledger as JSON), `created_unix_ms` and `checksum`.
 //! - `checksum` is `sha256:` and the hex SHA-256 of every tensor (sorted by name: the name, a 0
 //!   byte, its little-endian data) followed by every other metadata entry (sorted by key: key,
 //!   0, value, 0). safetensors itself checks the size: a truncated file does not parse.
@@ -66,7 +67,8 @@ pub struct Checkpoint {
     pub values: Vec<f32>,
     /// The optimizer's state slots over the full vector, in slot order.
     pub slots: Vec<Vec<f32>>,
-    /// The contribution ledger (JSON, [`crate::registry::ledger`]).
+    /// The contribution ledger's position (`{"seq": N}`, [`crate::registry::ledger`]); older
+    /// checkpoints hold the whole ledger (`{"contributors": [...]}`).
     pub ledger: serde_json::Value,
     /// When it was taken, milliseconds since the Unix epoch.
     pub created_unix_ms: u64,
@@ -484,6 +486,7 @@ mod tests {
                 classes: 4,
                 train_len: 10,
                 test_len: 5,
+                text: None,
             },
             local: Default::default(),
             normalize: Default::default(),

@@ -62,7 +62,8 @@ pub struct Restored {
     pub exports: Vec<ShardExport>,
     /// The shards' versions as saved.
     pub versions: Vec<u64>,
-    /// The saved ledger.
+    /// The ledger as saved: `{"seq": N}`, the ledger's position when it was taken, or (a
+    /// checkpoint written before the ledger moved to SQLite) `{"contributors": [...]}`.
     pub ledger: serde_json::Value,
 }
 
@@ -103,7 +104,16 @@ impl Checkpointer {
         let exports: Vec<ShardExport> = run.shards.iter().map(|s| s.export()).collect();
         let lock_seconds = started.elapsed().as_secs_f64();
         let spec = run.spec.clone();
-        let ledger = run.registry.with_ledger(|l| l.to_json());
+        // The ledger's position, not its contents (the ledger file is the source of truth,
+        // crate::registry::ledger): flushed first, so it covers the credit up to now.
+        let ledger = match run.registry.ledger() {
+            Some(store) => {
+                let s = store.clone();
+                let _ = tokio::task::spawn_blocking(move || s.flush()).await;
+                serde_json::json!({ "seq": store.seq() })
+            }
+            None => serde_json::Value::Null,
+        };
         let (bytes, versions, created_unix_ms) = tokio::task::spawn_blocking(move || {
             let c = Checkpoint::assemble(spec, &exports, ledger)?;
             Ok::<_, Error>((c.encode()?, c.versions(), c.created_unix_ms))

@@ -18,6 +18,7 @@ use crowdgrad_core::local::{LocalConfig, LocalSteps};
 use crowdgrad_core::model::ModelSpec;
 use crowdgrad_core::optim::{OptimizerConfig, Rule};
 use crowdgrad_core::robust::Aggregation;
+use crowdgrad_core::schedule::{Decay, Schedule, DEFAULT_MIN_RATIO};
 use crowdgrad_core::session::ShardSetup;
 use crowdgrad_core::shard::{Consistency, StalenessPolicy};
 use std::net::SocketAddr;
@@ -38,23 +39,44 @@ pub struct TrainingArgs {
     /// at start and stated in the run spec).
     #[arg(long, default_value = "none")]
     pub normalize: String,
-    /// The shards' optimizer: sgd, momentum, nesterov, adagrad, rmsprop, adam [default: adagrad;
+    /// The shards' optimizer: sgd, momentum, nesterov, adagrad, rmsprop, adam, adamw (decoupled
+    /// weight decay; betas 0.9/0.95, eps 1e-8) [default: adagrad;
     /// with local steps, the outer optimizer: in sync:K DiLoCo's nesterov at lr 0.7, momentum
     /// 0.9; in async and ssp sgd at lr 1.0 (each pseudo-gradient is applied at 1/workers)].
     #[arg(long)]
     pub optimizer: Option<String>,
-    /// Learning rate [default: sgd 0.1, momentum/nesterov 0.01, adagrad 0.05, rmsprop/adam 0.001].
+    /// Learning rate, the peak of a schedule [default: sgd 0.1, momentum/nesterov 0.01, adagrad
+    /// 0.05, rmsprop/adam/adamw 0.001].
     #[arg(long)]
     pub lr: Option<f32>,
     /// Momentum coefficient for momentum/nesterov.
     #[arg(long)]
     pub momentum: Option<f32>,
-    /// L2 weight decay.
-    #[arg(long, default_value_t = 0.0)]
-    pub weight_decay: f32,
-    /// Workers clip their full gradient to this L2 norm before pushing.
+    /// Weight decay of the shards' optimizer: an L2 term in the gradient, decoupled for adamw
+    /// [default: adamw 0.1, others 0].
+    #[arg(long)]
+    pub weight_decay: Option<f32>,
+    /// Workers clip their full gradient to this global L2 norm before pushing, and under local
+    /// steps every inner step's gradient before the inner optimizer sees it.
     #[arg(long)]
     pub clip_norm: Option<f32>,
+    /// Learning-rate warmup: the rate rises linearly from 0 to --lr over this many training
+    /// samples, counted by the shards' version (docs/training.md, "Learning-rate schedules").
+    /// It applies to the optimizer that sees gradients: the shards' with gradient pushes, the
+    /// workers' inner optimizer under local steps.
+    #[arg(long, default_value_t = 0, value_name = "SAMPLES")]
+    pub lr_warmup: u64,
+    /// After the warmup: `none` (the peak for good), `linear` or `cosine` down to
+    /// --lr-min-ratio x --lr at --lr-decay-samples.
+    #[arg(long, default_value = "none", value_parser = ["none", "linear", "cosine"])]
+    pub lr_decay: String,
+    /// The training sample, counted from the start (warmup included), at which the decay
+    /// reaches its floor; needed with --lr-decay linear or cosine.
+    #[arg(long, value_name = "SAMPLES")]
+    pub lr_decay_samples: Option<u64>,
+    /// The decay's floor as a fraction of --lr, 0 to 1 [default: 0.1].
+    #[arg(long, value_name = "F")]
+    pub lr_min_ratio: Option<f32>,
     /// Examples per worker gradient.
     #[arg(long, default_value_t = 32)]
     pub batch_size: usize,
@@ -103,10 +125,13 @@ pub struct TrainingArgs {
     /// stays on the worker across rounds, as DiLoCo's inner AdamW does).
     #[arg(long, default_value = "adam")]
     pub inner_optimizer: String,
-    /// The inner optimizer's learning rate [default: adam 0.003, other rules their --lr
-    /// default].
+    /// The inner optimizer's learning rate, the peak of a schedule [default: adam 0.003, other
+    /// rules their --lr default].
     #[arg(long)]
     pub inner_lr: Option<f32>,
+    /// The inner optimizer's weight decay (decoupled for adamw) [default: adamw 0.1, others 0].
+    #[arg(long)]
+    pub inner_weight_decay: Option<f32>,
     /// Workers keep their next pull in flight while computing (double-buffered parameters;
     /// each read misses the worker's own last push). Only with --local-steps 1; ignored in
     /// sync:K. Off by default: in the simulator it gives 4 async workers 1.5x the samples/s
@@ -238,15 +263,25 @@ impl TrainingArgs {
             (None, true, None) if name == "nesterov" => Some(0.9),
             (_, _, m) => m,
         };
-        let optimizer =
+        let mut optimizer =
             optimizer_from_flags(name, lr, momentum, self.weight_decay, self.clip_norm)?;
         let inner_lr = self.inner_lr.or_else(|| {
             (self.inner_optimizer.trim() == "adam")
                 .then_some(crowdgrad_core::local::DEFAULT_INNER_LR)
         });
-        let inner = optimizer_from_flags(&self.inner_optimizer, inner_lr, None, 0.0, None)
-            .map_err(|e| Error::Config(format!("--inner-optimizer/--inner-lr: {e}")))?;
-        let exchange = Exchange {
+        let inner = optimizer_from_flags(
+            &self.inner_optimizer,
+            inner_lr,
+            None,
+            self.inner_weight_decay,
+            None,
+        )
+        .map_err(|e| {
+            Error::Config(format!(
+                "--inner-optimizer/--inner-lr/--inner-weight-decay: {e}"
+            ))
+        })?;
+        let mut exchange = Exchange {
             local: LocalConfig {
                 steps,
                 inner,
@@ -304,6 +339,13 @@ impl TrainingArgs {
         let consistency = Consistency::parse(&self.consistency)?;
         let aggregation = Aggregation::parse(&self.aggregation)?;
         aggregation.validate(consistency)?;
+        let schedule = self.schedule(self.batch_size, consistency, steps)?;
+        // The optimizer that sees gradients follows it (crowdgrad_core::schedule).
+        if pseudo {
+            exchange.local.inner.schedule = schedule;
+        } else {
+            optimizer.schedule = schedule;
+        }
         Ok(Training {
             model: self.model.clone(),
             normalize,
@@ -318,6 +360,74 @@ impl TrainingArgs {
             sync_timeout: self.sync_timeout,
             exchange,
         })
+    }
+}
+
+impl TrainingArgs {
+    /// The learning-rate schedule of `--lr-warmup`, `--lr-decay`, `--lr-decay-samples` and
+    /// `--lr-min-ratio`, with the samples one shard version stands for in a run of `batch`
+    /// examples per step under `consistency` and `steps` (`crowdgrad_core::schedule`).
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the flag: a decay without its end, an end or floor without a
+    /// decay, a floor outside 0..=1, a decay that does not end after the warmup, lengths over
+    /// the limit, or a schedule with `auto` local steps.
+    fn schedule(
+        &self,
+        batch: usize,
+        consistency: Consistency,
+        steps: LocalSteps,
+    ) -> Result<Schedule> {
+        let bad = |m: String| Err(Error::Config(m));
+        let decay =
+            Decay::parse(&self.lr_decay).map_err(|e| Error::Config(format!("--lr-decay: {e}")))?;
+        let decay_samples = match (decay, self.lr_decay_samples) {
+            (Decay::None, None) => 0,
+            (Decay::None, Some(_)) => {
+                return bad("--lr-decay-samples needs --lr-decay linear or cosine".into())
+            }
+            (d, None) => {
+                return bad(format!(
+                    "--lr-decay {} needs --lr-decay-samples: the training sample (warmup                      included) at which the rate reaches its floor",
+                    d.name()
+                ))
+            }
+            (_, Some(n)) => n,
+        };
+        if decay == Decay::None && self.lr_min_ratio.is_some() {
+            return bad("--lr-min-ratio needs --lr-decay linear or cosine".into());
+        }
+        let mut schedule = Schedule {
+            warmup: self.lr_warmup,
+            decay,
+            decay_samples,
+            min_ratio: self.lr_min_ratio.unwrap_or(DEFAULT_MIN_RATIO),
+            samples_per_version: 1,
+        };
+        if schedule.is_constant() {
+            return Ok(Schedule::default());
+        }
+        let h = match steps {
+            LocalSteps::Fixed(h) => u64::from(h),
+            LocalSteps::Auto { .. } => {
+                return bad(
+                    "--lr-warmup/--lr-decay need a fixed --local-steps: with auto each push                      carries a varying number of samples, so shard versions do not count samples"
+                        .into(),
+                )
+            }
+        };
+        let k = match consistency {
+            Consistency::Sync { k } => k as u64,
+            _ => 1,
+        };
+        schedule.samples_per_version = (batch as u64).saturating_mul(k).saturating_mul(h);
+        schedule.validate().map_err(|e| {
+            Error::Config(format!(
+                "--lr-warmup {} / --lr-decay-samples {} / --lr-min-ratio {}: {e}",
+                schedule.warmup, schedule.decay_samples, schedule.min_ratio
+            ))
+        })?;
+        Ok(schedule)
     }
 }
 
@@ -342,6 +452,9 @@ impl Training {
     }
 }
 
+/// The contribution ledger's file name in a local `--checkpoint-dir`.
+pub const LEDGER_FILE: &str = "ledger.sqlite";
+
 /// `--shards` of `crowdgrad serve` when not given.
 pub const SERVE_SHARDS: usize = 2;
 
@@ -363,15 +476,21 @@ pub struct ServeArgs {
     /// number of workers covers the whole set (the first trains on all of it).
     #[arg(long, default_value_t = 6)]
     pub partitions: usize,
-    /// Dataset name shown to workers.
+    /// Dataset name shown to workers. `mnist` and `sentences` (text: npm nlp-corpus, as
+    /// train.txt and valid.txt) are fetched when their directory lacks them.
     #[arg(long, default_value = "mnist")]
     pub dataset: String,
-    /// Directory holding the four IDX files (raw or .gz).
-    #[arg(long, default_value = "data/mnist")]
-    pub data_dir: PathBuf,
-    /// Do not fetch MNIST when the data directory is empty.
+    /// The data: a directory holding the four IDX files (raw or .gz) or the four .npy files,
+    /// or text (a directory holding train.txt and valid.txt, or one text file; see
+    /// --text-level) [default: data/DATASET].
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Do not fetch MNIST (or the sentences) when the data directory lacks it.
     #[arg(long)]
     pub no_fetch: bool,
+    /// How text data becomes tokens.
+    #[command(flatten)]
+    pub text: crate::support::text::TextArgs,
     /// Static files served at `/`.
     #[arg(long, default_value = "web")]
     pub web_dir: PathBuf,
@@ -405,6 +524,12 @@ pub struct ServeArgs {
     /// Resume a checkpoint written with another --shards by re-cutting it onto this one.
     #[arg(long)]
     pub reshard: bool,
+    /// The contribution ledger's SQLite file (made if missing; a corrupt file or one that is
+    /// not crowdgrad's ledger is refused, untouched). Default: ledger.sqlite in a local
+    /// --checkpoint-dir; without either (or with an s3:// one) a temporary file deleted at
+    /// exit, so credit does not survive a restart. Works with --shard-urls too.
+    #[arg(long, value_name = "PATH")]
+    pub ledger: Option<PathBuf>,
     /// Token for /api/admin/... (`Authorization: Bearer TOKEN`). Also read from the environment
     /// variable CROWDGRAD_ADMIN_TOKEN. When neither is set, one is generated and printed once.
     #[arg(long, env = "CROWDGRAD_ADMIN_TOKEN", hide_env_values = true)]
@@ -442,8 +567,10 @@ pub struct ServeConfig {
     pub dataset: String,
     /// Data directory.
     pub data_dir: PathBuf,
-    /// Fetch MNIST if missing.
+    /// Fetch MNIST (or the sentences) if missing.
     pub fetch: bool,
+    /// How text data becomes tokens (used when the data is text).
+    pub text: crate::support::text::TextConfig,
     /// Static web root.
     pub web_dir: PathBuf,
     /// Registry capacity.
@@ -458,6 +585,9 @@ pub struct ServeConfig {
     pub join_token: Option<crate::support::credential::Secret>,
     /// Checkpoint policy; `None`: no checkpoints.
     pub checkpoint: Option<checkpoint::CheckpointConfig>,
+    /// `--ledger`: the contribution ledger's file ([`ServeConfig::ledger_path`] gives the
+    /// default).
+    pub ledger: Option<PathBuf>,
     /// The admin API's token (`Debug` prints it redacted); `None`: generated at start.
     pub admin_token: Option<crate::support::credential::Secret>,
     /// Remote shard processes' base URLs (empty: shards in this process).
@@ -472,8 +602,10 @@ pub struct ServeConfig {
 }
 
 /// The optimizer named by `--optimizer` with `--lr` (or the rule's default: sgd 0.1,
-/// momentum/nesterov 0.01, adagrad 0.05, rmsprop/adam 0.001), `--momentum`, `--weight-decay` and
-/// `--clip-norm`, validated. Shared by `serve` and `sim`.
+/// momentum/nesterov 0.01, adagrad 0.05, rmsprop/adam/adamw 0.001), `--momentum`,
+/// `--weight-decay` (or the rule's default, [`Rule::default_weight_decay`]) and `--clip-norm`,
+/// validated, with a constant learning rate ([`TrainingArgs::check`] adds the schedule).
+/// Shared by `serve` and `sim`.
 ///
 /// # Errors
 /// [`Error::Config`] / [`crowdgrad_core::Error::Config`] naming the bad flag.
@@ -481,7 +613,7 @@ pub fn optimizer_from_flags(
     name: &str,
     lr: Option<f32>,
     momentum: Option<f32>,
-    weight_decay: f32,
+    weight_decay: Option<f32>,
     clip_norm: Option<f32>,
 ) -> Result<OptimizerConfig> {
     let mut rule = Rule::from_name(name)?;
@@ -496,13 +628,14 @@ pub fn optimizer_from_flags(
         Rule::Sgd => 0.1,
         Rule::Momentum { .. } => 0.01,
         Rule::Adagrad { .. } => 0.05,
-        Rule::RmsProp { .. } | Rule::Adam { .. } => 0.001,
+        Rule::RmsProp { .. } | Rule::Adam { .. } | Rule::AdamW { .. } => 0.001,
     });
     let optimizer = OptimizerConfig {
         rule,
         lr,
-        weight_decay,
+        weight_decay: weight_decay.unwrap_or(rule.default_weight_decay()),
         clip_norm,
+        schedule: Schedule::default(),
     };
     optimizer.validate()?;
     Ok(optimizer)
@@ -604,7 +737,7 @@ impl ServeArgs {
             // The coordinator holds no parameters then, and its checkpoints (run spec and
             // ledger) are not written for that case yet: refused rather than half-working.
             return bad(
-                "--checkpoint-dir with --shard-urls: each shard process checkpoints itself                  (crowdgrad shard --checkpoint-dir); the coordinator does not checkpoint (its                  contribution ledger is not persisted in this mode)"
+                "--checkpoint-dir with --shard-urls: each shard process checkpoints itself                  (crowdgrad shard --checkpoint-dir); the coordinator does not checkpoint (give                  it --ledger PATH to keep the contribution ledger)"
                     .into(),
             );
         }
@@ -629,9 +762,12 @@ impl ServeArgs {
             addr: self.addr,
             eval_every: Duration::from_secs_f64(self.eval_every),
             partitions: self.partitions,
+            data_dir: self
+                .data_dir
+                .unwrap_or_else(|| crate::support::text::default_dir(&self.dataset)),
             dataset: self.dataset,
-            data_dir: self.data_dir,
             fetch: !self.no_fetch,
+            text: self.text.check()?,
             web_dir: self.web_dir,
             max_workers: self.max_workers,
             max_connections: self.max_connections,
@@ -639,6 +775,7 @@ impl ServeArgs {
             tls,
             join_token,
             checkpoint,
+            ledger: self.ledger,
             admin_token,
             spot: {
                 let spot = self.spot.check()?;
@@ -658,6 +795,17 @@ impl ServeArgs {
 }
 
 impl ServeConfig {
+    /// Where the contribution ledger lives: `--ledger`, else `ledger.sqlite` in a local
+    /// `--checkpoint-dir`; `None`: a temporary file (no flag, or checkpoints on S3).
+    pub fn ledger_path(&self) -> Option<PathBuf> {
+        self.ledger.clone().or_else(|| {
+            self.checkpoint
+                .as_ref()
+                .filter(|c| !c.location.starts_with("s3://"))
+                .map(|c| PathBuf::from(&c.location).join(LEDGER_FILE))
+        })
+    }
+
     /// The defaults of `crowdgrad serve` with the given data directory (for tests and benches).
     pub fn defaults(data_dir: impl Into<PathBuf>) -> Self {
         use clap::Parser;
@@ -740,5 +888,181 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("crowdgrad shard --checkpoint-dir"), "{e}");
+    }
+
+    fn training(flags: &[&str]) -> Result<Training> {
+        parse(flags).unwrap().check().map(|c| c.training)
+    }
+
+    /// Issue 20: the PyTorch comparison peer's optimizer (AdamW, betas 0.9/0.95, eps 1e-8,
+    /// weight decay 0.1, linear warmup then cosine to 10%, clip 1.0) as flags.
+    #[test]
+    fn the_torch_peer_is_expressible_exactly() {
+        let t = training(&[
+            "--optimizer",
+            "adamw",
+            "--lr",
+            "0.0006",
+            "--lr-warmup",
+            "3200",
+            "--lr-decay",
+            "cosine",
+            "--lr-decay-samples",
+            "320000",
+            "--clip-norm",
+            "1.0",
+        ])
+        .unwrap();
+        let o = t.optimizer;
+        assert_eq!(
+            o.rule,
+            Rule::AdamW {
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8
+            }
+        );
+        assert_eq!(
+            (o.lr, o.weight_decay, o.clip_norm),
+            (0.0006, 0.1, Some(1.0))
+        );
+        assert_eq!(
+            o.schedule,
+            Schedule {
+                warmup: 3200,
+                decay: Decay::Cosine,
+                decay_samples: 320_000,
+                min_ratio: 0.1,
+                samples_per_version: 32,
+            }
+        );
+        // The inner optimizer is untouched without local steps.
+        assert!(t.exchange.local.inner.schedule.is_constant());
+        // --weight-decay overrides AdamW's default; other rules default to none.
+        let t = training(&["--optimizer", "adamw", "--weight-decay", "0.01"]).unwrap();
+        assert_eq!(t.optimizer.weight_decay, 0.01);
+        assert_eq!(
+            training(&["--optimizer", "adam"])
+                .unwrap()
+                .optimizer
+                .weight_decay,
+            0.0
+        );
+        assert!(training(&[]).unwrap().optimizer.schedule.is_constant());
+    }
+
+    #[test]
+    fn versions_count_samples_per_mode_and_local_steps_schedule_the_inner_optimizer() {
+        let sched = [
+            "--lr-warmup",
+            "1000",
+            "--lr-decay",
+            "linear",
+            "--lr-decay-samples",
+            "9000",
+        ];
+        let t = training(
+            &[
+                &sched[..],
+                &["--consistency", "sync:4", "--batch-size", "16"],
+            ]
+            .concat(),
+        )
+        .unwrap();
+        assert_eq!(t.optimizer.schedule.samples_per_version, 64);
+        // Local steps: the inner optimizer follows it, H x batch per version; the outer is
+        // constant (a pseudo-gradient already carries the inner rate).
+        let t = training(
+            &[
+                &sched[..],
+                &["--local-steps", "8", "--inner-optimizer", "adamw"],
+            ]
+            .concat(),
+        )
+        .unwrap();
+        assert!(t.optimizer.schedule.is_constant());
+        let inner = t.exchange.local.inner;
+        assert_eq!(inner.schedule.samples_per_version, 8 * 32);
+        assert_eq!(inner.schedule.decay, Decay::Linear);
+        assert_eq!(inner.weight_decay, 0.1, "adamw's default decay");
+        let t = training(&["--local-steps", "4", "--inner-weight-decay", "0.05"]).unwrap();
+        assert_eq!(t.exchange.local.inner.weight_decay, 0.05);
+        // Warmup alone is a schedule too.
+        let t = training(&["--lr-warmup", "640"]).unwrap();
+        assert_eq!(t.optimizer.schedule.warmup, 640);
+        assert_eq!(t.optimizer.schedule.decay, Decay::None);
+    }
+
+    #[test]
+    fn bad_schedules_are_refused_naming_the_flag() {
+        for (flags, says) in [
+            (&["--lr-decay", "cosine"][..], "needs --lr-decay-samples"),
+            (
+                &["--lr-decay-samples", "100"],
+                "--lr-decay-samples needs --lr-decay",
+            ),
+            (
+                &["--lr-min-ratio", "0.2"],
+                "--lr-min-ratio needs --lr-decay",
+            ),
+            (
+                &[
+                    "--lr-decay",
+                    "linear",
+                    "--lr-decay-samples",
+                    "100",
+                    "--lr-min-ratio",
+                    "1.5",
+                ],
+                "between 0 and 1",
+            ),
+            (
+                &[
+                    "--lr-decay",
+                    "linear",
+                    "--lr-decay-samples",
+                    "100",
+                    "--lr-min-ratio",
+                    "NaN",
+                ],
+                "between 0 and 1",
+            ),
+            (
+                &[
+                    "--lr-warmup",
+                    "500",
+                    "--lr-decay",
+                    "cosine",
+                    "--lr-decay-samples",
+                    "500",
+                ],
+                "must end after the warmup",
+            ),
+            (&["--lr-warmup", "1125899906842625"], "over the limit"),
+            (
+                &["--lr-warmup", "100", "--local-steps", "auto"],
+                "need a fixed --local-steps",
+            ),
+            (
+                &["--optimizer", "adamw", "--weight-decay=-1"],
+                "weight decay",
+            ),
+            (
+                &["--local-steps", "2", "--inner-weight-decay", "NaN"],
+                "--inner-weight-decay",
+            ),
+        ] {
+            let e = training(flags).unwrap_err().to_string();
+            assert!(e.contains(says), "{flags:?}: {e}");
+        }
+        // Values clap refuses are its errors (a usage message), never a panic.
+        for flags in [
+            &["--lr-decay", "exp"][..],
+            &["--lr-warmup", "-1"],
+            &["--lr-decay-samples", "x"],
+            &["--lr-warmup", "99999999999999999999999"],
+        ] {
+            assert!(parse(flags).is_err(), "{flags:?}");
+        }
     }
 }

@@ -66,6 +66,10 @@ pub const KEYS: &[Key] = &[
     key("training.momentum", "momentum", Kind::Float),
     key("training.weight_decay", "weight_decay", Kind::Float),
     key("training.clip_norm", "clip_norm", Kind::Float),
+    key("training.lr_warmup", "lr_warmup", Kind::Int),
+    key("training.lr_decay", "lr_decay", Kind::Str),
+    key("training.lr_decay_samples", "lr_decay_samples", Kind::Int),
+    key("training.lr_min_ratio", "lr_min_ratio", Kind::Float),
     key("training.batch_size", "batch_size", Kind::Int),
     key("training.seed", "seed", Kind::Int),
     key("training.consistency", "consistency", Kind::Str),
@@ -80,6 +84,11 @@ pub const KEYS: &[Key] = &[
     key("training.local_steps", "local_steps", Kind::IntOrStr),
     key("training.inner_optimizer", "inner_optimizer", Kind::Str),
     key("training.inner_lr", "inner_lr", Kind::Float),
+    key(
+        "training.inner_weight_decay",
+        "inner_weight_decay",
+        Kind::Float,
+    ),
     key("training.overlap", "overlap", Kind::Str),
     key("training.pull_encoding", "pull_encoding", Kind::Str),
     key("training.push_encoding", "push_encoding", Kind::Str),
@@ -89,10 +98,13 @@ pub const KEYS: &[Key] = &[
     key("data.dataset", "dataset", Kind::Str),
     key("data.partitions", "partitions", Kind::Int),
     key("data.fetch", "no_fetch", Kind::NotBool),
+    key("data.text_level", "text_level", Kind::Str),
+    key("data.valid_fraction", "valid_fraction", Kind::Float),
     key("checkpoint.dir", "checkpoint_dir", Kind::Str),
     key("checkpoint.every", "checkpoint_every", Kind::Float),
     key("checkpoint.keep", "checkpoint_keep", Kind::Int),
     key("checkpoint.reshard", "reshard", Kind::Bool),
+    key("ledger.path", "ledger", Kind::Str),
     key("limits.max_workers", "max_workers", Kind::Int),
     key("limits.max_connections", "max_connections", Kind::Int),
     key(
@@ -557,6 +569,40 @@ mod tests {
         let (a, _) = run(&f, &[]).unwrap();
         let e = a.training.check(2).unwrap_err().to_string();
         assert!(e.contains("--model") && e.contains("conv:x"), "{e}");
+    }
+
+    /// Issue 20: the optimizer, its schedule and clipping in the run file, and back out.
+    #[test]
+    fn a_schedule_in_the_file_round_trips() {
+        let f = write(
+            "schedule.toml",
+            "[training]\noptimizer = \"adamw\"\nlr = 0.0006\nclip_norm = 1.0\n\
+             lr_warmup = 3200\nlr_decay = \"cosine\"\nlr_decay_samples = 320000\n\
+             lr_min_ratio = 0.1\ninner_weight_decay = 0.05\n",
+        );
+        let (a, r) = run(&f, &[]).unwrap();
+        let t = a.training.check(2).unwrap();
+        let s = t.optimizer.schedule;
+        assert_eq!(
+            (s.warmup, s.decay_samples, s.min_ratio),
+            (3200, 320_000, 0.1)
+        );
+        assert_eq!(s.decay, crowdgrad_core::schedule::Decay::Cosine);
+        assert_eq!(t.optimizer.clip_norm, Some(1.0));
+        assert_eq!(t.optimizer.rule.name(), "adamw");
+        assert_eq!(t.exchange.local.inner.weight_decay, 0.05);
+        let tr = &r.table["training"];
+        assert_eq!(tr["lr_decay"].as_str(), Some("cosine"));
+        assert_eq!(tr["lr_warmup"].as_integer(), Some(3200));
+        // The printed config is a run file giving the same training.
+        let again = write("schedule-again.toml", &r.to_toml());
+        let (b, _) = run(&again, &[]).unwrap();
+        assert_eq!(b.training.check(2).unwrap(), t);
+        // A bad combination from the file names its key.
+        let f = write("badschedule.toml", "[training]\nlr_decay = \"linear\"\n");
+        let (a, r) = run(&f, &[]).unwrap();
+        let msg = explain(a.check().unwrap_err(), Some(&r));
+        assert!(msg.contains("training.lr_decay"), "{msg}");
     }
 
     #[test]

@@ -26,9 +26,62 @@ pub struct EvalPoint {
     pub samples: u64,
     /// Mean test loss.
     pub loss: f64,
-    /// Test accuracy in [0, 1].
+    /// Test accuracy in [0, 1] (for a language model: of the next token, over positions).
     pub accuracy: f64,
+    /// A language model's validation loss in bits per token (`loss / ln 2`; per character
+    /// when the tokens are characters).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bits_per_token: Option<f64>,
 }
+
+/// What the run trains, for the page's labels (`task` in the status).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Task {
+    /// Images (or any examples) into classes: accuracy and loss.
+    Classification {
+        /// Number of classes.
+        classes: usize,
+    },
+    /// Next-token prediction on text: bits per token and perplexity.
+    Language {
+        /// Tokens of context per example.
+        context: usize,
+        /// Vocabulary size.
+        vocab: usize,
+        /// `chars` or `bytes`.
+        level: String,
+    },
+}
+
+/// A short text the current weights wrote (`GET /api/sample`, language models only).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Sample {
+    /// The prompt it continues.
+    pub prompt: String,
+    /// What the model wrote after it.
+    pub text: String,
+    /// Sampling temperature.
+    pub temperature: f32,
+    /// Mean shard version of the weights.
+    pub step: u64,
+    /// Examples behind them.
+    pub samples: u64,
+    /// Seconds since the server started.
+    pub time_s: f64,
+}
+
+/// Tokens a sample continues its prompt by.
+pub const SAMPLE_TOKENS: usize = 160;
+/// Temperature of the samples.
+pub const SAMPLE_TEMPERATURE: f32 = 0.8;
+/// Least seconds between two samples.
+pub const SAMPLE_EVERY_S: f64 = 5.0;
+/// The prompt samples start from.
+pub const SAMPLE_PROMPT: &str = "The ";
+/// An evaluation takes at most this share of the evaluator's time: the next one waits at
+/// least `duration / EVAL_SHARE` (a language model's evaluation is not cheap).
+pub const EVAL_SHARE: f64 = 0.25;
 
 /// Most evaluation points kept (older ones are thinned out).
 const EVAL_HISTORY: usize = 1024;
@@ -56,6 +109,8 @@ pub struct App {
     pub parts: Arc<crate::coordinator::parts::Parts>,
     /// Evaluation history.
     pub evals: Mutex<Vec<EvalPoint>>,
+    /// The newest sample of a language model.
+    pub sample: Mutex<Option<Sample>>,
     /// Recent (time, samples) pairs for a rate.
     pub rate: Mutex<Vec<(Instant, u64)>>,
     /// Start time.
@@ -80,6 +135,8 @@ pub struct App {
     pub remote: Option<Arc<crate::coordinator::remote::RemoteShards>>,
     /// Per-worker reputation and quarantine, and the spot checker ([`crate::defence::spotcheck`]).
     pub defence: crate::defence::spotcheck::Defence,
+    /// The dashboard stream's newest tick ([`crate::coordinator::dashboard`]).
+    pub dashboard: crate::coordinator::dashboard::Dashboard,
 }
 
 /// Totals with a recent rate.
@@ -113,6 +170,10 @@ pub struct Status {
     pub dataset: String,
     /// Optimizer.
     pub optimizer: OptimizerConfig,
+    /// The learning rate of the optimizer that follows the schedule, now: the shards' (its
+    /// peak as `set-lr` left it) with gradient pushes, the workers' inner optimizer under
+    /// local steps, at shard 0's version (`crowdgrad_core::schedule`). The peak without one.
+    pub lr_now: f32,
     /// Seconds since start.
     pub uptime_s: f64,
     /// Per shard.
@@ -123,6 +184,8 @@ pub struct Status {
     pub workers_connected: usize,
     /// Totals.
     pub totals: Totals,
+    /// What the run trains.
+    pub task: Task,
     /// Latest evaluation.
     pub eval: Option<EvalPoint>,
     /// All kept evaluations, oldest first.
@@ -140,6 +203,43 @@ pub struct Status {
     /// Per-worker spot checks, refusals and quarantines ([`crate::defence::reputation`]).
     pub reputation: crate::defence::reputation::ReputationStatus,
     /// The spot checker's counters and recent figures (absent: spot checks off).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub spot_checks: Option<crate::defence::spotcheck::SpotStatus>,
+}
+
+/// The data of the dashboard's `tick` event (docs/protocol.md, "Dashboard stream"): the
+/// status without the run's description, the evaluation history, the workers and the
+/// per-worker reputation.
+#[derive(Debug, Serialize)]
+pub struct TickBody {
+    /// Tick number, from 1, one per second.
+    pub seq: u64,
+    /// Seconds since start.
+    pub uptime_s: f64,
+    /// Consistency mode now.
+    pub consistency: String,
+    /// Staleness policy.
+    pub staleness_policy: String,
+    /// Read-skew histogram.
+    pub read_skew_hist: Vec<u64>,
+    /// Per shard.
+    pub shards: Vec<ShardStatus>,
+    /// Workers with at least one open connection.
+    pub workers_connected: usize,
+    /// Totals.
+    pub totals: Totals,
+    /// Latest evaluation.
+    pub eval: Option<EvalPoint>,
+    /// Evaluations added since the previous tick, oldest first.
+    pub evals: Vec<EvalPoint>,
+    /// What the limits refused.
+    pub limits: crate::support::limits::LimitCounts,
+    /// With `--shard-urls`: the shard processes' health.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remote_shards: Option<Vec<crate::coordinator::remote::Health>>,
+    /// Quarantine counts (the per-worker part comes with `/api/workers`).
+    pub reputation: crate::defence::reputation::ReputationSummary,
+    /// The spot checker's counters (absent: spot checks off).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub spot_checks: Option<crate::defence::spotcheck::SpotStatus>,
 }
@@ -181,18 +281,86 @@ impl App {
     }
 
     /// The status report.
+    /// What the run trains.
+    pub fn task(&self) -> Task {
+        match (self.model.sequence(), &self.spec.dataset.text) {
+            (Some(seq), text) => Task::Language {
+                context: seq.context,
+                vocab: seq.vocab,
+                level: text
+                    .as_ref()
+                    .map_or_else(|| "bytes".to_string(), |t| t.level.to_string()),
+            },
+            (None, _) => Task::Classification {
+                classes: self.spec.dataset.classes,
+            },
+        }
+    }
+
+    /// The status now.
     pub fn status(&self) -> Status {
-        let (workers, shard_counters, mut totals) = self.registry.view();
+        let (workers, shard_counters, totals) = self.registry.view();
         let evals = self.evals.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let rate = self.samples_per_sec();
         let remote_shards = self.remote.as_ref().map(|r| r.health());
+        let (shards, totals) = self.shard_view(shard_counters, totals, remote_shards.as_deref());
+        Status {
+            run_id: self.spec.run_id.clone(),
+            model: self.model.spec().to_string(),
+            params: self.model.param_len(),
+            consistency: self.consistency().to_string(),
+            staleness_policy: self.cfg.training.staleness.to_string(),
+            read_skew_hist: self.registry.read_skew_hist(),
+            batch_size: self.spec.batch_size,
+            dataset: self.spec.dataset.name.clone(),
+            optimizer: self.spec.optimizer,
+            lr_now: {
+                let version = shards.first().map_or(0, |s| s.version);
+                if self.spec.local.steps.pseudo_gradients() {
+                    let inner = self.spec.local.inner;
+                    inner.lr * inner.schedule.factor(version)
+                } else {
+                    self.admin.lr() * self.spec.optimizer.schedule.factor(version)
+                }
+            },
+            uptime_s: self.started.elapsed().as_secs_f64(),
+            shards,
+            workers_connected: totals.workers.map_or(0, |w| w.connected as usize),
+            workers,
+            totals: Totals {
+                counters: totals,
+                samples_per_sec: rate,
+            },
+            task: self.task(),
+            eval: evals.last().copied(),
+            eval_history: evals,
+            private_run: self.cfg.join_token.is_some(),
+            limits: self.limits.counts(),
+            config: self.cfg.resolved.clone(),
+            remote_shards,
+            reputation: self
+                .defence
+                .reputation
+                .status(crate::registry::RECENT_WORKERS),
+            spot_checks: self.defence.spot.as_ref().map(|s| s.status()),
+        }
+    }
+
+    /// The shards as the status shows them, and the totals: from the registry's counters, or
+    /// with remote shards from their last reports.
+    fn shard_view(
+        &self,
+        shard_counters: Vec<Counters>,
+        mut totals: Counters,
+        remote: Option<&[crate::coordinator::remote::Health]>,
+    ) -> (Vec<ShardStatus>, Counters) {
         let mut shards: Vec<ShardStatus> = self
             .shards
             .iter()
             .zip(shard_counters)
             .map(|(s, counters)| ShardStatus::of(s, counters))
             .collect();
-        if let Some(health) = &remote_shards {
+        if let Some(health) = remote {
             // The shard processes count pushes and pulls; the coordinator sees their reports.
             shards = health
                 .iter()
@@ -211,36 +379,58 @@ impl App {
             totals.frames_rejected = shards.iter().map(|s| s.counters.frames_rejected).sum();
             totals.samples = shards.first().map_or(0, |s| s.counters.samples);
         }
-        Status {
-            run_id: self.spec.run_id.clone(),
-            model: self.model.spec().to_string(),
-            params: self.model.param_len(),
+        (shards, totals)
+    }
+
+    /// The dashboard's tick number `seq` ([`crate::coordinator::dashboard`]): the counters, and
+    /// the evaluation points newer than `after` (seconds since start); also the newest point's
+    /// time. Copies the registry's totals under its lock and walks no worker.
+    pub fn tick_body(&self, seq: u64, after: f64) -> (TickBody, f64) {
+        let (shard_counters, totals) = self.registry.summary();
+        let remote_shards = self.remote.as_ref().map(|r| r.health());
+        let (shards, totals) = self.shard_view(shard_counters, totals, remote_shards.as_deref());
+        let (eval, evals) = {
+            let e = self.evals.lock().unwrap_or_else(|p| p.into_inner());
+            let new: Vec<EvalPoint> = e.iter().filter(|p| p.time_s > after).copied().collect();
+            (e.last().copied(), new)
+        };
+        let newest = eval.map_or(after, |e| e.time_s.max(after));
+        let body = TickBody {
+            seq,
+            uptime_s: self.started.elapsed().as_secs_f64(),
             consistency: self.consistency().to_string(),
             staleness_policy: self.cfg.training.staleness.to_string(),
             read_skew_hist: self.registry.read_skew_hist(),
-            batch_size: self.spec.batch_size,
-            dataset: self.spec.dataset.name.clone(),
-            optimizer: self.spec.optimizer,
-            uptime_s: self.started.elapsed().as_secs_f64(),
             shards,
             workers_connected: totals.workers.map_or(0, |w| w.connected as usize),
-            workers,
             totals: Totals {
                 counters: totals,
-                samples_per_sec: rate,
+                samples_per_sec: self.samples_per_sec(),
             },
-            eval: evals.last().copied(),
-            eval_history: evals,
-            private_run: self.cfg.join_token.is_some(),
+            eval,
+            evals,
             limits: self.limits.counts(),
-            config: self.cfg.resolved.clone(),
             remote_shards,
-            reputation: self
-                .defence
-                .reputation
-                .status(crate::registry::RECENT_WORKERS),
+            reputation: self.defence.reputation.summary(),
             spot_checks: self.defence.spot.as_ref().map(|s| s.status()),
-        }
+        };
+        (body, newest)
+    }
+
+    /// What does not change while the run lasts (but the configuration an operator may
+    /// switch: the tick carries the consistency mode): the dashboard's `run` event.
+    pub fn run_description(&self) -> serde_json::Value {
+        serde_json::json!({
+            "run_id": self.spec.run_id,
+            "model": self.model.spec().to_string(),
+            "params": self.model.param_len(),
+            "batch_size": self.spec.batch_size,
+            "dataset": self.spec.dataset.name,
+            "optimizer": self.spec.optimizer,
+            "task": self.task(),
+            "private_run": self.cfg.join_token.is_some(),
+            "config": self.cfg.resolved,
+        })
     }
 
     /// The examples behind all applied pushes (with remote shards: as shard 0 last reported).
@@ -402,6 +592,7 @@ pub async fn evaluator(app: Arc<App>) {
     let mut last_versions: Option<Vec<u64>> = None;
     let mut rate_tick = tokio::time::interval(Duration::from_millis(500));
     let mut next_eval = tokio::time::Instant::now();
+    let mut last_sample: Option<tokio::time::Instant> = None;
     loop {
         tokio::select! {
             _ = shutdown.changed() => return,
@@ -422,16 +613,42 @@ pub async fn evaluator(app: Arc<App>) {
                 let step = versions.iter().sum::<u64>() / versions.len().max(1) as u64;
                 last_versions = Some(versions);
                 let a = app.clone();
-                let stats = match tokio::task::spawn_blocking(move || evaluate(&a.model, &params, &a.test)).await {
+                let language = app.model.sequence().is_some();
+                let due = language
+                    && last_sample.is_none_or(|t: tokio::time::Instant| t.elapsed().as_secs_f64() >= SAMPLE_EVERY_S);
+                let began = tokio::time::Instant::now();
+                let (stats, text) = match tokio::task::spawn_blocking(move || {
+                    let stats = evaluate(&a.model, &params, &a.test);
+                    let text = due.then(|| write_sample(&a, &params, step)).flatten();
+                    (stats, text)
+                })
+                .await
+                {
                     Ok(s) => s,
                     Err(_) => continue,
                 };
+                // A slow evaluation (a language model on one core) waits longer for the next.
+                let took = began.elapsed().as_secs_f64();
+                next_eval = next_eval.max(began + Duration::from_secs_f64(took / EVAL_SHARE));
+                let time_s = app.started.elapsed().as_secs_f64();
+                if let Some(text) = text {
+                    last_sample = Some(tokio::time::Instant::now());
+                    *app.sample.lock().unwrap_or_else(|p| p.into_inner()) = Some(Sample {
+                        prompt: SAMPLE_PROMPT.to_string(),
+                        text,
+                        temperature: SAMPLE_TEMPERATURE,
+                        step,
+                        samples,
+                        time_s,
+                    });
+                }
                 let point = EvalPoint {
-                    time_s: app.started.elapsed().as_secs_f64(),
+                    time_s,
                     step,
                     samples,
                     loss: stats.mean_loss(),
                     accuracy: stats.accuracy(),
+                    bits_per_token: language.then(|| stats.mean_loss() / std::f64::consts::LN_2),
                 };
                 tracing::info!(step, samples, loss = point.loss, accuracy = point.accuracy, "evaluation");
                 let mut evals = app.evals.lock().unwrap_or_else(|p| p.into_inner());
@@ -444,4 +661,26 @@ pub async fn evaluator(app: Arc<App>) {
             }
         }
     }
+}
+
+/// What the weights `params` (at mean version `step`) write after [`SAMPLE_PROMPT`]: `None`
+/// for a model that is not a language model or a run without a tokenizer of text.
+fn write_sample(app: &App, params: &[f32], step: u64) -> Option<String> {
+    let text = app.spec.dataset.text.as_ref()?;
+    let prompt: Vec<u32> = text
+        .encode(SAMPLE_PROMPT)
+        .into_iter()
+        .map(u32::from)
+        .collect();
+    // Seeded by the version: the same weights write the same sample.
+    let mut rng = crowdgrad_core::rng::Rng::new(app.spec.seed ^ step.wrapping_mul(0x9E37_79B9));
+    let ids = app
+        .model
+        .generate(params, &prompt, SAMPLE_TOKENS, SAMPLE_TEMPERATURE, &mut rng)
+        .ok()?;
+    let ids: Vec<u8> = ids
+        .into_iter()
+        .filter_map(|i| u8::try_from(i).ok())
+        .collect();
+    Some(text.decode(&ids))
 }

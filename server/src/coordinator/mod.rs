@@ -5,6 +5,7 @@
 //!
 //! - [`run`] / [`start`]: the server (mini-redis' `server::run(listener, shutdown)`).
 //! - [`app`]: the shared state, the side-car evaluator and `/api/status`.
+//! - [`dashboard`]: the dashboard stream's tick, built once a second for every viewer.
 //! - [`admin`]: the admin state (pause, drain, stop, live learning rate).
 //! - [`http`]: the router, one file per endpoint group.
 //! - [`remote`]: shards in other processes (`--shard-urls`).
@@ -12,6 +13,7 @@
 
 pub mod admin;
 pub mod app;
+pub mod dashboard;
 pub mod http;
 pub mod parts;
 pub mod remote;
@@ -25,7 +27,7 @@ use crate::support::{credential, limits, tls, trim};
 use crate::{checkpoint, defence, net, registry};
 use app::App;
 use crowdgrad_core::model::Model;
-use crowdgrad_core::spec::{DataInfo, RunParams, RunSpec};
+use crowdgrad_core::spec::{RunParams, RunSpec};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -36,6 +38,45 @@ use tokio_util::task::TaskTracker;
 
 /// How long shutdown waits for open WebSocket connections to finish.
 const DRAIN: Duration = Duration::from_secs(5);
+
+/// Copies of the parameters a worker holds: the pulled ones, its own (local steps), the
+/// gradient, the inner optimizer's two Adam moments, the push encoder's error feedback.
+pub const WORKER_PARAM_COPIES: u128 = 6;
+
+/// Most bytes a worker may need for a run's model: a wasm32 tab addresses 4 GiB at most,
+/// and its page, bundle and buffers need some of it.
+pub const MAX_WORKER_BYTES: u128 = 3 << 30;
+
+/// About the bytes a worker needs to train `model` at `batch` (parameters and activations).
+pub fn worker_memory(model: &Model, batch: usize) -> u128 {
+    4 * (WORKER_PARAM_COPIES * model.param_len() as u128 + model.workspace_floats(batch, true))
+}
+
+/// Validation windows a language model's evaluator reads (about 33,000 tokens at T = 64).
+pub const EVAL_WINDOWS: usize = 512;
+
+/// `n` examples of `data` evenly spaced over it, in order.
+fn spaced(data: &crowdgrad_core::data::Dataset, n: usize) -> Result<crowdgrad_core::data::Dataset> {
+    let len = data.len();
+    let picks: Vec<usize> = (0..n.min(len))
+        .map(|k| k * len / n.min(len).max(1))
+        .collect();
+    let mut pixels = Vec::with_capacity(picks.len() * data.features);
+    let mut labels = Vec::with_capacity(picks.len());
+    for &i in &picks {
+        pixels.extend_from_slice(data.pixels(i));
+        labels.push(data.labels()[i]);
+    }
+    let mut dims = vec![picks.len()];
+    dims.extend(&data.image_dims);
+    Ok(crowdgrad_core::data::Dataset::from_arrays(
+        crowdgrad_core::data::IdxArray { dims, data: pixels },
+        crowdgrad_core::data::IdxArray {
+            dims: vec![picks.len()],
+            data: labels,
+        },
+    )?)
+}
 
 /// Builds the run (model, initial parameters, shards) and serves on `listener` until
 /// `shutdown` completes; then stops accepting, tells every worker (Bye + Close), lets in-flight
@@ -63,13 +104,27 @@ pub async fn run(
         seed: cfg.training.seed,
         consistency: cfg.training.consistency,
         shards: cfg.training.shards,
-        dataset: DataInfo::of(cfg.dataset.clone(), &data.train, &data.test),
+        dataset: data.info(cfg.dataset.clone()),
         local: cfg.training.exchange.local,
-        normalize: cfg.training.normalize.resolve(&data.train)?,
+        normalize: data.normalize(&cfg.training.normalize)?,
     })?;
     // The evaluator sees the test set as the workers see their batches.
     let mut data = data;
+    if spec.model.sequence().is_some() && data.test.len() > EVAL_WINDOWS {
+        // A language model's evaluation is a forward pass per window: the evaluator reads a
+        // fixed, evenly spaced sample of the validation windows.
+        data.test = spaced(&data.test, EVAL_WINDOWS)?;
+    }
     data.test.set_normalize(&spec.normalize)?;
+    // The contribution ledger's file (crate::registry::ledger): opened first, so a corrupt
+    // or foreign file stops the start before anything else happens (and is left untouched).
+    let ledger_path = cfg.ledger_path();
+    let (ledger, mut ledger_db) = registry::ledger::store::Store::open(ledger_path.as_deref())?;
+    if ledger.is_temporary() {
+        tracing::warn!(path = %ledger.path().display(), "ledger: no --ledger and no local --checkpoint-dir: contributions are kept in a temporary file, lost at exit");
+    } else {
+        tracing::info!(path = %ledger.path().display(), seq = ledger.seq(), "ledger opened");
+    }
     // Continue the newest valid checkpoint, if any (crate::checkpoint); its run id stays, so
     // workers that rejoin see the same run.
     let (checkpoints, mut restored) = match &cfg.checkpoint {
@@ -87,6 +142,25 @@ pub async fn run(
         .as_mut()
         .map(|r| std::mem::take(&mut r.exports).into_iter());
     let model = Model::new(spec.model.clone())?;
+    let worker_bytes = worker_memory(&model, spec.batch_size);
+    if worker_bytes > MAX_WORKER_BYTES {
+        return Err(Error::Config(format!(
+            "model {}: a worker would need about {} MiB ({} parameters x {WORKER_PARAM_COPIES} \
+             copies + {} MiB of activations at batch {}), more than the {} MiB a browser tab \
+             (wasm32) can have; use a smaller model or --batch-size",
+            spec.model,
+            worker_bytes >> 20,
+            model.param_len(),
+            (4 * model.workspace_floats(spec.batch_size, true)) >> 20,
+            spec.batch_size,
+            MAX_WORKER_BYTES >> 20
+        )));
+    }
+    tracing::info!(
+        params = model.param_len(),
+        worker_mib = (worker_bytes >> 20) as u64,
+        "a worker needs about this much memory for the model"
+    );
     let ranges = spec.ranges();
     let initial = model.init_params(cfg.training.seed);
     let mut shards = Vec::new();
@@ -202,6 +276,7 @@ pub async fn run(
         test: Arc::new(data.test),
         data_tag,
         evals: Mutex::new(Vec::new()),
+        sample: Mutex::new(None),
         rate: Mutex::new(Vec::new()),
         started: Instant::now(),
         shutdown: stop_rx,
@@ -210,20 +285,20 @@ pub async fn run(
         remote,
         checkpoints: checkpoints.clone(),
         admin,
+        dashboard: Default::default(),
     });
     if let Some(r) = app.remote.clone() {
         let stop = app.shutdown.clone();
         tokio::spawn(async move { r.monitor(stop).await });
     }
     if let Some(r) = &restored {
-        match registry::ledger::Ledger::restore(&r.ledger) {
-            Ok(l) => app.registry.restore_ledger(l),
-            Err(e) => tracing::warn!(%e, "the checkpoint's ledger is unusable; starting it empty"),
-        }
+        resume_ledger(&mut ledger_db, ledger.seq(), r);
     }
+    let ledger_writer = app.registry.start_ledger(&ledger, ledger_db)?;
     let stop_tx = Arc::new(stop_tx);
     let stopper = stop_tx.clone();
     let evaluator = tokio::spawn(app::evaluator(app.clone()));
+    tokio::spawn(dashboard::task(app.clone()));
     tokio::spawn(trim::task(app.limits.clone(), app.shutdown.clone()));
     let checkpointer = checkpoints.clone().map(|ck| {
         tokio::spawn(checkpoint::task(
@@ -279,11 +354,42 @@ pub async fn run(
             }
         }
     }
+    // The last credit goes to the ledger's file (after the final checkpoint, which records
+    // the position it flushed to).
+    let _ = tokio::task::spawn_blocking(move || ledger_writer.stop()).await;
     // Updates are applied inside the connection tasks, so once those are done every in-flight
     // push has been applied or rejected.
     drop(app);
     drop(stop_tx);
     served
+}
+
+/// The ledger on resume from checkpoint `r` (the ledger file, at `seq`, is the source of
+/// truth: credit given after the checkpoint stays, though the parameters go back to it). A
+/// checkpoint from before the ledger moved to SQLite carries the whole ledger as JSON: it is
+/// imported once (identities the file already has keep their row). A ledger file behind the
+/// checkpoint's position (replaced, or restored from an older backup) is used with a warning.
+fn resume_ledger(db: &mut registry::ledger::db::Db, seq: u64, r: &checkpoint::Restored) {
+    if r.ledger.get("contributors").is_some() {
+        let name = format!("{}/{}", r.run_id, r.name);
+        match registry::ledger::import_json(&r.ledger).and_then(|rows| db.import(&name, &rows)) {
+            Ok(Some(n)) => {
+                tracing::info!(checkpoint = %r.name, identities = n, "ledger: imported the checkpoint's JSON ledger")
+            }
+            Ok(None) => {}
+            Err(e) => tracing::warn!(%e, "the checkpoint's ledger could not be imported"),
+        }
+    } else if let Some(saved) = r.ledger.get("seq").and_then(|s| s.as_u64()) {
+        if saved > seq {
+            tracing::warn!(
+                checkpoint = %r.name,
+                checkpoint_seq = saved,
+                ledger_seq = seq,
+                path = %db.path().display(),
+                "ledger: the file is behind the checkpoint (replaced, or an older backup?): credit between is missing"
+            );
+        }
+    }
 }
 
 /// A server started in the background (for tests, benches and embedding).

@@ -132,6 +132,20 @@ pub struct ReputationStatus {
     pub workers: BTreeMap<String, WorkerReputation>,
 }
 
+/// The dashboard tick's `reputation`: [`ReputationStatus`] without the per-worker records
+/// (those come with the page of workers they belong to, [`Reputation::of`]).
+#[derive(Debug, Clone, Serialize)]
+pub struct ReputationSummary {
+    /// As [`ReputationStatus::quarantine_rejections`].
+    pub quarantine_rejections: u32,
+    /// The window, seconds.
+    pub quarantine_window_s: f64,
+    /// Workers quarantined now.
+    pub quarantined: usize,
+    /// Identities whose joins are refused.
+    pub quarantined_identities: usize,
+}
+
 impl Reputation {
     /// Empty, quarantining by `policy` (and by failed spot checks).
     pub fn new(policy: QuarantinePolicy) -> Self {
@@ -363,6 +377,29 @@ impl Reputation {
             .values()
             .filter(|r| r.quarantined.is_some())
             .count()
+    }
+
+    /// The counts of [`Reputation::status`], without sorting or copying any record.
+    pub fn summary(&self) -> ReputationSummary {
+        let g = self.lock();
+        ReputationSummary {
+            quarantine_rejections: self.policy.rejections,
+            quarantine_window_s: self.policy.window.as_secs_f64(),
+            quarantined: g
+                .workers
+                .values()
+                .filter(|r| r.quarantined.is_some())
+                .count(),
+            quarantined_identities: g.identities.len(),
+        }
+    }
+
+    /// The records of the workers `ids` that have one, by id as a string key.
+    pub fn of(&self, ids: impl IntoIterator<Item = u64>) -> BTreeMap<String, WorkerReputation> {
+        let g = self.lock();
+        ids.into_iter()
+            .filter_map(|id| g.workers.get(&id).map(|r| (id.to_string(), r.clone())))
+            .collect()
     }
 
     /// The status section: the policy, and every worker with a spot check, a refusal or a

@@ -18,7 +18,9 @@
 //! - The checker draws the worker's batches again ([`BatchSampler::skip`] to the tag's batch),
 //!   recomputes the gradient, or with local steps the whole round of `H = samples / batch`
 //!   inner steps from the pulled parameters with a fresh inner optimizer state (a worker
-//!   whose shards spot-check starts every round's inner optimizer afresh), and compares the
+//!   whose shards spot-check starts every round's inner optimizer afresh) at the inner
+//!   learning-rate schedule's factor for the tag's versions (`crowdgrad_core::schedule`:
+//!   a function of the run spec and the versions alone), and compares the
 //!   shard's slice with the pushed one: cosine similarity at least `--spot-check-cosine` and
 //!   the norm ratio within `1 ± --spot-check-norm-tol`. Compressed pushes (bf16, int8 blocks
 //!   with error feedback) are compared as the shard decoded them; the tolerances cover their
@@ -654,6 +656,8 @@ impl Checker {
         let mut y = vec![0u8; batch];
         let mut grad = vec![0.0f32; theta.len()];
         let inner = self.spec.local.inner;
+        // The inner schedule at the versions the round read, as the worker ran it.
+        let inner_scale = inner.schedule.factor_read(&p.tag.versions);
         let mut state = OptState::new(&inner.rule, if pseudo { theta.len() } else { 0 });
         for _ in 0..steps {
             sampler.next_batch(&mut idx);
@@ -665,7 +669,7 @@ impl Checker {
                 clip_by_global_norm(&mut grad, c);
             }
             if pseudo {
-                optim::step(&inner, &mut state, &mut theta, &grad, 1.0);
+                optim::step(&inner, &mut state, &mut theta, &grad, inner_scale);
             }
         }
         if self.samplers.len() >= SAMPLERS {

@@ -414,14 +414,14 @@ mod tests {
                 lr_scale: 1.0,
                 merged: 1,
             };
-            r.pushed(1, Some(id), &o, 32);
+            r.pushed(1, Some(id), &o, 32, true);
         }
         let rejected = Outcome::Rejected {
             code: ErrorCode::TooStale,
             message: "old".into(),
         };
-        r.pushed(1, Some(id), &rejected, 32);
-        r.pushed(0, Some(id), &applied_on_0(), 96);
+        r.pushed(1, Some(id), &rejected, 32, false);
+        r.pushed(0, Some(id), &applied_on_0(), 96, true);
         r.frame_rejected(0, Some(id), ErrorCode::Malformed);
         let (_, shards, totals) = r.view();
         let apply = apply_histogram();

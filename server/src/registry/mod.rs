@@ -6,7 +6,10 @@
 //! A public server may hold 10,000 workers, so the status carries only the
 //! [`RECENT_WORKERS`] newest ones plus [`WorkerTotals`] by kind, and [`Registry::workers`] pages
 //! the rest ([`MAX_PAGE`] at a time). Workers are kept in id order (ids grow with joins), so both
-//! are cheap and a page is stable while workers come and go.
+//! are cheap and a page is stable while workers come and go. The totals by kind are kept as
+//! workers join, connect, leave and are forgotten (issue 18), so neither the status nor the
+//! dashboard tick ([`Registry::summary`]) walks every worker under the lock pulls and pushes
+//! take.
 
 pub mod ledger;
 pub mod metrics;
@@ -68,6 +71,7 @@ pub struct WorkerTotals {
 }
 
 impl WorkerTotals {
+    #[cfg(test)]
     fn count(&mut self, client: ClientKind, connected: bool) {
         let kind = match client {
             ClientKind::Native => &mut self.native,
@@ -270,8 +274,102 @@ struct Inner {
     reads: VecDeque<ReadEntry>,
     read_skew_hist: Vec<u64>,
     epoch: Option<Instant>,
-    /// Contributions by stable identity (crate::registry::ledger), kept across restarts by checkpoints.
+    /// The contribution ledger's in-memory part (crate::registry::ledger): seats and the
+    /// credit not yet flushed to its database.
     ledger: crate::registry::ledger::Ledger,
+    /// Workers by kind, kept as they join, connect and are forgotten, so the status never
+    /// walks every worker under this lock.
+    tally: Tally,
+}
+
+/// [`WorkerTotals`] kept up to date one event at a time (issue 18: the status and the
+/// dashboard tick read it under the lock pulls and pushes take; counting 10,000 workers there
+/// each time held that lock for the whole walk).
+#[derive(Debug, Default)]
+struct Tally {
+    /// Native, browser and all; `volunteers` is filled in by [`Tally::totals`].
+    kinds: WorkerTotals,
+    /// Workers joined without `threads`: each its own volunteer.
+    solo: KindCount,
+    /// Volunteers with threads: key -> (threads registered, threads connected).
+    groups: HashMap<String, (u32, u32)>,
+    /// Groups with at least one thread connected.
+    groups_connected: u64,
+}
+
+impl Tally {
+    fn kind(&mut self, client: ClientKind) -> &mut KindCount {
+        match client {
+            ClientKind::Native => &mut self.kinds.native,
+            ClientKind::Browser => &mut self.kinds.browser,
+        }
+    }
+
+    fn joined(&mut self, w: &WorkerRecord) {
+        self.kind(w.client).registered += 1;
+        self.kinds.registered += 1;
+        match &w.threads {
+            Some(t) => self.groups.entry(t.volunteer.clone()).or_default().0 += 1,
+            None => self.solo.registered += 1,
+        }
+    }
+
+    /// `w` went from no connection to one (`true`) or from one to none.
+    fn connected(&mut self, w: &WorkerRecord, now: bool) {
+        let step = |n: &mut u64| {
+            if now {
+                *n += 1
+            } else {
+                *n = n.saturating_sub(1)
+            }
+        };
+        step(&mut self.kind(w.client).connected);
+        step(&mut self.kinds.connected);
+        match &w.threads {
+            Some(t) => {
+                let Some(g) = self.groups.get_mut(&t.volunteer) else {
+                    return;
+                };
+                let was = g.1 > 0;
+                g.1 = if now { g.1 + 1 } else { g.1.saturating_sub(1) };
+                if was != (g.1 > 0) {
+                    step(&mut self.groups_connected);
+                }
+            }
+            None => step(&mut self.solo.connected),
+        }
+    }
+
+    /// `w` (not connected) was forgotten.
+    fn forgot(&mut self, w: &WorkerRecord) {
+        let k = self.kind(w.client);
+        k.registered = k.registered.saturating_sub(1);
+        self.kinds.registered = self.kinds.registered.saturating_sub(1);
+        match &w.threads {
+            Some(t) => {
+                if let Some(g) = self.groups.get_mut(&t.volunteer) {
+                    g.0 = g.0.saturating_sub(1);
+                    if g.0 == 0 {
+                        if g.1 > 0 {
+                            self.groups_connected = self.groups_connected.saturating_sub(1);
+                        }
+                        self.groups.remove(&t.volunteer);
+                    }
+                }
+            }
+            None => self.solo.registered = self.solo.registered.saturating_sub(1),
+        }
+    }
+
+    fn totals(&self) -> WorkerTotals {
+        WorkerTotals {
+            volunteers: KindCount {
+                registered: self.solo.registered + self.groups.len() as u64,
+                connected: self.solo.connected + self.groups_connected,
+            },
+            ..self.kinds
+        }
+    }
 }
 
 /// Cheap-to-clone handle to the registry.
@@ -279,6 +377,9 @@ struct Inner {
 pub struct Registry {
     inner: Arc<Mutex<Inner>>,
     capacity: usize,
+    /// The ledger's database, once [`Registry::start_ledger`] attached it (read without the
+    /// registry's lock).
+    ledger_store: Arc<std::sync::OnceLock<Arc<ledger::store::Store>>>,
 }
 
 /// Workers not seen for this long while disconnected are forgotten.
@@ -296,6 +397,7 @@ impl Registry {
                 ..Inner::default()
             })),
             capacity,
+            ledger_store: Arc::default(),
         }
     }
 
@@ -328,10 +430,15 @@ impl Registry {
         let mut g = self.lock();
         let now = Instant::now();
         if g.workers.len() >= self.capacity {
-            g.workers.retain(|_, w| {
-                w.shards_connected > 0
+            let Inner { workers, tally, .. } = &mut *g;
+            workers.retain(|_, w| {
+                let keep = w.shards_connected > 0
                     || w.last_seen
-                        .is_none_or(|t| now.duration_since(t).as_secs_f64() < FORGET_AFTER_S)
+                        .is_none_or(|t| now.duration_since(t).as_secs_f64() < FORGET_AFTER_S);
+                if !keep {
+                    tally.forgot(w);
+                }
+                keep
             });
             if g.workers.len() >= self.capacity {
                 return None;
@@ -376,27 +483,26 @@ impl Registry {
                 partition::choose(&active, partitions, id)
             }
         };
-        g.workers.insert(
+        let record = WorkerRecord {
             id,
-            WorkerRecord {
-                id,
-                client,
-                name,
-                partition: part.index,
-                partitions: part.count,
-                threads,
-                shards_connected: 0,
-                connected: false,
-                last_seen_s: 0.0,
-                joined_s: 0.0,
-                last_rejection: None,
-                counters: Counters::default(),
-                exchange: None,
-                last_read: Vec::new(),
-                joined: Some(now),
-                last_seen: Some(now),
-            },
-        );
+            client,
+            name,
+            partition: part.index,
+            partitions: part.count,
+            threads,
+            shards_connected: 0,
+            connected: false,
+            last_seen_s: 0.0,
+            joined_s: 0.0,
+            last_rejection: None,
+            counters: Counters::default(),
+            exchange: None,
+            last_read: Vec::new(),
+            joined: Some(now),
+            last_seen: Some(now),
+        };
+        g.tally.joined(&record);
+        g.workers.insert(id, record);
         Some((id, part))
     }
 
@@ -415,11 +521,17 @@ impl Registry {
 
     /// A worker opened (`+1`) or closed (`-1`) a shard connection.
     pub fn connection(&self, worker: u64, opened: bool) {
-        if let Some(w) = self.lock().workers.get_mut(&worker) {
+        let mut g = self.lock();
+        let Inner { workers, tally, .. } = &mut *g;
+        if let Some(w) = workers.get_mut(&worker) {
+            let was = w.shards_connected > 0;
             if opened {
                 w.shards_connected += 1;
             } else {
                 w.shards_connected = w.shards_connected.saturating_sub(1);
+            }
+            if was != (w.shards_connected > 0) {
+                tally.connected(w, !was);
             }
             w.last_seen = Some(Instant::now());
         }
@@ -474,7 +586,16 @@ impl Registry {
     /// Records a push's outcome on `shard` from `worker` (`None` when it came before Hello).
     /// Samples count once per step: on shard 0. Refused frames that are not pushes go to
     /// [`Registry::frame_rejected`].
-    pub fn pushed(&self, shard: u32, worker: Option<u64>, outcome: &Outcome, samples: u32) {
+    /// `nonzero`: the gradient moved anything (the ledger credits no samples for an all-zero
+    /// push).
+    pub fn pushed(
+        &self,
+        shard: u32,
+        worker: Option<u64>,
+        outcome: &Outcome,
+        samples: u32,
+        nonzero: bool,
+    ) {
         let mut g = self.lock();
         let samples = (shard == 0).then_some(samples);
         if let Some(c) = g.shards.get_mut(shard as usize) {
@@ -489,7 +610,7 @@ impl Registry {
             }
         }
         if let Some(id) = worker {
-            g.ledger.pushed(id, outcome, samples);
+            g.ledger.pushed(id, outcome, samples, nonzero);
         }
     }
 
@@ -499,14 +620,40 @@ impl Registry {
         self.lock().ledger.joined(worker, identity, name, client);
     }
 
-    /// Runs `f` on the ledger (read-only).
+    /// Runs `f` on the ledger's in-memory part (read-only).
     pub fn with_ledger<R>(&self, f: impl FnOnce(&crate::registry::ledger::Ledger) -> R) -> R {
         f(&self.lock().ledger)
     }
 
-    /// Replaces the ledger (with the one a checkpoint saved).
-    pub fn restore_ledger(&self, ledger: crate::registry::ledger::Ledger) {
-        self.lock().ledger = ledger;
+    // --- The ledger's database (crate::registry::ledger::store): attached once; its writer
+    // --- thread takes the pending credit with a swap under the lock, never more.
+
+    /// Attaches the ledger's database `store` and starts its writer over `db` (both from
+    /// [`ledger::store::Store::open`]).
+    ///
+    /// # Errors
+    /// [`crate::Error::Task`] when a database is already attached or the thread cannot start.
+    pub fn start_ledger(
+        &self,
+        store: &Arc<ledger::store::Store>,
+        db: ledger::db::Db,
+    ) -> crate::error::Result<ledger::store::Writer> {
+        if self.ledger_store.set(store.clone()).is_err() {
+            return Err(crate::error::Error::Task(
+                "the registry already has a ledger".into(),
+            ));
+        }
+        let (take, back) = (self.clone(), self.clone());
+        store.start(
+            db,
+            move || take.lock().ledger.take(),
+            move |batch| back.lock().ledger.give_back(batch),
+        )
+    }
+
+    /// The ledger's database, once attached.
+    pub fn ledger(&self) -> Option<Arc<ledger::store::Store>> {
+        self.ledger_store.get().cloned()
     }
 
     /// Bytes moved on `shard` for `worker`: a push frame received (`up`), a parameter frame
@@ -617,6 +764,25 @@ impl Registry {
             .take(RECENT_WORKERS)
             .map(|w| present(w, now))
             .collect();
+        let mut totals = g.totals.clone();
+        totals.workers = Some(g.tally.totals());
+        (recent, g.shards.clone(), totals)
+    }
+
+    /// [`Registry::view`] without the workers: the shard counters and the totals (with
+    /// [`Counters::workers`]), copied out under the lock and nothing else (the dashboard tick).
+    pub fn summary(&self) -> (Vec<Counters>, Counters) {
+        let g = self.lock();
+        let mut totals = g.totals.clone();
+        totals.workers = Some(g.tally.totals());
+        (g.shards.clone(), totals)
+    }
+
+    /// The per-kind counts recomputed by walking every worker: what [`Registry::summary`]
+    /// keeps incrementally (tests compare the two).
+    #[cfg(test)]
+    fn recount(&self) -> WorkerTotals {
+        let g = self.lock();
         let mut by_kind = WorkerTotals::default();
         // Volunteer key -> whether any of its threads is connected.
         let mut volunteers: HashMap<&str, bool> = HashMap::new();
@@ -633,9 +799,7 @@ impl Registry {
         }
         by_kind.volunteers.registered += volunteers.len() as u64;
         by_kind.volunteers.connected += volunteers.values().filter(|&&c| c).count() as u64;
-        let mut totals = g.totals.clone();
-        totals.workers = Some(by_kind);
-        (recent, g.shards.clone(), totals)
+        by_kind
     }
 
     /// Workers newest first, skipping `offset` and taking at most `limit` (capped at
@@ -711,7 +875,7 @@ mod tests {
     fn refused_frames_are_not_rejected_pushes() {
         let r = Registry::new(2, 10);
         let (id, _) = r.join(ClientKind::Native, None, 1).unwrap();
-        r.pushed(0, Some(id), &applied(0), 32);
+        r.pushed(0, Some(id), &applied(0), 32, true);
         r.pushed(
             1,
             Some(id),
@@ -720,6 +884,7 @@ mod tests {
                 message: "old".into(),
             },
             32,
+            false,
         );
         r.frame_rejected(1, Some(id), ErrorCode::Malformed);
         r.frame_rejected(1, None, ErrorCode::Protocol);
@@ -807,6 +972,58 @@ mod tests {
         // Small enough to stream every second: the 100 workers dominate.
         let json = serde_json::to_string(&(&workers, &totals)).unwrap();
         assert!(json.len() < 200_000, "{} bytes", json.len());
+    }
+
+    /// Issue 18: the per-kind counts kept as workers join, connect, leave and are forgotten
+    /// equal a walk over every worker, threads grouped by volunteer.
+    #[test]
+    fn kept_totals_equal_a_recount() {
+        let r = Registry::new(1, 40);
+        let threads = |v: &str, index: u32| crowdgrad_core::spec::Threads {
+            volunteer: v.into(),
+            index,
+            count: 2,
+        };
+        let mut ids = Vec::new();
+        for i in 0..60u32 {
+            let kind = if i % 3 == 0 {
+                ClientKind::Native
+            } else {
+                ClientKind::Browser
+            };
+            let t = (i % 4 == 0).then(|| threads(&format!("v{}", i / 8), i % 2));
+            if let Some((id, _)) = r.join_thread(kind, None, 6, t) {
+                ids.push(id);
+            }
+            // Connect, double-connect, disconnect in a pattern; check after every step.
+            for (k, &id) in ids.iter().enumerate() {
+                match (k + i as usize) % 5 {
+                    0 => r.connection(id, true),
+                    1 if k % 2 == 0 => r.connection(id, false),
+                    _ => {}
+                }
+            }
+            let (_, totals) = r.summary();
+            assert_eq!(totals.workers, Some(r.recount()), "after join {i}");
+        }
+        // Everyone disconnects and the registry is full: forgetting old workers keeps the count.
+        for &id in &ids {
+            for _ in 0..8 {
+                r.connection(id, false);
+            }
+        }
+        {
+            let mut g = r.lock();
+            let past = Instant::now()
+                .checked_sub(std::time::Duration::from_secs_f64(FORGET_AFTER_S + 1.0))
+                .unwrap();
+            for w in g.workers.values_mut().take(30) {
+                w.last_seen = Some(past);
+            }
+        }
+        assert!(r.join(ClientKind::Native, None, 6).is_some());
+        assert_eq!(r.summary().1.workers, Some(r.recount()));
+        assert_eq!(r.view().2.workers, Some(r.recount()));
     }
 
     #[test]

@@ -204,7 +204,7 @@ pub async fn serve<Si, St>(
                             code: ErrorCode::Busy,
                             message: m,
                         };
-                        registry.pushed(shard.id(), Some(worker), &outcome, 0);
+                        registry.pushed(shard.id(), Some(worker), &outcome, 0, false);
                         if tx.send(Outbound::Frame(frame)).await.is_err() {
                             session.handle_close(&mut access);
                         }
@@ -359,9 +359,10 @@ fn record(registry: &Registry, shard: u32, r: Record) {
             outcome,
             samples,
             bytes,
+            nonzero,
         } => {
             registry.traffic(shard, worker, bytes, 0);
-            registry.pushed(shard, worker, &outcome, samples)
+            registry.pushed(shard, worker, &outcome, samples, nonzero)
         }
         Record::Reported {
             worker,
@@ -391,6 +392,7 @@ mod tests {
                 lr: 1.0,
                 weight_decay: 0.0,
                 clip_norm: None,
+                schedule: Default::default(),
             },
             staleness: StalenessPolicy::default(),
             consistency: Consistency::Async,

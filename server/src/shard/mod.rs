@@ -17,6 +17,7 @@
 pub mod handler;
 pub mod report;
 pub mod socket;
+pub mod upgrade;
 
 use crate::registry::Registry;
 use arc_swap::ArcSwap;

@@ -1,18 +1,29 @@
-//! The axum side of a shard's WebSocket: upgrades a request to a socket of bounded frame
-//! size and serves it with [`handler::serve`](super::handler::serve) in a tracked task. The one
-//! shard endpoint of `crowdgrad serve` and of a shard process (`crowdgrad shard`).
+//! The axum side of a shard's WebSocket: upgrades a request ([`ShardUpgrade`]) to a socket of
+//! bounded frame size and bounded buffers and serves it with
+//! [`handler::serve`](super::handler::serve) in a tracked task. The one shard endpoint of
+//! `crowdgrad serve` and of a shard process (`crowdgrad shard`).
+//!
+//! Memory per connection (issue 18, docs/benchmarks.md "Crowd"): a read buffer of
+//! [`READ_BUFFER`] (it grows to the largest frame read: a worker's push), and a write buffer
+//! that holds about one [`FRAGMENT`](super::upgrade::FRAGMENT) since large frames are sent in
+//! fragments. A peer that does not read gets backpressure: a frame is queued only once the
+//! previous one's bytes left (tokio-tungstenite's `poll_ready` flushes first), so the handler
+//! waits on its send instead of queueing, and the write buffer is capped at two frames.
 
 use super::handler::{self, Inbound, Outbound};
+use super::upgrade::{ShardUpgrade, Socket};
 use super::Shard;
 use crate::registry::Registry;
 use crate::support::limits::{client_ip, Limits};
-use axum::extract::ws::{CloseFrame, Message as WsMessage, WebSocket, WebSocketUpgrade};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use futures_util::{SinkExt, StreamExt};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::protocol::{CloseFrame, WebSocketConfig};
+use tokio_tungstenite::tungstenite::Message as WsMessage;
 
 /// Upgrades a request that arrived through the hardened listener (`crate::net::serve`, which
 /// counted its TCP connection and holds `slot` for it) to a socket of `shard` under every
@@ -22,7 +33,7 @@ use std::time::Duration;
 /// `crowdgrad shard` both serve their shard endpoints through this.
 #[allow(clippy::too_many_arguments)] // the two handles and the request's three parts
 pub fn limited_socket(
-    upgrade: WebSocketUpgrade,
+    upgrade: ShardUpgrade,
     shard: Shard,
     registry: Registry,
     shutdown: tokio::sync::watch::Receiver<bool>,
@@ -73,7 +84,7 @@ pub fn limited_socket(
 /// tracked by `tracker` and holding `permit` until it ends: the one shard endpoint of
 /// `crowdgrad serve` and of a shard process (`crowdgrad shard`).
 pub fn shard_socket(
-    upgrade: WebSocketUpgrade,
+    upgrade: ShardUpgrade,
     shard: Shard,
     registry: Registry,
     shutdown: tokio::sync::watch::Receiver<bool>,
@@ -87,7 +98,7 @@ pub fn shard_socket(
 /// per-connection limits (push rates, Hello and idle deadlines; `None`: default deadlines, no
 /// rate limits).
 pub fn shard_socket_with(
-    upgrade: WebSocketUpgrade,
+    upgrade: ShardUpgrade,
     shard: Shard,
     registry: Registry,
     shutdown: tokio::sync::watch::Receiver<bool>,
@@ -99,45 +110,61 @@ pub fn shard_socket_with(
     // so a frame slightly over still reaches the session and gets its `oversize` error frame;
     // anything larger is cut off by the WebSocket layer, which closes the socket.
     let limit = shard.frame_limit() + OVERSIZE_SLACK;
-    upgrade
-        .max_message_size(limit)
-        .max_frame_size(limit)
-        .on_upgrade(move |socket| {
-            tracker.track_future(async move {
-                connection(socket, shard, registry, shutdown, conn).await;
-                drop(held);
-            })
+    let config = WebSocketConfig::default()
+        .max_message_size(Some(limit))
+        .max_frame_size(Some(limit))
+        .read_buffer_size(READ_BUFFER)
+        .write_buffer_size(WRITE_BUFFER)
+        .max_write_buffer_size(2 * limit + WRITE_BUFFER);
+    upgrade.on_upgrade(config, move |socket| {
+        tracker.track_future(async move {
+            connection(socket, shard, registry, shutdown, conn).await;
+            drop(held);
         })
+    })
 }
+
+/// The socket's read buffer, allocated when it opens (tungstenite's default is 128 KiB). A
+/// frame larger than it still arrives whole: the buffer grows to the frame being read. Issue
+/// 18 measured the default at ~128 KiB of RSS per shard socket for nothing: a worker's
+/// frames arrive one at a time and are read as soon as they are whole.
+pub const READ_BUFFER: usize = 16 * 1024;
+
+/// Replies queue in the socket's write buffer up to this before they are written without
+/// waiting for the flush (tungstenite's default: 128 KiB). Small replies (acks, errors) still
+/// leave together in one write at the flush; a parameters frame goes out fragment by fragment
+/// as it is queued.
+pub const WRITE_BUFFER: usize = 16 * 1024;
 
 /// Bytes past a shard's frame limit that still get an `oversize` error frame.
 pub const OVERSIZE_SLACK: usize = 64 * 1024;
 
 async fn connection(
-    socket: WebSocket,
+    socket: Socket,
     shard: Shard,
     registry: Registry,
     shutdown: tokio::sync::watch::Receiver<bool>,
     conn: Option<handler::ConnLimits>,
 ) {
     let (sink, stream) = socket.split();
-    let sink = sink.with(|o: Outbound| async move {
-        Ok::<_, axum::Error>(match o {
-            Outbound::Frame(v) => WsMessage::Binary(v.into()),
+    let sink = sink.with_flat_map(|o: Outbound| {
+        let messages = match o {
+            Outbound::Frame(v) => super::upgrade::binary(v),
             Outbound::Close(reason) => {
                 let reason: String = reason.chars().take(100).collect();
-                WsMessage::Close(Some(CloseFrame {
-                    code: 1000,
+                vec![WsMessage::Close(Some(CloseFrame {
+                    code: CloseCode::Normal,
                     reason: reason.into(),
-                }))
+                }))]
             }
-        })
+        };
+        futures_util::stream::iter(messages.into_iter().map(Ok))
     });
     let stream = stream.filter_map(|m| async move {
         match m {
             Ok(WsMessage::Binary(b)) => Some(Inbound::Frame(b)),
             Ok(WsMessage::Text(_)) => Some(Inbound::Text),
-            Ok(WsMessage::Ping(_) | WsMessage::Pong(_)) => None,
+            Ok(WsMessage::Ping(_) | WsMessage::Pong(_) | WsMessage::Frame(_)) => None,
             Ok(WsMessage::Close(_)) | Err(_) => Some(Inbound::Closed),
         }
     });

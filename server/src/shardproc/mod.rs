@@ -21,8 +21,8 @@ use crate::config::{Training, TrainingArgs};
 use crate::error::{Error, Result};
 use crate::registry::Registry;
 use crate::shard::report::{ShardReport, ShardStatus};
+use crate::shard::upgrade::ShardUpgrade;
 use crate::shard::Shard;
-use axum::extract::ws::WebSocketUpgrade;
 use axum::extract::{ConnectInfo, Path, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -227,6 +227,7 @@ pub fn spec_of(t: &Training, inputs: usize, classes: usize) -> Result<RunSpec> {
             classes,
             train_len: 0,
             test_len: 0,
+            text: None,
         },
         local: Default::default(),
         normalize: Default::default(),
@@ -365,7 +366,7 @@ async fn ws(
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     Extension(slot): Extension<Arc<crate::net::ConnSlot>>,
     headers: HeaderMap,
-    upgrade: WebSocketUpgrade,
+    upgrade: ShardUpgrade,
 ) -> Response {
     if id != p.shard.id() as usize {
         return error(

@@ -19,12 +19,17 @@ use std::path::PathBuf;
     mut_arg("shards", |a| a.default_value("1")), // SIM_SHARDS
 )]
 pub struct SimArgs {
-    /// Directory holding the four IDX files (raw or .gz).
+    /// The data: a directory holding the four IDX files (raw or .gz) or the four .npy files,
+    /// or text (a directory holding train.txt and valid.txt, or one text file; see
+    /// --text-level).
     #[arg(long, default_value = "data/mnist")]
     pub data_dir: PathBuf,
     /// Do not fetch MNIST when the data directory is empty.
     #[arg(long)]
     pub no_fetch: bool,
+    /// How text data becomes tokens.
+    #[command(flatten)]
+    pub text: crate::support::text::TextArgs,
     /// Output directory (run.csv, run.svg, summary.csv, summary.md).
     #[arg(long, default_value = "sim-out")]
     pub out: PathBuf,

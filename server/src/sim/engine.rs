@@ -24,7 +24,7 @@ use crowdgrad_core::rng::Rng;
 use crowdgrad_core::robust::{Aggregation, ZenoReference, ZENO_REFRESH};
 use crowdgrad_core::session::Record;
 use crowdgrad_core::shard::Outcome;
-use crowdgrad_core::spec::{DataInfo, JoinResponse, PartitionInfo, RunParams, RunSpec};
+use crowdgrad_core::spec::{JoinResponse, PartitionInfo, RunParams, RunSpec};
 use crowdgrad_core::wire::{ClientKind, ErrorCode, PROTOCOL_VERSION};
 use crowdgrad_core::worker::{Worker, WorkerStats};
 use std::cmp::Ordering;
@@ -217,8 +217,9 @@ impl<'a> Engine<'a> {
     /// Builds the model, shards, data partitions and workers for `cfg`.
     pub(super) fn new(cfg: &'a SimConfig, data: &'a TrainTest) -> Result<Self> {
         let train = &data.train;
-        let classes = train.classes().max(data.test.classes());
-        let spec = ModelSpec::parse_shaped(&cfg.model, &train.image_dims, classes)?;
+        let name = if data.text.is_some() { "text" } else { "mnist" };
+        let info = data.info(name);
+        let spec = ModelSpec::parse_shaped(&cfg.model, &train.image_dims, info.classes)?;
         let model = Model::new(spec.clone())?;
         let ranges = partition(model.param_len(), cfg.shards)?;
         let initial = model.init_params(cfg.seed);
@@ -243,9 +244,9 @@ impl<'a> Engine<'a> {
             seed: cfg.seed,
             consistency: cfg.consistency,
             shards: cfg.shards,
-            dataset: DataInfo::of("mnist", train, &data.test),
+            dataset: info,
             local: cfg.exchange.local,
-            normalize: cfg.normalize.resolve(train)?,
+            normalize: data.normalize(&cfg.normalize)?,
         })?;
         if cfg.partitions > train.len() {
             return Err(Error::Config(format!(

@@ -79,7 +79,14 @@ pub fn cli(args: &SimArgs) -> Result<()> {
         Some(spec) => sweep_configs(args, spec)?,
         None => vec![("run".to_string(), args.check()?)],
     };
-    let data = crate::support::data::ensure(&args.data_dir, "mnist", !args.no_fetch)?;
+    let model = runs.first().map_or("", |(_, c)| c.model.as_str());
+    let data = crate::support::text::ensure(
+        &args.data_dir,
+        "mnist",
+        !args.no_fetch,
+        &args.text.check()?,
+        model,
+    )?;
     std::fs::create_dir_all(&args.out)
         .map_err(|e| Error::io(format!("creating {}", args.out.display()), e))?;
     let mut lines = Vec::new();

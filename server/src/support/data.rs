@@ -5,10 +5,13 @@
 //! user's own directory of IDX files (raw or `.gz`, e.g. Fashion-MNIST; images `N x H x W` or
 //! `N x H x W x C`) or of NumPy files ([`NPY_FILES`]: `x_train.npy`, `y_train.npy`,
 //! `x_test.npy`, `y_test.npy`, as Keras' `load_data()` returns them) is validated by parsing and
-//! copied instead.
+//! copied instead. Text datasets are [`super::text`]'s; both load into a [`TrainTest`].
 
 use crate::error::{Error, Result};
-use crowdgrad_core::data::{parse_idx_owned, parse_npy, Dataset, MAX_IDX_BYTES};
+use crowdgrad_core::data::{
+    parse_idx_owned, parse_npy, Dataset, Normalize, NormalizeChoice, TextInfo, MAX_IDX_BYTES,
+};
+use crowdgrad_core::spec::DataInfo;
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -62,6 +65,31 @@ pub struct TrainTest {
     pub train: Dataset,
     /// Test set.
     pub test: Dataset,
+    /// For text: the tokenizer (the sets are windows of token ids); `None` for images.
+    pub text: Option<TextInfo>,
+}
+
+impl TrainTest {
+    /// The run's description of this data called `name` (for text: `classes` = the
+    /// vocabulary size, and the tokenizer).
+    pub fn info(&self, name: impl Into<String>) -> DataInfo {
+        match &self.text {
+            Some(t) => DataInfo::of_text(name, &self.train, &self.test, t.clone()),
+            None => DataInfo::of(name, &self.train, &self.test),
+        }
+    }
+
+    /// The normalisation `choice` (`--normalize`) resolves to for this data: token mode for
+    /// text, otherwise [`NormalizeChoice::resolve`] on the training set.
+    ///
+    /// # Errors
+    /// As [`NormalizeChoice::resolve`], and [`NormalizeChoice::resolve_tokens`] for text.
+    pub fn normalize(&self, choice: &NormalizeChoice) -> Result<Normalize> {
+        Ok(match self.text {
+            Some(_) => choice.resolve_tokens()?,
+            None => choice.resolve(&self.train)?,
+        })
+    }
 }
 
 /// Which files `dir` holds: the four IDX files ([`FILES`], raw or `.gz`) or the four
@@ -132,7 +160,11 @@ pub fn load_dir(dir: &Path) -> Result<TrainTest> {
     if train.is_empty() || test.is_empty() {
         return Err(Error::Data("empty training or test set".into()));
     }
-    Ok(TrainTest { train, test })
+    Ok(TrainTest {
+        train,
+        test,
+        text: None,
+    })
 }
 
 /// True when `dir` holds MNIST with the expected digests (raw files only).
@@ -162,7 +194,8 @@ pub fn fetch_mnist(dir: &Path) -> Result<()> {
     result
 }
 
-fn run(cmd: &mut Command, what: &str) -> Result<()> {
+/// Runs `cmd`, an error saying `what` failed (with its stderr) unless it succeeds.
+pub(crate) fn run(cmd: &mut Command, what: &str) -> Result<()> {
     let out = cmd.output().map_err(|e| {
         Error::Data(format!(
             "{what}: could not run {:?}: {e}",
@@ -212,7 +245,8 @@ fn fetch_into(tmp: &Path, dir: &Path) -> Result<()> {
     Ok(())
 }
 
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+/// Writes `bytes` to `path` through a `.part` file and a rename.
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = path.with_extension("part");
     std::fs::write(&tmp, bytes).map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
     std::fs::rename(&tmp, path).map_err(|e| Error::io(format!("renaming to {}", path.display()), e))

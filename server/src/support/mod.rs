@@ -6,9 +6,11 @@
 //! - [`trim`]: giving freed memory back to the OS after connections close.
 //! - [`data`]: fetching, importing and loading datasets on disk.
 //! - [`limits`]: connection, join, download and push-rate limits.
+//! - [`text`]: text files as datasets (windows of token ids) and the sentences corpus.
 
 pub mod credential;
 pub mod data;
 pub mod limits;
+pub mod text;
 pub mod tls;
 pub mod trim;

@@ -3,9 +3,10 @@
 use crate::coordinator::app::App;
 use crate::registry::ledger;
 
-/// `GET /api/contributors`: JSON [`Board`] (`?limit=N`, 1..=1000, default 100;
-/// `?identity=ID` adds that identity's entry and rank), or every identity as CSV with
-/// `?format=csv`.
+/// `GET /api/contributors`: JSON [`ledger::Board`] (`?limit=N`, 1..=1000, default 100;
+/// `?identity=ID` adds that identity's entry and rank; each entry has `recent`, samples per
+/// hour over the last 24 h), or every identity as CSV with `?format=csv`. Read from the
+/// ledger's database on a blocking thread, never under the registry's lock.
 pub async fn contributors(
     axum::extract::State(app): axum::extract::State<std::sync::Arc<App>>,
     axum::extract::RawQuery(query): axum::extract::RawQuery,
@@ -48,19 +49,41 @@ pub async fn contributors(
             }
         }
     }
-    if csv {
-        let body = app
-            .registry
-            .with_ledger(|l| ledger::to_csv(&l.contributors()));
-        let mut r = body.into_response();
-        r.headers_mut().insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("text/csv; charset=utf-8"),
-        );
-        return r;
+    // Off the reactor and off the registry's lock: the ledger's own read connection, after
+    // a flush so the caller sees its own last pushes (crate::registry::ledger::store).
+    let Some(store) = app.registry.ledger() else {
+        return bad("this server keeps no ledger".into());
+    };
+    let read = tokio::task::spawn_blocking(move || {
+        store.flush();
+        if csv {
+            store.csv().map(Err)
+        } else {
+            store.board(limit, identity.as_deref()).map(Ok)
+        }
+    })
+    .await;
+    match read {
+        Ok(Ok(Ok(board))) => axum::Json(board).into_response(),
+        Ok(Ok(Err(body))) => {
+            let mut r = body.into_response();
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/csv; charset=utf-8"),
+            );
+            r
+        }
+        Ok(Err(e)) => {
+            tracing::error!(%e, "ledger read failed");
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                axum::Json(serde_json::json!({ "error": "the ledger could not be read" })),
+            )
+                .into_response()
+        }
+        Err(e) => {
+            tracing::error!(%e, "ledger read task failed");
+            StatusCode::INTERNAL_SERVER_ERROR.into_response()
+        }
     }
-    let board = app
-        .registry
-        .with_ledger(|l| l.board(limit, identity.as_deref()));
-    axum::Json(board).into_response()
 }

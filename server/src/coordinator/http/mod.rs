@@ -7,12 +7,11 @@ mod ledger;
 use crate::coordinator::app::App;
 use crate::net::ConnSlot;
 use crate::registry::{MAX_PAGE, RECENT_WORKERS};
+use crate::shard::upgrade::ShardUpgrade;
 use crate::support::limits::client_ip;
 use axum::body::Bytes;
-use axum::extract::ws::WebSocketUpgrade;
 use axum::extract::{ConnectInfo, Path, RawQuery, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
-use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Extension;
@@ -36,6 +35,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/api/workers", get(workers))
         .route("/api/params", get(params))
         .route("/api/reads", get(reads))
+        .route("/api/sample", get(sample))
         .merge(admin::routes())
         .route("/api/contributors", get(ledger::contributors))
         .route("/api/data/{tag}/train/{index}/{file}", get(data))
@@ -229,32 +229,118 @@ fn page_params(query: Option<&str>) -> Result<(usize, usize), String> {
 
 async fn workers(State(app): State<Arc<App>>, RawQuery(query): RawQuery) -> Response {
     match page_params(query.as_deref()) {
-        Ok((offset, limit)) => Json(app.registry.workers(offset, limit)).into_response(),
+        Ok((offset, limit)) => {
+            // The page's rows with their reputation records (the dashboard tick has only the
+            // counts): one response for the table.
+            let page = app.registry.workers(offset, limit);
+            let reputation = app.defence.reputation.of(page.workers.iter().map(|w| w.id));
+            Json(json!({
+                "total": page.total,
+                "offset": page.offset,
+                "limit": page.limit,
+                "workers": page.workers,
+                "reputation": reputation,
+            }))
+            .into_response()
+        }
         Err(m) => error(StatusCode::BAD_REQUEST, m),
     }
 }
 
-async fn events(
-    State(app): State<Arc<App>>,
-) -> Sse<impl futures_util::Stream<Item = Result<Event, Infallible>>> {
-    let stream = futures_util::stream::unfold((app, true), |(app, first)| async move {
-        if !first {
-            let mut stop = app.shutdown.clone();
+/// Whether `Accept-Encoding` takes gzip (named, or `*`, with a non-zero q).
+fn accepts_gzip(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(header::ACCEPT_ENCODING)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|item| {
+            let mut parts = item.split(';').map(str::trim);
+            let name = parts.next().unwrap_or("");
+            let zero = parts.any(|p| {
+                p.strip_prefix("q=")
+                    .and_then(|q| q.parse::<f32>().ok())
+                    .is_some_and(|q| q <= 0.0)
+            });
+            (name.eq_ignore_ascii_case("gzip") || name == "*") && !zero
+        })
+}
+
+/// One viewer of the dashboard stream: which tick it was sent last.
+struct Viewer {
+    ticks: tokio::sync::watch::Receiver<Arc<crate::coordinator::dashboard::Tick>>,
+    stop: tokio::sync::watch::Receiver<bool>,
+    last: Option<u64>,
+    gzip: bool,
+}
+
+/// `GET /api/events`: the dashboard stream ([`crate::coordinator::dashboard`]). Every viewer is
+/// sent the bytes the tick task built: a `run` event first (and after a missed tick), then a
+/// `tick` event per tick; gzip when the viewer accepts it, compressed once for all viewers.
+async fn events(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    let gzip = accepts_gzip(&headers);
+    let viewer = Viewer {
+        ticks: app.dashboard.subscribe(),
+        stop: app.shutdown.clone(),
+        last: None,
+        gzip,
+    };
+    let stream = futures_util::stream::unfold(viewer, |mut v| async move {
+        loop {
+            if *v.stop.borrow() {
+                return None;
+            }
+            let t = v.ticks.borrow_and_update().clone();
+            if t.seq != 0 && v.last != Some(t.seq) {
+                let event = if v.last.map(|l| l + 1) == Some(t.seq) {
+                    t.tick.bytes(v.gzip)
+                } else {
+                    t.run().bytes(v.gzip)
+                };
+                let chunk = if v.last.is_none() && v.gzip {
+                    let mut first = crate::coordinator::dashboard::GZIP_HEADER.to_vec();
+                    first.extend_from_slice(&event);
+                    Bytes::from(first)
+                } else {
+                    event
+                };
+                v.last = Some(t.seq);
+                return Some((Ok::<_, Infallible>(chunk), v));
+            }
             tokio::select! {
-                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-                _ = stop.changed() => {}
+                r = v.ticks.changed() => if r.is_err() { return None },
+                r = v.stop.changed() => if r.is_err() { return None },
             }
         }
-        if *app.shutdown.borrow() {
-            return None;
-        }
-        let body = serde_json::to_string(&app.status()).unwrap_or_else(|_| "{}".into());
-        Some((
-            Ok(Event::default().event("status").data(body)),
-            (app, false),
-        ))
     });
-    Sse::new(stream).keep_alive(KeepAlive::default())
+    let mut r = axum::body::Body::from_stream(stream).into_response();
+    let h = r.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    h.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    h.insert(header::VARY, HeaderValue::from_static("accept-encoding"));
+    if gzip {
+        h.insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
+    }
+    r
+}
+
+/// The newest text a language model's weights wrote (`404` for other models, `204` before
+/// the first).
+async fn sample(State(app): State<Arc<App>>) -> Response {
+    if app.model.sequence().is_none() {
+        return error(
+            StatusCode::NOT_FOUND,
+            "this run does not train a language model",
+        );
+    }
+    match app.sample.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+        Some(s) => Json(s).into_response(),
+        None => StatusCode::NO_CONTENT.into_response(),
+    }
 }
 
 async fn reads(State(app): State<Arc<App>>) -> Response {
@@ -375,7 +461,7 @@ async fn ws(
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     Extension(slot): Extension<Arc<ConnSlot>>,
     headers: HeaderMap,
-    upgrade: WebSocketUpgrade,
+    upgrade: ShardUpgrade,
 ) -> Response {
     let Some(shard) = app.shards.get(id).cloned() else {
         return error(StatusCode::NOT_FOUND, format!("no shard {id}"));
@@ -409,6 +495,21 @@ fn limited(retry: Duration, message: &str) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gzip_is_taken_when_accepted() {
+        let h = |v: &str| {
+            let mut m = HeaderMap::new();
+            m.insert(header::ACCEPT_ENCODING, HeaderValue::from_str(v).unwrap());
+            accepts_gzip(&m)
+        };
+        assert!(h("gzip, deflate, br, zstd"));
+        assert!(h("br;q=1.0, GZIP;q=0.5"));
+        assert!(h("*"));
+        assert!(!h("gzip;q=0, br"));
+        assert!(!h("br, deflate"));
+        assert!(!accepts_gzip(&HeaderMap::new()));
+    }
 
     #[test]
     fn page_params_default_and_validate() {

@@ -1,0 +1,1128 @@
+//! `crowdgrad bench crowd` (issue 18): a crowd of volunteers on one server.
+//!
+//! One `crowdgrad serve` process on 127.0.0.1 (started here, as [`super::load::Server`] does
+//! for churn and flood: its defaults, plus only the limits a crowd from one address needs
+//! raised, printed) and, in this process, `--volunteers` simulated volunteers on one tokio
+//! runtime (tasks, not threads). Each volunteer speaks the real protocol
+//! (docs/protocol.md):
+//!
+//! 1. `POST /api/join` with an identity (`crowd-N`) at its arrival time; arrivals are ramped
+//!    at `--ramp-rate` per second;
+//! 2. one WebSocket per shard: Hello with the join's credential, offering every encoding
+//!    (int8 blocks, bf16, f32, as `crowdgrad work` does), and the Welcome's choice;
+//! 3. every `--round-interval` seconds (each volunteer at its own phase): on every shard at
+//!    once, a Pull (timed from the request sent to the last byte of the `Params`), then a Push
+//!    of a synthetic gradient in the negotiated push encoding (small values of one fixed
+//!    pattern, so every push has the same norm and the norm bound accepts them; timed to its
+//!    `Ack`), and a `Report` on shard 0 at most once a second when the Welcome took reports;
+//! 4. a dashboard stream (`GET /api/events`, `Accept-Encoding: gzip` as a browser sends it)
+//!    for a `--dashboard-fraction` of the volunteers, read and counted, never parsed;
+//! 5. at its leave time (leaves are ramped at the same rate after `--steady-seconds`), `Bye`
+//!    and Close on every socket, and the stream dropped.
+//!
+//! Bytes are counted on this side of every socket (a counting wrapper around each TCP
+//! stream: HTTP and WebSocket framing included), so what the volunteers received is the
+//! server's egress. The server's RSS (`VmRSS`), CPU (utime + stime), open fds, and this
+//! process's CPU are read from `/proc` at every phase boundary and once a second.
+//!
+//! Bounded: at most [`MAX_VOLUNTEERS`], every wait has a deadline, the whole run ends by
+//! itself (ramp + steady + leave + settling), and the server is killed when it ends or fails.
+//! Only 127.0.0.1 is ever targeted: `--addr` is refused in the server flags and the server's
+//! listening address is checked.
+
+use super::load::{fd_count, get_json, percentile, rss_mib, Server};
+use crate::error::{Error, Result};
+use clap::Args;
+use crowdgrad_core::codec::Encoding;
+use crowdgrad_core::spec::{JoinRequest, JoinResponse};
+use crowdgrad_core::wire::{
+    self, Bye, ClientKind, Header, Hello, Kind, Message as Frame, Report, PROTOCOL_VERSION,
+};
+use futures_util::{SinkExt, StreamExt};
+use std::collections::BTreeMap;
+use std::io;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpStream;
+use tokio_tungstenite::tungstenite::Message;
+
+/// Most volunteers one run simulates.
+pub const MAX_VOLUNTEERS: usize = 20_000;
+
+/// Round-trip samples kept per phase and kind (later ones are dropped).
+const MAX_SAMPLES: usize = 1 << 20;
+
+/// How long any single network step (connect, join reply, handshake, reply frame) may take.
+const STEP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Flags of `crowdgrad bench crowd`.
+#[derive(Debug, Clone, Args)]
+pub struct CrowdArgs {
+    /// Simulated volunteers (each: a join, one WebSocket per shard, maybe a dashboard).
+    #[arg(long, default_value_t = 1000)]
+    pub volunteers: usize,
+    /// Volunteers joining per second during the ramp (and leaving per second at the end).
+    #[arg(long, default_value_t = 100.0)]
+    pub ramp_rate: f64,
+    /// Seconds with every volunteer connected, between the ramp and the leaving.
+    #[arg(long, default_value_t = 60.0)]
+    pub steady_seconds: f64,
+    /// Seconds between a volunteer's rounds (pull + push on every shard).
+    #[arg(long, default_value_t = 2.0)]
+    pub round_interval: f64,
+    /// Share of the volunteers that keep a dashboard stream (`/api/events`) open, 0..1.
+    #[arg(long, default_value_t = 1.0)]
+    pub dashboard_fraction: f64,
+    /// Data directory of the server.
+    #[arg(long, default_value = "data/mnist")]
+    pub data_dir: PathBuf,
+    /// The `crowdgrad` binary started as the server (default: this one): two builds under
+    /// the same crowd.
+    #[arg(long)]
+    pub server_binary: Option<PathBuf>,
+    /// Extra flags for `serve` (after the bench's own, so they win; not `--addr`).
+    #[arg(last = true)]
+    pub serve_args: Vec<String>,
+}
+
+impl CrowdArgs {
+    /// Defaults for `volunteers` (as the flags' defaults), e.g. for tests.
+    pub fn new(volunteers: usize, data_dir: PathBuf) -> Self {
+        Self {
+            volunteers,
+            ramp_rate: 100.0,
+            steady_seconds: 60.0,
+            round_interval: 2.0,
+            dashboard_fraction: 1.0,
+            data_dir,
+            server_binary: None,
+            serve_args: Vec::new(),
+        }
+    }
+
+    fn check(&self) -> Result<()> {
+        let bad = |m: &str| Err(Error::Config(m.into()));
+        if self.volunteers == 0 || self.volunteers > MAX_VOLUNTEERS {
+            return bad(&format!("--volunteers must be in 1..={MAX_VOLUNTEERS}"));
+        }
+        if !(self.ramp_rate > 0.0 && self.ramp_rate <= 10_000.0) {
+            return bad("--ramp-rate must be in (0, 10000] per second");
+        }
+        if !(self.steady_seconds >= 1.0 && self.steady_seconds <= 3600.0) {
+            return bad("--steady-seconds must be in [1, 3600]");
+        }
+        if !(self.round_interval >= 0.05 && self.round_interval <= 30.0) {
+            return bad("--round-interval must be in [0.05, 30] seconds");
+        }
+        if !(0.0..=1.0).contains(&self.dashboard_fraction) {
+            return bad("--dashboard-fraction must be in [0, 1]");
+        }
+        if self.serve_args.iter().any(|a| a.starts_with("--addr")) {
+            return bad("the crowd targets 127.0.0.1 only: --addr is not taken");
+        }
+        Ok(())
+    }
+}
+
+/// Bytes one kind of socket moved, counted on the generator's side.
+#[derive(Debug, Default)]
+struct Traffic {
+    /// Received by the generator (the server's egress).
+    rx: AtomicU64,
+    /// Sent by the generator (the server's ingress).
+    tx: AtomicU64,
+}
+
+/// A TCP stream that counts what passes through it.
+struct Counted {
+    inner: TcpStream,
+    traffic: Arc<Traffic>,
+}
+
+impl AsyncRead for Counted {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        let n = buf.filled().len() - before;
+        self.traffic.rx.fetch_add(n as u64, Ordering::Relaxed);
+        r
+    }
+}
+
+impl AsyncWrite for Counted {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if let Poll::Ready(Ok(n)) = &r {
+            self.traffic.tx.fetch_add(*n as u64, Ordering::Relaxed);
+        }
+        r
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+type Ws = tokio_tungstenite::WebSocketStream<Counted>;
+
+/// Phases of a run, in order.
+const PHASES: [&str; 3] = ["ramp", "steady", "leave"];
+
+/// What the volunteers share: the target, the counters, the samples.
+struct Ctx {
+    addr: SocketAddr,
+    phase: AtomicUsize,
+    training: Arc<Traffic>,
+    dashboard: Arc<Traffic>,
+    http: Arc<Traffic>,
+    /// Volunteers with every shard socket open.
+    connected: AtomicUsize,
+    training_open: AtomicUsize,
+    dashboards_open: AtomicUsize,
+    joins: [AtomicU64; 3],
+    pulls: AtomicU64,
+    pushes: AtomicU64,
+    /// Per phase: pull round trips and push-to-ack times, ms.
+    pull_ms: Mutex<[Vec<f32>; 3]>,
+    push_ms: Mutex<[Vec<f32>; 3]>,
+    /// Per phase: refusals and failures by reason.
+    refusals: Mutex<[BTreeMap<String, u64>; 3]>,
+    round: Duration,
+    /// Per shard: the gradient values pushed (one fixed pattern, small).
+    grads: Mutex<BTreeMap<usize, Arc<Vec<f32>>>>,
+}
+
+impl Ctx {
+    fn phase(&self) -> usize {
+        self.phase.load(Ordering::Relaxed).min(2)
+    }
+
+    fn refuse(&self, reason: impl Into<String>) {
+        let mut reason: String = reason.into();
+        reason.truncate(120);
+        let p = self.phase();
+        if let Ok(mut r) = self.refusals.lock() {
+            *r[p].entry(reason).or_default() += 1;
+        }
+    }
+
+    fn sample(&self, which: &Mutex<[Vec<f32>; 3]>, since: Instant) {
+        let ms = since.elapsed().as_secs_f64() as f32 * 1e3;
+        let p = self.phase();
+        if let Ok(mut v) = which.lock() {
+            if v[p].len() < MAX_SAMPLES {
+                v[p].push(ms);
+            }
+        }
+    }
+
+    fn grad(&self, len: usize) -> Arc<Vec<f32>> {
+        let mut g = self.grads.lock().unwrap_or_else(|p| p.into_inner());
+        g.entry(len)
+            .or_insert_with(|| {
+                // A fixed pseudo-random pattern of magnitude ~1e-4 (xorshift).
+                let mut s = 0x9e37_79b9_7f4a_7c15u64;
+                Arc::new(
+                    (0..len)
+                        .map(|_| {
+                            s ^= s << 13;
+                            s ^= s >> 7;
+                            s ^= s << 17;
+                            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2e-4
+                        })
+                        .collect(),
+                )
+            })
+            .clone()
+    }
+}
+
+/// Counts an open socket of one kind for as long as it lives.
+struct Open<'a>(&'a AtomicUsize);
+
+impl<'a> Open<'a> {
+    fn new(n: &'a AtomicUsize) -> Self {
+        n.fetch_add(1, Ordering::Relaxed);
+        Open(n)
+    }
+}
+
+impl Drop for Open<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+async fn connect(addr: SocketAddr, traffic: &Arc<Traffic>) -> Result<Counted> {
+    let tcp = tokio::time::timeout(STEP_TIMEOUT, TcpStream::connect(addr))
+        .await
+        .map_err(|_| Error::Http("connect timed out".into()))?
+        .map_err(|e| Error::io("connect", e))?;
+    let _ = tcp.set_nodelay(true);
+    Ok(Counted {
+        inner: tcp,
+        traffic: traffic.clone(),
+    })
+}
+
+/// One HTTP/1.1 request with `Connection: close`; the status and the (de-chunked) body, at
+/// most 1 MiB of it.
+async fn http(ctx: &Ctx, method: &str, path: &str, body: &[u8]) -> Result<(u16, Vec<u8>)> {
+    let mut s = connect(ctx.addr, &ctx.http).await?;
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        ctx.addr,
+        body.len()
+    );
+    let mut out = Vec::new();
+    tokio::time::timeout(STEP_TIMEOUT, async {
+        s.write_all(head.as_bytes()).await?;
+        s.write_all(body).await?;
+        (&mut s).take(1 << 20).read_to_end(&mut out).await
+    })
+    .await
+    .map_err(|_| Error::Http(format!("{method} {path}: no reply within {STEP_TIMEOUT:?}")))?
+    .map_err(|e| Error::io("http", e))?;
+    let split = out
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or_else(|| Error::Http("reply without a header end".into()))?;
+    let head = String::from_utf8_lossy(&out[..split]).to_ascii_lowercase();
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse::<u16>().ok())
+        .ok_or_else(|| Error::Http("reply without a status".into()))?;
+    let mut body = out[split + 4..].to_vec();
+    if head.contains("transfer-encoding: chunked") {
+        body = dechunk(&body);
+    }
+    Ok((status, body))
+}
+
+/// The payload of a chunked body (what parses of it).
+fn dechunk(mut b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    while let Some(eol) = b.windows(2).position(|w| w == b"\r\n") {
+        let size = std::str::from_utf8(&b[..eol])
+            .ok()
+            .and_then(|s| usize::from_str_radix(s.split(';').next()?.trim(), 16).ok());
+        let Some(size) = size.filter(|&n| n > 0) else {
+            break;
+        };
+        let start = eol + 2;
+        let Some(chunk) = b.get(start..start + size) else {
+            break;
+        };
+        out.extend_from_slice(chunk);
+        b = b.get(start + size + 2..).unwrap_or(&[]);
+    }
+    out
+}
+
+/// What one shard socket negotiated.
+struct Link {
+    ws: Ws,
+    shard: u32,
+    version: u64,
+    push: Encoding,
+    reports: bool,
+    len: usize,
+    _open: Open<'static>,
+}
+
+async fn next_binary(ws: &mut Ws) -> Result<Vec<u8>> {
+    loop {
+        match tokio::time::timeout(STEP_TIMEOUT, ws.next()).await {
+            Err(_) => return Err(Error::WebSocket("no frame within the step timeout".into())),
+            Ok(Some(Ok(Message::Binary(b)))) => return Ok(b.into()),
+            Ok(Some(Ok(Message::Close(c)))) => {
+                let why = c.map_or_else(String::new, |c| c.reason.to_string());
+                return Err(Error::WebSocket(format!("closed by the server: {why}")));
+            }
+            Ok(None) => return Err(Error::WebSocket("closed by the server".into())),
+            Ok(Some(Err(e))) => return Err(Error::WebSocket(e.to_string())),
+            Ok(Some(Ok(_))) => {}
+        }
+    }
+}
+
+/// A refusal's reason from an `Error` frame, else a short description of the frame.
+fn frame_reason(bytes: &[u8]) -> String {
+    match wire::decode(bytes, usize::MAX) {
+        Ok(Frame::Error { error, .. }) => format!("error frame: {}", error.code.name()),
+        Ok(Frame::Bye { bye, .. }) => format!("bye: {}", bye.reason),
+        Ok(other) => format!("unexpected frame {:?}", std::mem::discriminant(&other)),
+        Err(e) => format!("undecodable frame: {e}"),
+    }
+}
+
+async fn open_shard(
+    ctx: &'static Ctx,
+    joined: &JoinResponse,
+    shard: u32,
+    path: &str,
+) -> Result<Link> {
+    let tcp = connect(ctx.addr, &ctx.training).await?;
+    let url = format!("ws://{}{path}", ctx.addr);
+    let (mut ws, _) = tokio::time::timeout(
+        STEP_TIMEOUT,
+        tokio_tungstenite::client_async(url.as_str(), tcp),
+    )
+    .await
+    .map_err(|_| Error::WebSocket("upgrade timed out".into()))?
+    .map_err(|e| Error::WebSocket(format!("upgrade: {e}")))?;
+    let open = Open::new(&ctx.training_open);
+    let offered = vec![Encoding::INT8, Encoding::Bf16, Encoding::F32];
+    let hello = wire::encode(&Frame::Hello {
+        request_id: 1,
+        shard,
+        hello: Hello {
+            protocol: PROTOCOL_VERSION,
+            worker_id: joined.worker_id,
+            client: ClientKind::Browser,
+            pull_encodings: offered.clone(),
+            push_encodings: offered,
+            credential: joined.credential.clone(),
+        },
+    });
+    ws.send(Message::Binary(hello.into()))
+        .await
+        .map_err(|e| Error::WebSocket(e.to_string()))?;
+    let reply = next_binary(&mut ws).await?;
+    match wire::decode(&reply, usize::MAX) {
+        Ok(Frame::Welcome { welcome, .. }) => Ok(Link {
+            ws,
+            shard,
+            version: welcome.version,
+            push: welcome.push_encoding,
+            reports: welcome.reports,
+            len: welcome.range.len(),
+            _open: open,
+        }),
+        _ => Err(Error::WebSocket(frame_reason(&reply))),
+    }
+}
+
+/// One round on one shard: Pull (timed to the last byte of Params), then Push (timed to Ack).
+async fn round(
+    ctx: &'static Ctx,
+    link: &mut Link,
+    rid: u32,
+    report: Option<&Report>,
+) -> Result<()> {
+    let pull = wire::encode(&Frame::Pull {
+        request_id: rid,
+        shard: link.shard,
+        min_version: 0,
+    });
+    let t = Instant::now();
+    link.ws
+        .send(Message::Binary(pull.into()))
+        .await
+        .map_err(|e| Error::WebSocket(e.to_string()))?;
+    let reply = next_binary(&mut link.ws).await?;
+    match Header::parse(&reply, usize::MAX) {
+        Ok(h) if h.kind == Kind::Params && h.request_id == rid => {
+            ctx.sample(&ctx.pull_ms, t);
+            ctx.pulls.fetch_add(1, Ordering::Relaxed);
+            link.version = h.version;
+        }
+        _ => return Err(Error::WebSocket(frame_reason(&reply))),
+    }
+    let grad = ctx.grad(link.len);
+    let push = wire::encode_push_as(link.push, rid, link.shard, link.version, 32, &grad, None)
+        .map_err(Error::Core)?;
+    let t = Instant::now();
+    link.ws
+        .send(Message::Binary(push.into()))
+        .await
+        .map_err(|e| Error::WebSocket(e.to_string()))?;
+    let reply = next_binary(&mut link.ws).await?;
+    match Header::parse(&reply, usize::MAX) {
+        Ok(h) if h.kind == Kind::Ack && h.request_id == rid => {
+            ctx.sample(&ctx.push_ms, t);
+            ctx.pushes.fetch_add(1, Ordering::Relaxed);
+        }
+        // A refused push (too stale, busy, out of bounds...) is counted, not fatal.
+        Ok(h) if h.kind == Kind::Error && h.request_id == rid => {
+            let reason = frame_reason(&reply);
+            if is_fatal(&reply) {
+                return Err(Error::WebSocket(reason));
+            }
+            ctx.refuse(format!("push: {reason}"));
+        }
+        _ => return Err(Error::WebSocket(frame_reason(&reply))),
+    }
+    if let Some(r) = report {
+        let f = wire::encode(&Frame::Report {
+            shard: link.shard,
+            report: r.clone(),
+        });
+        link.ws
+            .send(Message::Binary(f.into()))
+            .await
+            .map_err(|e| Error::WebSocket(e.to_string()))?;
+    }
+    Ok(())
+}
+
+fn is_fatal(bytes: &[u8]) -> bool {
+    matches!(wire::decode(bytes, usize::MAX), Ok(Frame::Error { error, .. }) if error.code.is_fatal())
+}
+
+/// Reads a dashboard stream until `leave`, counting its bytes.
+async fn dashboard(ctx: &'static Ctx, leave: tokio::time::Instant) {
+    let mut s = match connect(ctx.addr, &ctx.dashboard).await {
+        Ok(s) => s,
+        Err(e) => return ctx.refuse(format!("dashboard: {e}")),
+    };
+    let req = format!(
+        "GET /api/events HTTP/1.1\r\nHost: {}\r\nAccept: text/event-stream\r\nAccept-Encoding: gzip, deflate, br\r\n\r\n",
+        ctx.addr
+    );
+    if let Err(e) = s.write_all(req.as_bytes()).await {
+        return ctx.refuse(format!("dashboard: {e}"));
+    }
+    let _open = Open::new(&ctx.dashboards_open);
+    let mut buf = vec![0u8; 16 * 1024];
+    let mut first = true;
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep_until(leave) => return,
+            r = s.read(&mut buf) => match r {
+                Ok(0) => return ctx.refuse("dashboard: closed by the server"),
+                Ok(n) => {
+                    if first {
+                        first = false;
+                        if !buf[..n].starts_with(b"HTTP/1.1 200") {
+                            let line = String::from_utf8_lossy(&buf[..n.min(40)]).to_string();
+                            return ctx.refuse(format!("dashboard: {}", line.lines().next().unwrap_or("")));
+                        }
+                    }
+                }
+                Err(e) => return ctx.refuse(format!("dashboard: {e}")),
+            }
+        }
+    }
+}
+
+/// One volunteer, from its arrival to its leave.
+async fn volunteer(
+    ctx: &'static Ctx,
+    i: usize,
+    arrive: tokio::time::Instant,
+    leave: tokio::time::Instant,
+    watch_dashboard: bool,
+) {
+    tokio::time::sleep_until(arrive).await;
+    let mut req = JoinRequest::new(ClientKind::Browser);
+    req.identity = Some(format!("crowd-{i:06}"));
+    req.name = Some(format!("crowd {i}"));
+    let body = serde_json::to_vec(&req).unwrap_or_default();
+    let joined: JoinResponse = match http(ctx, "POST", "/api/join", &body).await {
+        Ok((200, b)) => match serde_json::from_slice(&b) {
+            Ok(j) => j,
+            Err(e) => return ctx.refuse(format!("join: bad reply: {e}")),
+        },
+        Ok((code, b)) => {
+            let msg = serde_json::from_slice::<serde_json::Value>(&b)
+                .ok()
+                .and_then(|v| v["error"].as_str().map(str::to_string))
+                .unwrap_or_default();
+            return ctx.refuse(format!("join {code}: {msg}"));
+        }
+        Err(e) => return ctx.refuse(format!("join: {e}")),
+    };
+    ctx.joins[ctx.phase()].fetch_add(1, Ordering::Relaxed);
+    let board = watch_dashboard.then(|| tokio::spawn(dashboard(ctx, leave)));
+    let mut links = Vec::new();
+    for (s, d) in joined.run.shards.iter().enumerate() {
+        match open_shard(ctx, &joined, s as u32, &d.path).await {
+            Ok(l) => links.push(l),
+            Err(e) => {
+                ctx.refuse(format!("shard socket: {e}"));
+                if let Some(b) = board {
+                    b.abort();
+                }
+                return;
+            }
+        }
+    }
+    let connected = Open::new(&ctx.connected);
+    let started = Instant::now();
+    // Each volunteer at its own phase of the round, so the rounds do not come in waves.
+    let phase = ctx.round.mul_f64((i as f64 * 0.618_034).fract());
+    let mut next = tokio::time::Instant::now() + phase;
+    let mut rid = 2u32;
+    let mut last_report: Option<Instant> = None;
+    'rounds: while next < leave {
+        tokio::time::sleep_until(next).await;
+        next += ctx.round;
+        let report = (links.first().is_some_and(|l| l.reports)
+            && last_report.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)))
+        .then(|| {
+            last_report = Some(Instant::now());
+            Report {
+                local_steps: 1,
+                compute_s: started.elapsed().as_secs_f64() * 0.5,
+                wall_s: started.elapsed().as_secs_f64(),
+                exchange_s: 0.01,
+                // Counted on this side per kind of socket, not per volunteer.
+                bytes_up: 0,
+                bytes_down: 0,
+            }
+        });
+        let results = futures_util::future::join_all(
+            links
+                .iter_mut()
+                .enumerate()
+                .map(|(k, l)| round(ctx, l, rid, if k == 0 { report.as_ref() } else { None })),
+        )
+        .await;
+        rid = wire::next_request_id(rid);
+        for r in results {
+            if let Err(e) = r {
+                ctx.refuse(format!("training socket: {e}"));
+                break 'rounds;
+            }
+        }
+    }
+    tokio::time::sleep_until(leave).await;
+    for mut l in links {
+        let bye = wire::encode(&Frame::Bye {
+            shard: l.shard,
+            bye: Bye {
+                reason: "crowd: leaving".into(),
+            },
+        });
+        let _ = l.ws.send(Message::Binary(bye.into())).await;
+        let _ = tokio::time::timeout(Duration::from_secs(5), l.ws.close(None)).await;
+    }
+    drop(connected);
+    if let Some(b) = board {
+        let _ = tokio::time::timeout(Duration::from_secs(5), b).await;
+    }
+}
+
+/// The server and generator figures at one moment.
+#[derive(Debug, Clone, Copy, Default)]
+struct Sample {
+    at: Option<Instant>,
+    rss_mib: f64,
+    server_cpu_s: f64,
+    self_cpu_s: f64,
+    fds: usize,
+    training_rx: u64,
+    training_tx: u64,
+    dashboard_rx: u64,
+    dashboard_tx: u64,
+    http_rx: u64,
+    http_tx: u64,
+}
+
+impl Sample {
+    fn take(pid: u32, ctx: &Ctx) -> Self {
+        Sample {
+            at: Some(Instant::now()),
+            rss_mib: rss_mib(pid),
+            server_cpu_s: super::cpu_seconds(pid),
+            self_cpu_s: super::cpu_seconds(std::process::id()),
+            fds: fd_count(pid),
+            training_rx: ctx.training.rx.load(Ordering::Relaxed),
+            training_tx: ctx.training.tx.load(Ordering::Relaxed),
+            dashboard_rx: ctx.dashboard.rx.load(Ordering::Relaxed),
+            dashboard_tx: ctx.dashboard.tx.load(Ordering::Relaxed),
+            http_rx: ctx.http.rx.load(Ordering::Relaxed),
+            http_tx: ctx.http.tx.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// The figures of one phase.
+#[derive(Debug, Clone, Default)]
+pub struct Phase {
+    /// `ramp`, `steady` or `leave`.
+    pub name: &'static str,
+    /// Seconds.
+    pub seconds: f64,
+    /// Volunteers with every shard socket open at the end of the phase (the most, for leave).
+    pub connected: usize,
+    /// Mean training sockets and dashboard streams open over the phase (once a second).
+    pub training_sockets: f64,
+    /// As above, dashboards.
+    pub dashboards: f64,
+    /// Server RSS at the end, and the most seen in the phase, MiB.
+    pub rss_end_mib: f64,
+    /// The most seen.
+    pub rss_peak_mib: f64,
+    /// (Peak RSS − idle baseline) / volunteers connected at that time, KiB.
+    pub rss_per_volunteer_kib: Option<f64>,
+    /// Server CPU, cores (utime + stime over the phase's wall time).
+    pub server_cpu: f64,
+    /// This process's CPU, cores.
+    pub generator_cpu: f64,
+    /// Server open fds at the end.
+    pub fds_end: usize,
+    /// Server egress (what the generator received), bytes/s: all, dashboards, training.
+    pub egress_bps: f64,
+    /// Per dashboard stream open (egress on dashboards / mean dashboards open).
+    pub egress_per_dashboard_bps: f64,
+    /// Per training socket open.
+    pub egress_per_training_bps: f64,
+    /// Server ingress, bytes/s: all, per dashboard, per training socket.
+    pub ingress_bps: f64,
+    /// Per dashboard.
+    pub ingress_per_dashboard_bps: f64,
+    /// Per training socket.
+    pub ingress_per_training_bps: f64,
+    /// Pull round trips (request sent → last byte of Params), ms: p50, p99, count.
+    pub pull_p50_ms: f64,
+    /// p99.
+    pub pull_p99_ms: f64,
+    /// Pulls timed.
+    pub pulls: usize,
+    /// Push → Ack, ms.
+    pub push_p50_ms: f64,
+    /// p99.
+    pub push_p99_ms: f64,
+    /// Pushes timed.
+    pub pushes: usize,
+    /// Joins per second.
+    pub joins_per_sec: f64,
+    /// Refusals and failures by reason.
+    pub refusals: BTreeMap<String, u64>,
+}
+
+/// What a crowd run measured.
+#[derive(Debug, Clone, Default)]
+pub struct Crowd {
+    /// Volunteers simulated.
+    pub volunteers: usize,
+    /// Shards of the run (sockets per volunteer).
+    pub shards: usize,
+    /// Volunteers with a dashboard stream.
+    pub dashboards: usize,
+    /// The server flags the bench set (beyond its own `--addr`, `--data-dir`, `--no-fetch`).
+    pub serve_flags: Vec<String>,
+    /// The fd limit (soft) before and after raising it.
+    pub nofile: (u64, u64),
+    /// Idle server before the crowd: RSS MiB and open fds.
+    pub rss_base_mib: f64,
+    /// Open fds then.
+    pub fds_base: usize,
+    /// Ramp, steady, leave.
+    pub phases: Vec<Phase>,
+    /// After everyone left and the server settled: RSS MiB, open fds.
+    pub rss_after_mib: f64,
+    /// Open fds then.
+    pub fds_after: usize,
+    /// Volunteers that joined.
+    pub joined: u64,
+    /// Params received and pushes acknowledged over the run.
+    pub pulls: u64,
+    /// Acks.
+    pub pushes: u64,
+}
+
+/// Raises this process's `RLIMIT_NOFILE` soft limit to its hard limit; returns both soft
+/// values (before, after). Children inherit it.
+fn raise_nofile() -> (u64, u64) {
+    #[cfg(unix)]
+    #[allow(unsafe_code, clippy::unnecessary_cast)] // rlim_t is not u64 on every target
+    {
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit/setrlimit only read and write the struct passed by pointer, which
+        // lives on this stack frame for the whole call.
+        unsafe {
+            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+                return (0, 0);
+            }
+            let before = lim.rlim_cur as u64;
+            lim.rlim_cur = lim.rlim_max;
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                return (before, before);
+            }
+            (before, lim.rlim_cur as u64)
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        (0, 0)
+    }
+}
+
+fn pct(v: &[f32], p: f64) -> f64 {
+    let mut d: Vec<f64> = v.iter().map(|&x| f64::from(x)).collect();
+    d.sort_by(f64::total_cmp);
+    percentile(&d, p)
+}
+
+/// Runs the crowd against a `crowdgrad serve` started from `exe`.
+///
+/// # Errors
+/// Bad flags, a server that does not start or does not listen on 127.0.0.1; refused joins,
+/// sockets and pushes are counted, not errors.
+pub fn crowd(exe: &Path, args: &CrowdArgs) -> Result<Crowd> {
+    args.check()?;
+    let nofile = raise_nofile();
+    let n = args.volunteers;
+    // One address for the whole crowd: the per-IP limits are lifted, the totals sized to it.
+    let mut flags: Vec<String> = [
+        "--max-connections-per-ip",
+        "0",
+        "--join-rate",
+        "0",
+        "--push-rate-per-ip",
+        "0",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    // Shards (2 by default, maybe more from the flags) + a dashboard + joins in flight.
+    let shards_guess = args
+        .serve_args
+        .iter()
+        .position(|a| a == "--shards")
+        .and_then(|i| args.serve_args.get(i + 1)?.parse::<usize>().ok())
+        .unwrap_or(crate::config::SERVE_SHARDS);
+    let conns = n * (shards_guess + 1) + 256;
+    if conns > 4_096 {
+        flags.extend(["--max-connections".to_string(), conns.to_string()]);
+    }
+    if n > 10_000 {
+        flags.extend(["--max-workers".to_string(), (n + 64).to_string()]);
+    }
+    let mut serve = flags.clone();
+    serve.extend(args.serve_args.iter().cloned());
+    let exe = args.server_binary.as_deref().unwrap_or(exe);
+    let server = Server::start(exe, &args.data_dir, &serve, &[])?;
+    if server.addr.ip() != std::net::IpAddr::from([127, 0, 0, 1]) {
+        return Err(Error::Config(format!(
+            "the server listens on {}, not 127.0.0.1: the crowd targets loopback only",
+            server.addr
+        )));
+    }
+    let pid = server.pid();
+    let agent = super::load::agent();
+    let status = get_json(&agent, &format!("{}/api/status", server.url))?;
+    let shards = status["shards"].as_array().map_or(1, Vec::len).max(1);
+    std::thread::sleep(Duration::from_secs(2));
+    let ctx: &'static Ctx = Box::leak(Box::new(Ctx {
+        addr: server.addr,
+        phase: AtomicUsize::new(0),
+        training: Arc::default(),
+        dashboard: Arc::default(),
+        http: Arc::default(),
+        connected: AtomicUsize::new(0),
+        training_open: AtomicUsize::new(0),
+        dashboards_open: AtomicUsize::new(0),
+        joins: Default::default(),
+        pulls: AtomicU64::new(0),
+        pushes: AtomicU64::new(0),
+        pull_ms: Mutex::default(),
+        push_ms: Mutex::default(),
+        refusals: Mutex::default(),
+        round: Duration::from_secs_f64(args.round_interval),
+        grads: Mutex::default(),
+    }));
+    let base = Sample::take(pid, ctx);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| Error::io("runtime", e))?;
+    let gap = Duration::from_secs_f64(1.0 / args.ramp_rate);
+    let ramp = gap.mul_f64(n as f64);
+    let steady = Duration::from_secs_f64(args.steady_seconds);
+    let t0 = rt.block_on(async { tokio::time::Instant::now() }) + Duration::from_millis(200);
+    let dashboards = (n as f64 * args.dashboard_fraction).round() as usize;
+    let tasks: Vec<_> = (0..n)
+        .map(|i| {
+            let arrive = t0 + gap.mul_f64(i as f64);
+            let leave = t0 + ramp + steady + gap.mul_f64(i as f64);
+            // Spread the dashboards evenly over the crowd.
+            let board = (i * dashboards) / n != ((i + 1) * dashboards) / n;
+            rt.spawn(volunteer(ctx, i, arrive, leave, board))
+        })
+        .collect();
+    let wall0 = Instant::now() + Duration::from_millis(200);
+    let ends = [
+        wall0 + ramp,
+        wall0 + ramp + steady,
+        wall0 + ramp + steady + ramp,
+    ];
+    let mut phases = Vec::new();
+    let mut start = base;
+    for (p, end) in ends.iter().enumerate() {
+        ctx.phase.store(p, Ordering::Relaxed);
+        let (mut peak_rss, mut peak_conn) = (0.0f64, 0usize);
+        let (mut train_sum, mut board_sum, mut ticks) = (0.0, 0.0, 0usize);
+        loop {
+            let now = Instant::now();
+            peak_rss = peak_rss.max(rss_mib(pid));
+            peak_conn = peak_conn.max(ctx.connected.load(Ordering::Relaxed));
+            train_sum += ctx.training_open.load(Ordering::Relaxed) as f64;
+            board_sum += ctx.dashboards_open.load(Ordering::Relaxed) as f64;
+            ticks += 1;
+            if now >= *end {
+                break;
+            }
+            std::thread::sleep((*end - now).min(Duration::from_secs(1)));
+        }
+        if p == 2 {
+            // Leaving: wait (bounded) for the volunteers to finish and the server's fds to fall.
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while ctx.connected.load(Ordering::Relaxed) > 0 && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+        let end_s = Sample::take(pid, ctx);
+        let connected_end = ctx.connected.load(Ordering::Relaxed);
+        // Ramp and steady: the phase's largest RSS over the volunteers connected at its end.
+        let per_vol = (p < 2 && connected_end > 0).then(|| {
+            (peak_rss.max(end_s.rss_mib) - base.rss_mib).max(0.0) * 1024.0 / connected_end as f64
+        });
+        let dt = end_s
+            .at
+            .zip(start.at)
+            .map_or(1.0, |(a, b)| a.duration_since(b).as_secs_f64())
+            .max(1e-3);
+        let trains = train_sum / ticks.max(1) as f64;
+        let boards = board_sum / ticks.max(1) as f64;
+        let rate = |a: u64, b: u64| a.saturating_sub(b) as f64 / dt;
+        let (pull, push) = {
+            let pl = ctx.pull_ms.lock().unwrap_or_else(|e| e.into_inner());
+            let ps = ctx.push_ms.lock().unwrap_or_else(|e| e.into_inner());
+            let pulls = pl[p].len();
+            let pushes = ps[p].len();
+            (
+                (pct(&pl[p], 0.5), pct(&pl[p], 0.99), pulls),
+                (pct(&ps[p], 0.5), pct(&ps[p], 0.99), pushes),
+            )
+        };
+        let refusals = ctx
+            .refusals
+            .lock()
+            .map(|r| r[p].clone())
+            .unwrap_or_default();
+        let egress_train = rate(end_s.training_rx, start.training_rx);
+        let egress_board = rate(end_s.dashboard_rx, start.dashboard_rx);
+        let ingress_train = rate(end_s.training_tx, start.training_tx);
+        let ingress_board = rate(end_s.dashboard_tx, start.dashboard_tx);
+        let per = |x: f64, n: f64| if n > 0.0 { x / n } else { 0.0 };
+        phases.push(Phase {
+            name: PHASES[p],
+            seconds: dt,
+            connected: if p == 2 { peak_conn } else { connected_end },
+            training_sockets: trains,
+            dashboards: boards,
+            rss_end_mib: end_s.rss_mib,
+            rss_peak_mib: peak_rss.max(end_s.rss_mib),
+            rss_per_volunteer_kib: per_vol,
+            server_cpu: (end_s.server_cpu_s - start.server_cpu_s) / dt,
+            generator_cpu: (end_s.self_cpu_s - start.self_cpu_s) / dt,
+            fds_end: end_s.fds,
+            egress_bps: egress_train + egress_board + rate(end_s.http_rx, start.http_rx),
+            egress_per_dashboard_bps: per(egress_board, boards),
+            egress_per_training_bps: per(egress_train, trains),
+            ingress_bps: ingress_train + ingress_board + rate(end_s.http_tx, start.http_tx),
+            ingress_per_dashboard_bps: per(ingress_board, boards),
+            ingress_per_training_bps: per(ingress_train, trains),
+            pull_p50_ms: pull.0,
+            pull_p99_ms: pull.1,
+            pulls: pull.2,
+            push_p50_ms: push.0,
+            push_p99_ms: push.1,
+            pushes: push.2,
+            joins_per_sec: ctx.joins[p].load(Ordering::Relaxed) as f64 / dt,
+            refusals,
+        });
+        start = end_s;
+    }
+    rt.block_on(async {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        for t in tasks {
+            if tokio::time::timeout_at(deadline, t).await.is_err() {
+                ctx.refuse("a volunteer did not finish in time");
+            }
+        }
+    });
+    rt.shutdown_timeout(Duration::from_secs(5));
+    // The context lives on (leaked, one per run: the volunteers borrow it for 'static); its
+    // samples need not.
+    for m in [&ctx.pull_ms, &ctx.push_ms] {
+        if let Ok(mut v) = m.lock() {
+            *v = Default::default();
+        }
+    }
+    // Settle: fds back near the baseline (at most 20 s), then the periodic heap trim's turn.
+    let settle = Instant::now() + Duration::from_secs(20);
+    while fd_count(pid) > base.fds + 2 && Instant::now() < settle {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    std::thread::sleep(super::churn::AFTER_WAIT);
+    let after = Sample::take(pid, ctx);
+    Ok(Crowd {
+        volunteers: n,
+        shards,
+        dashboards,
+        serve_flags: flags,
+        nofile,
+        rss_base_mib: base.rss_mib,
+        fds_base: base.fds,
+        phases,
+        rss_after_mib: after.rss_mib,
+        fds_after: after.fds,
+        joined: ctx.joins.iter().map(|j| j.load(Ordering::Relaxed)).sum(),
+        pulls: ctx.pulls.load(Ordering::Relaxed),
+        pushes: ctx.pushes.load(Ordering::Relaxed),
+    })
+}
+
+impl Crowd {
+    /// The figures as a Markdown table, one column per phase.
+    pub fn table(&self) -> String {
+        let mut out = String::new();
+        let cols = self
+            .phases
+            .iter()
+            .map(|p| p.name)
+            .collect::<Vec<_>>()
+            .join(" | ");
+        out.push_str(&format!(
+            "| figure | {cols} |\n|---|{}\n",
+            "---|".repeat(self.phases.len())
+        ));
+        let row = |out: &mut String, name: &str, f: &dyn Fn(&Phase) -> String| {
+            let v: Vec<String> = self.phases.iter().map(f).collect();
+            out.push_str(&format!("| {name} | {} |\n", v.join(" | ")));
+        };
+        row(&mut out, "seconds", &|p| format!("{:.1}", p.seconds));
+        row(&mut out, "volunteers connected (end; leave: most)", &|p| {
+            p.connected.to_string()
+        });
+        row(
+            &mut out,
+            "training sockets / dashboards open (mean)",
+            &|p| format!("{:.0} / {:.0}", p.training_sockets, p.dashboards),
+        );
+        row(&mut out, "server RSS end / peak", &|p| {
+            format!("{:.0} / {:.0} MiB", p.rss_end_mib, p.rss_peak_mib)
+        });
+        row(&mut out, "RSS per connected volunteer above idle", &|p| {
+            p.rss_per_volunteer_kib
+                .map_or("–".into(), |k| format!("{k:.0} KiB"))
+        });
+        row(&mut out, "server CPU", &|p| {
+            format!("{:.0}%", p.server_cpu * 100.0)
+        });
+        row(&mut out, "generator CPU", &|p| {
+            format!("{:.0}%", p.generator_cpu * 100.0)
+        });
+        row(&mut out, "server fds (end)", &|p| p.fds_end.to_string());
+        row(
+            &mut out,
+            "egress total / per dashboard / per training socket",
+            &|p| {
+                format!(
+                    "{} / {} / {}",
+                    bps(p.egress_bps),
+                    bps(p.egress_per_dashboard_bps),
+                    bps(p.egress_per_training_bps)
+                )
+            },
+        );
+        row(
+            &mut out,
+            "ingress total / per dashboard / per training socket",
+            &|p| {
+                format!(
+                    "{} / {} / {}",
+                    bps(p.ingress_bps),
+                    bps(p.ingress_per_dashboard_bps),
+                    bps(p.ingress_per_training_bps)
+                )
+            },
+        );
+        row(&mut out, "pull round trip p50 / p99 (n)", &|p| {
+            format!(
+                "{:.1} / {:.1} ms ({})",
+                p.pull_p50_ms, p.pull_p99_ms, p.pulls
+            )
+        });
+        row(&mut out, "push to ack p50 / p99 (n)", &|p| {
+            format!(
+                "{:.1} / {:.1} ms ({})",
+                p.push_p50_ms, p.push_p99_ms, p.pushes
+            )
+        });
+        row(&mut out, "joins/s", &|p| format!("{:.1}", p.joins_per_sec));
+        row(&mut out, "refusals", &|p| {
+            if p.refusals.is_empty() {
+                "0".into()
+            } else {
+                p.refusals
+                    .iter()
+                    .map(|(k, v)| format!("{v}× {k}"))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            }
+        });
+        out
+    }
+}
+
+fn bps(b: f64) -> String {
+    if b >= 1e6 {
+        format!("{:.1} MB/s", b / 1e6)
+    } else if b >= 1e3 {
+        format!("{:.1} kB/s", b / 1e3)
+    } else {
+        format!("{b:.0} B/s")
+    }
+}
+
+/// `crowdgrad bench crowd`: runs [`crowd`] and prints its figures.
+///
+/// # Errors
+/// As [`crowd`].
+pub fn cli(args: &CrowdArgs) -> Result<()> {
+    let exe = std::env::current_exe().map_err(|e| Error::io("current exe", e))?;
+    let c = crowd(&exe, args)?;
+    println!(
+        "crowd: {} volunteers × {} shard sockets, {} dashboards, ramp {}/s, round every {} s",
+        c.volunteers, c.shards, c.dashboards, args.ramp_rate, args.round_interval
+    );
+    println!("fd limit (soft): {} → {}", c.nofile.0, c.nofile.1);
+    println!("server flags raised: {}", c.serve_flags.join(" "));
+    println!(
+        "idle server: RSS {:.0} MiB, {} fds; after everyone left: RSS {:.0} MiB, {} fds",
+        c.rss_base_mib, c.fds_base, c.rss_after_mib, c.fds_after
+    );
+    println!(
+        "joined {}, params received {}, pushes acknowledged {}",
+        c.joined, c.pulls, c.pushes
+    );
+    print!("{}", c.table());
+    Ok(())
+}
