@@ -10,7 +10,7 @@
 //! connections, ~400 MiB after each round: its dynamic mmap threshold rises after the first
 //! large free and the per-connection buffers then come from arenas it does not trim), which
 //! is why this test used to start the server with `MALLOC_MMAP_THRESHOLD_` fixed. It no
-//! longer does: RSS, once it has stopped falling after a round, must be within 32 MiB of the
+//! longer does: RSS, once it has stopped falling after a round, must be within 16 MiB of the
 //! baseline. (The candidates side by side: docs/benchmarks.md.)
 //! Latency: the figure (p99 of `/api/status` during the churn, target 100 ms) is printed and
 //! recorded in docs/benchmarks.md; the test only asserts a bound that cannot flake on a busy CI
@@ -19,7 +19,14 @@
 use crate::util::{binary, mnist_dir};
 use crowdgrad::bench::churn::{churn, Churn, ChurnArgs};
 
-const MIB_SLACK: f64 = 32.0;
+/// RSS above the baseline allowed after a round. Since issue 18 (16 KiB socket buffers, large
+/// frames sent in fragments) 1,000 connections cost ~37 MiB at the peak (67 → 104 MiB; it was
+/// ~345 MiB) and RSS after a round measured +4 to +6 MiB, so the slack is 16 MiB and the peak
+/// must show at least [`PEAK_MIB`] (else the "after" check would not tell anything).
+const MIB_SLACK: f64 = 16.0;
+
+/// RSS the connections must cost at the peak, above the baseline.
+const PEAK_MIB: f64 = 24.0;
 
 fn run(rounds: usize, round_seconds: f64) -> Churn {
     let args = ChurnArgs {
@@ -62,7 +69,7 @@ fn run(rounds: usize, round_seconds: f64) -> Churn {
 fn a_thousand_connections_join_and_leave_twice_and_nothing_leaks() {
     let c = run(2, 30.0);
     assert!(
-        c.rss_peak_mib[0] > c.rss_base_mib + 2.0 * MIB_SLACK,
+        c.rss_peak_mib[0] > c.rss_base_mib + PEAK_MIB,
         "the connections cost memory at the peak: {c:?}"
     );
     for after in &c.rss_after_mib {
