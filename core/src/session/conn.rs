@@ -613,10 +613,18 @@ impl ShardSession {
                         .to_string();
                     return self.fail(shard, request_id, ErrorCode::Protocol, m, push, now);
                 }
-                let outcome = shard.with(|s| s.push(worker, base_version, grad, samples, now));
+                if let Some(t) = &tag {
+                    if let Err(m) = shard.check_tag(worker, t) {
+                        return self.fail(shard, request_id, ErrorCode::TooStale, m, push, now);
+                    }
+                }
+                let (outcome, digest) = shard.with(|s| {
+                    let o = s.push(worker, request_id, base_version, grad, samples, now);
+                    (o, s.last_digest())
+                });
                 if let Some(tag) = tag.filter(|t| {
                     matches!(outcome, Outcome::Applied { .. } | Outcome::Buffered { .. })
-                        && shard.sample(worker, t)
+                        && shard.sample(worker, request_id, digest, t)
                 }) {
                     let mut copy = vec![0.0; grad.len()];
                     if grad.copy_into(&mut copy).is_ok() {
@@ -847,7 +855,7 @@ mod tests {
                 fatal: false,
                 ..base(
                     "under drop:0, a push from version 0 of a shard at 1",
-                    Input::Frame(push(9, 0, &[0.5, 0.5])),
+                    Input::Frame(push(9, 0, &[0.5, 0.25])),
                 )
             },
             ErrorCode::UnknownWorker => Row {
@@ -1223,7 +1231,7 @@ mod tests {
         assert_eq!(sent(&mut a), ["params 3 v1", "params 4 v1"]);
         assert_eq!(sh.updates().get(&1), Some(&1), "a partial update of one");
         // A fresh round: b's push completes the aggregate and releases a's pull.
-        a.handle_frame(&mut sh, &wire::encode_push(5, 1, 1, 8, &[1.0]), 3.0);
+        a.handle_frame(&mut sh, &wire::encode_push(5, 1, 1, 8, &[1.5]), 3.0);
         a.handle_frame(&mut sh, &pull(6, 2), 3.0);
         assert!(a.is_waiting());
         b.handle_frame(&mut sh, &wire::encode_push(2, 1, 1, 8, &[3.0]), 3.1);
