@@ -143,6 +143,9 @@ pub struct ShardSession {
     push_encoding: Encoding,
     /// The request id of the last push on this connection (replays are refused).
     last_push: Option<u32>,
+    /// The rounding bound of the last push on this connection ([`wire::Payload::error_bound`]):
+    /// with error feedback the next push carries that residual in.
+    last_bound: f64,
     /// When the last Report this connection took arrived, and its `compute_s`.
     last_report: Option<(f64, f64)>,
 }
@@ -198,6 +201,7 @@ impl ShardSession {
             pull_encoding: Encoding::F32,
             push_encoding: Encoding::F32,
             last_push: None,
+            last_bound: 0.0,
             last_report: None,
         }
     }
@@ -606,6 +610,14 @@ impl ShardSession {
                     return self.fail(shard, request_id, ErrorCode::Replayed, m, push, now);
                 }
                 self.last_push = Some(request_id);
+                // Whatever becomes of this push, the worker's residual moved with it.
+                // (Only a spot-checking shard needs it: bf16's bound is a pass over the values.)
+                let bound = if shard.spot_checks() {
+                    grad.error_bound()
+                } else {
+                    0.0
+                };
+                let carried = std::mem::replace(&mut self.last_bound, bound);
                 // The frame decoded, so its meta, if any, is a valid tag.
                 let tag = wire::push_tag(bytes).ok().flatten();
                 if tag.is_none() && shard.spot_checks() {
@@ -635,6 +647,8 @@ impl ShardSession {
                             samples,
                             tag,
                             pull_encoding: self.pull_encoding,
+                            push_encoding: grad.encoding(),
+                            error_bound: bound + carried,
                             grad: copy,
                         });
                     }

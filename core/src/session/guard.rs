@@ -33,11 +33,12 @@
 //!   when it changes. Local-steps pseudo-gradients are not gradients (their per-step norm is a
 //!   learning rate times an optimizer's step), so drivers give no anchor for them and their
 //!   shards rely on the trusted workers alone.
-//! - **Bootstrap.** Before any worker is trusted (the first [`TRUST_SECONDS`] of a shard
-//!   without an anchor), the reference is the median over the workers on probation, where a
-//!   worker whose every push so far was refused counts with its refused norms (so a flooder
-//!   that came first cannot lock later honest workers out). This window is the one place the
-//!   crowd moves the bound; the anchor closes it where the driver holds data.
+//! - **Bootstrap.** Before any worker is trusted (the first [`TRUST_SECONDS`] of a shard),
+//!   the reference is the median over the workers on probation. Without an anchor, a worker
+//!   whose every push so far was refused counts with its refused norms there (so a flooder
+//!   that came first cannot lock later honest workers out): this window, on a shard without
+//!   an anchor (a `crowdgrad shard` process), is the one place refused pushes move the bound.
+//!   With an anchor they never do (its floor lets honest workers in).
 //! - **Refusals disclose nothing.** An `out_of_bounds` message says the push was an outlier,
 //!   never the reference or the bound ([`ShardState::norm_reference`] gives the driver the
 //!   figure for its own status and logs).
@@ -204,11 +205,13 @@ impl WorkerNorms {
 
     /// Its estimate of the usual norm: its accepted median, or its refused one when locked out
     /// (`lockout` refusals in a row, or nothing accepted yet).
-    fn estimate(&self, lockout: u32) -> Option<f32> {
-        if self.streak >= lockout || self.median.is_none() {
-            self.refused_median.or(self.median)
-        } else {
-            self.median
+    /// `lockout` `None`: its accepted median only.
+    fn estimate(&self, lockout: Option<u32>) -> Option<f32> {
+        match lockout {
+            Some(l) if self.streak >= l || self.median.is_none() => {
+                self.refused_median.or(self.median)
+            }
+            _ => self.median,
         }
     }
 }
@@ -403,21 +406,25 @@ impl ShardState {
     /// is known.
     pub(super) fn reference_norm(&mut self, now: f64) -> Option<f32> {
         // In the scratch `note_*` also use: no allocation per push.
+        let anchor = self.anchor.filter(|&(_, at)| now - at <= ANCHOR_MAX_AGE);
         self.norm_scratch.clear();
         self.norm_scratch.extend(
             self.norms
                 .iter()
                 .filter(|e| now - e.last_at <= NORM_MAX_AGE)
-                .filter_map(|e| e.estimate(LOCKOUT)),
+                .filter_map(|e| e.estimate(Some(LOCKOUT))),
         );
         if self.norm_scratch.is_empty() {
-            // Bootstrap: nobody has earned trust yet; a worker refused every time counts with
-            // its refused norms (lockout 1).
+            // Bootstrap: nobody has earned trust yet. Without an anchor, a worker refused
+            // every time counts with its refused norms (lockout 1: a flooder that came first
+            // cannot lock the others out); with one, refused norms never count (the anchor's
+            // floor lets honest workers in).
+            let lockout = anchor.is_none().then_some(1);
             self.norm_scratch
-                .extend(self.probation.iter().filter_map(|e| e.estimate(1)));
+                .extend(self.probation.iter().filter_map(|e| e.estimate(lockout)));
         }
         let crowd = (!self.norm_scratch.is_empty()).then(|| median_of(&mut self.norm_scratch));
-        match self.anchor.filter(|&(_, at)| now - at <= ANCHOR_MAX_AGE) {
+        match anchor {
             Some((a, _)) => Some(crowd.unwrap_or(a).clamp(a / ANCHOR_SPAN, a * ANCHOR_SPAN)),
             None => crowd,
         }

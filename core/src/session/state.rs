@@ -339,8 +339,9 @@ impl ShardState {
             }
         };
         // The same nonzero gradient twice is a replay, whatever its request id or connection.
+        // (A push from a future version is left to the core, which refuses it as such.)
         let d = if norm > 0.0 { digest(&self.scratch) } else { 0 };
-        if norm > 0.0 && self.seen_digest(worker, d) {
+        if norm > 0.0 && base_version <= self.core.version() && self.seen_digest(worker, d) {
             return Outcome::Rejected {
                 code: ErrorCode::Replayed,
                 message: "this gradient was pushed before".into(),
@@ -464,6 +465,14 @@ pub struct SampledPush {
     /// The encoding this connection's `Params` are sent in: the worker computed on the
     /// parameters as decoded from it.
     pub pull_encoding: Encoding,
+    /// The encoding the push came in.
+    pub push_encoding: Encoding,
+    /// An upper bound on how far the encoding moved this slice from the gradient the worker
+    /// computed (`‖pushed − computed‖₂`): with error feedback, the rounding of this push and
+    /// the residual carried in from the previous push on this connection
+    /// ([`Payload::error_bound`](wire::Payload::error_bound) of both; the worker resets its
+    /// residual when a connection ends). 0 for f32.
+    pub error_bound: f64,
     /// The decoded gradient slice.
     pub grad: Vec<f32>,
 }
@@ -504,7 +513,13 @@ pub trait ShardAccess {
     /// after the push arrived, from its worker, request id and gradient digest
     /// ([`ShardState::last_digest`]) as well as its tag, so a driver can key the choice on a
     /// secret nobody else knows.
-    fn sample(&self, _worker: u64, _request_id: u32, _digest: u64, _tag: &wire::PushTag) -> bool {
+    fn sample(
+        &mut self,
+        _worker: u64,
+        _request_id: u32,
+        _digest: u64,
+        _tag: &wire::PushTag,
+    ) -> bool {
         false
     }
     /// Takes the copy [`ShardAccess::sample`] asked for.
