@@ -143,9 +143,14 @@ pub struct ShardSession {
     push_encoding: Encoding,
     /// The request id of the last push on this connection (replays are refused).
     last_push: Option<u32>,
-    /// The rounding bound of the last push on this connection ([`wire::Payload::error_bound`]):
-    /// with error feedback the next push carries that residual in.
+    /// The rounding bound carried into the next push ([`wire::Payload::error_bound`]): with
+    /// error feedback a push carries the last one's residual in. An accepted push's bound is
+    /// carried whole; a refused one's at most twice the last accepted push's (a worker drops
+    /// the residual of a refused push, and a huge refused push must not buy an attacker a
+    /// wide tolerance for the next one).
     last_bound: f64,
+    /// The rounding bound of the last accepted push on this connection.
+    accepted_bound: f64,
     /// When the last Report this connection took arrived, and its `compute_s`.
     last_report: Option<(f64, f64)>,
 }
@@ -202,6 +207,7 @@ impl ShardSession {
             push_encoding: Encoding::F32,
             last_push: None,
             last_bound: 0.0,
+            accepted_bound: 0.0,
             last_report: None,
         }
     }
@@ -617,7 +623,9 @@ impl ShardSession {
                 } else {
                     0.0
                 };
-                let carried = std::mem::replace(&mut self.last_bound, bound);
+                let carried = self.last_bound;
+                // As if refused, until the outcome says otherwise (below).
+                self.last_bound = bound.min(2.0 * self.accepted_bound);
                 // The frame decoded, so its meta, if any, is a valid tag.
                 let tag = wire::push_tag(bytes).ok().flatten();
                 if tag.is_none() && shard.spot_checks() {
@@ -652,6 +660,10 @@ impl ShardSession {
                             grad: copy,
                         });
                     }
+                }
+                if matches!(outcome, Outcome::Applied { .. } | Outcome::Buffered { .. }) {
+                    self.last_bound = bound;
+                    self.accepted_bound = bound;
                 }
                 let (version, staleness) = match &outcome {
                     Outcome::Applied {
