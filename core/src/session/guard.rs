@@ -4,7 +4,8 @@
 //! move), and the per-worker replay log ([`PushLog`]).
 //!
 //! # The norm reference (issue 21)
-//! A push's per-step norm may be at most [`PushGuard::norm_factor`] times the *reference*. The
+//! A push's per-step norm may be at most [`PushGuard::norm_factor`] times the *reference*
+//! (after [`NORM_WARMUP`] accepted pushes, or from the first push on a shard with an anchor). The
 //! reference was once the median over the last 64 workers of each one's median norm, refused
 //! and zero pushes included; a raw-protocol attacker moved it at will: 40 fresh joins pushing
 //! zeros drove it to 0 (every honest push refused), 40 pushing huge norms lifted it until a
@@ -298,6 +299,13 @@ impl ShardState {
         self.anchor = (norm.is_finite() && norm > 0.0).then_some((norm, now));
     }
 
+    /// Whether a fresh anchor is set: then the bound holds from the first push, with no
+    /// warm-up a crowd could use.
+    pub(super) fn anchored(&self, now: f64) -> bool {
+        self.anchor
+            .is_some_and(|(_, at)| now - at <= ANCHOR_MAX_AGE)
+    }
+
     /// The norm reference now, for the driver's status and logs (refusals never say it).
     pub fn norm_reference(&mut self, now: f64) -> Option<f32> {
         self.reference_norm(now)
@@ -432,11 +440,16 @@ impl ShardState {
 
     /// Whether a push of per-step `norm` passes the bound against `reference`. The message
     /// says it was an outlier and nothing more (module docs, "Refusals disclose nothing").
-    pub(super) fn norm_check(&self, norm: f32, reference: Option<f32>) -> Result<(), String> {
+    pub(super) fn norm_check(
+        &self,
+        norm: f32,
+        reference: Option<f32>,
+        now: f64,
+    ) -> Result<(), String> {
         let g = self.cfg.setup.guard;
         if let (true, true, Some(median)) = (
             g.norm_factor > 0.0,
-            self.accepted >= NORM_WARMUP as u64,
+            self.accepted >= NORM_WARMUP as u64 || self.anchored(now),
             reference,
         ) {
             if norm > g.norm_factor * median {
@@ -678,9 +691,13 @@ mod tests {
     fn issue_21_the_anchor_bounds_the_reference_and_moves_it() {
         let mut b = Bench::new();
         b.sh.set_norm_anchor(1.0, 0.0);
-        // Bootstrap: sybils alone, pushing norm 30 (accepted during the warm-up).
+        // With an anchor the bound holds from the first push: 30 is refused at once.
+        assert!(b
+            .push(199, &[18.0, -24.0], 0.0)
+            .starts_with("out_of_bounds"));
+        // Bootstrap: sybils alone, pushing norm 9 (under 10 x the anchor).
         for i in 0..NORM_WARMUP as u32 {
-            assert_eq!(b.push(200 + u64::from(i), &[18.0, -24.0], 0.0), "ack");
+            assert_eq!(b.push(200 + u64::from(i), &[5.4, -7.2], 0.0), "ack");
         }
         assert_eq!(b.sh.norm_reference(0.0), Some(ANCHOR_SPAN));
         // 10 x 4 = 40: 38.6 passes, 50 does not.

@@ -351,7 +351,9 @@ impl ShardState {
         // neither a fast worker nor a crowd of fresh ones can set "the usual norm". The
         // reference is computed only when the bound or `zeno` will use it.
         let g = self.cfg.setup.guard;
-        let bound_on = g.norm_factor > 0.0 && self.accepted >= NORM_WARMUP as u64;
+        // With the driver's anchor the bound holds from the first push (no warm-up to abuse).
+        let bound_on =
+            g.norm_factor > 0.0 && (self.accepted >= NORM_WARMUP as u64 || self.anchored(now));
         let zeno_on = matches!(
             self.cfg.setup.aggregation,
             crate::robust::Aggregation::Zeno { .. }
@@ -364,7 +366,7 @@ impl ShardState {
         let ratio = reference
             .filter(|&m| zeno_on && m > 0.0)
             .map(|m| f64::from(norm) / f64::from(m));
-        if let Err(message) = self.norm_check(norm, reference) {
+        if let Err(message) = self.norm_check(norm, reference, now) {
             self.note_refused(worker, norm, now);
             return Outcome::Rejected {
                 code: ErrorCode::OutOfBounds,
