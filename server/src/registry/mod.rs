@@ -688,8 +688,10 @@ pub mod admission {
     /// own trust rule, `crowdgrad_core::session`'s guard).
     pub const PROBATION_S: f64 = 30.0;
     /// New identities always admitted, whatever the number of established ones (a run starts
-    /// with none established).
-    pub const FLOOR: usize = 64;
+    /// with none established). 1,024: a classroom or a churn test (1,000 joins within
+    /// seconds, tests/integration/churn.rs) starts at once; sybils beyond it wait for the
+    /// established workers they would have to outnumber.
+    pub const FLOOR: usize = 1024;
     /// Beyond [`FLOOR`], at most this many new identities per established worker.
     pub const PER_ESTABLISHED: usize = 1;
 
