@@ -608,6 +608,13 @@ impl Worker {
                 if slot.in_flight > 0 {
                     slot.in_flight -= 1;
                     self.stats.pushes_rejected += 1;
+                    // The refused push's rounding residual belongs to a gradient the shard
+                    // did not take: it is dropped, not carried into the next push (issue 21:
+                    // a spot-checking shard bounds the residual a push may carry by the last
+                    // accepted push's rounding).
+                    if let Some(f) = self.feedback.get_mut(shard) {
+                        f.reset();
+                    }
                 }
             }
             Message::Bye { bye, .. } => {

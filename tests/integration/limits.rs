@@ -219,7 +219,9 @@ async fn pushes_over_the_rate_are_busy_counted_and_not_applied() {
     let (mut ws, _) = handshake(&running, flood.worker_id, 0).await;
     // 20 pushes at once: the bucket holds 5.
     for i in 0..20u32 {
-        send(&mut ws, wire::encode_push(100 + i, 0, 0, 32, &grad)).await;
+        // Each a little different: the same gradient twice is a replay (issue 21).
+        let g: Vec<f32> = grad.iter().map(|x| x * (1.0 + i as f32 * 1e-3)).collect();
+        send(&mut ws, wire::encode_push(100 + i, 0, 0, 32, &g)).await;
     }
     let (mut acks, mut busy) = (0, 0);
     for _ in 0..20 {

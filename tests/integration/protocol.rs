@@ -444,9 +444,17 @@ async fn too_stale_push_changes_nothing_and_keeps_the_connection() {
     let mut cfg = config();
     cfg.training.staleness =
         crowdgrad_core::shard::StalenessPolicy::parse("drop:1").expect("policy");
-    let g = vec![1e-3f32; SHARD0];
-    let warmup = vec![push(1, 0, 32, &g), push(2, 0, 32, &g)];
-    refused_open(cfg, warmup, push(3, 0, 32, &g), ErrorCode::TooStale, 3).await;
+    // Three different gradients: the same one twice is a replay (issue 21).
+    let g = |v: f32| vec![v; SHARD0];
+    let warmup = vec![push(1, 0, 32, &g(1e-3)), push(2, 0, 32, &g(2e-3))];
+    refused_open(
+        cfg,
+        warmup,
+        push(3, 0, 32, &g(3e-3)),
+        ErrorCode::TooStale,
+        3,
+    )
+    .await;
 }
 
 #[tokio::test]

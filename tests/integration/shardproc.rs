@@ -173,7 +173,9 @@ async fn a_shard_process_rate_limits_pushes() {
     let grad = vec![1e-4f32; len];
     // 20 pushes at once: the bucket holds 5.
     for i in 0..20u32 {
-        let f = wire::encode_push(100 + i, 0, 0, 32, &grad);
+        // Each a little different: the same gradient twice is a replay (issue 21).
+        let g: Vec<f32> = grad.iter().map(|x| x * (1.0 + i as f32 * 1e-3)).collect();
+        let f = wire::encode_push(100 + i, 0, 0, 32, &g);
         ws.send(Message::Binary(f.into())).await.expect("send");
     }
     let (mut acks, mut busy) = (0, 0);

@@ -147,6 +147,14 @@ pub struct ShardSession {
     push_encoding: Encoding,
     /// The request id of the last push on this connection (replays are refused).
     last_push: Option<u32>,
+    /// The rounding bound carried into the next push ([`wire::Payload::error_bound`]): with
+    /// error feedback a push carries the last one's residual in. An accepted push's bound is
+    /// carried whole; a refused one's at most twice the last accepted push's (a worker drops
+    /// the residual of a refused push, and a huge refused push must not buy an attacker a
+    /// wide tolerance for the next one).
+    last_bound: f64,
+    /// The rounding bound of the last accepted push on this connection.
+    accepted_bound: f64,
     /// When the last Report this connection took arrived, and its `compute_s`.
     last_report: Option<(f64, f64)>,
 }
@@ -202,6 +210,8 @@ impl ShardSession {
             pull_encoding: Encoding::F32,
             push_encoding: Encoding::F32,
             last_push: None,
+            last_bound: 0.0,
+            accepted_bound: 0.0,
             last_report: None,
         }
     }
@@ -611,6 +621,16 @@ impl ShardSession {
                     return self.fail(shard, request_id, ErrorCode::Replayed, m, push, now);
                 }
                 self.last_push = Some(request_id);
+                // Whatever becomes of this push, the worker's residual moved with it.
+                // (Only a spot-checking shard needs it: bf16's bound is a pass over the values.)
+                let bound = if shard.spot_checks() {
+                    grad.error_bound()
+                } else {
+                    0.0
+                };
+                let carried = self.last_bound;
+                // As if refused, until the outcome says otherwise (below).
+                self.last_bound = bound.min(2.0 * self.accepted_bound);
                 // The frame decoded, so its meta, if any, is a valid tag.
                 let tag = wire::push_tag(bytes).ok().flatten();
                 if tag.is_none() && shard.spot_checks() {
@@ -618,13 +638,18 @@ impl ShardSession {
                         .to_string();
                     return self.fail(shard, request_id, ErrorCode::Protocol, m, push, now);
                 }
-                let (outcome, nonzero) = shard.with(|s| {
-                    let o = s.push(worker, base_version, grad, samples, now);
-                    (o, s.last_push_nonzero)
+                if let Some(t) = &tag {
+                    if let Err(m) = shard.check_tag(worker, t) {
+                        return self.fail(shard, request_id, ErrorCode::TooStale, m, push, now);
+                    }
+                }
+                let (outcome, digest, nonzero) = shard.with(|s| {
+                    let o = s.push(worker, request_id, base_version, grad, samples, now);
+                    (o, s.last_digest(), s.last_push_nonzero)
                 });
                 if let Some(tag) = tag.filter(|t| {
                     matches!(outcome, Outcome::Applied { .. } | Outcome::Buffered { .. })
-                        && shard.sample(worker, t)
+                        && shard.sample(worker, request_id, digest, t)
                 }) {
                     let mut copy = vec![0.0; grad.len()];
                     if grad.copy_into(&mut copy).is_ok() {
@@ -635,9 +660,15 @@ impl ShardSession {
                             samples,
                             tag,
                             pull_encoding: self.pull_encoding,
+                            push_encoding: grad.encoding(),
+                            error_bound: bound + carried,
                             grad: copy,
                         });
                     }
+                }
+                if matches!(outcome, Outcome::Applied { .. } | Outcome::Buffered { .. }) {
+                    self.last_bound = bound;
+                    self.accepted_bound = bound;
                 }
                 let (version, staleness) = match &outcome {
                     Outcome::Applied {
@@ -894,7 +925,7 @@ mod tests {
                 fatal: false,
                 ..base(
                     "under drop:0, a push from version 0 of a shard at 1",
-                    Input::Frame(push(9, 0, &[0.5, 0.5])),
+                    Input::Frame(push(9, 0, &[0.5, 0.25])),
                 )
             },
             ErrorCode::UnknownWorker => Row {
@@ -1270,7 +1301,7 @@ mod tests {
         assert_eq!(sent(&mut a), ["params 3 v1", "params 4 v1"]);
         assert_eq!(sh.updates().get(&1), Some(&1), "a partial update of one");
         // A fresh round: b's push completes the aggregate and releases a's pull.
-        a.handle_frame(&mut sh, &wire::encode_push(5, 1, 1, 8, &[1.0]), 3.0);
+        a.handle_frame(&mut sh, &wire::encode_push(5, 1, 1, 8, &[1.5]), 3.0);
         a.handle_frame(&mut sh, &pull(6, 2), 3.0);
         assert!(a.is_waiting());
         b.handle_frame(&mut sh, &wire::encode_push(2, 1, 1, 8, &[3.0]), 3.1);

@@ -1,6 +1,58 @@
 //! The push guard: the bounds every push must keep beyond a finite payload of the right length
 //! ([`PushGuard`]), and the checks [`ShardState`] runs on a push's gradient against them (its
-//! magnitude, its sample count, and its per-step norm against the recent workers' median).
+//! magnitude, its sample count, and its per-step norm against a reference no stranger can
+//! move), and the per-worker replay log ([`PushLog`]).
+//!
+//! # The norm reference (issue 21)
+//! A push's per-step norm may be at most [`PushGuard::norm_factor`] times the *reference*
+//! (after [`NORM_WARMUP`] accepted pushes, or from the first push on a shard with an anchor). The
+//! reference was once the median over the last 64 workers of each one's median norm, refused
+//! and zero pushes included; a raw-protocol attacker moved it at will: 40 fresh joins pushing
+//! zeros drove it to 0 (every honest push refused), 40 pushing huge norms lifted it until a
+//! ×1000 gradient passed, and after sub-bound poison had broken the model the honest (now
+//! larger) gradients were refused against the stale reference for ever. The rules now:
+//! - **Trust is earned.** A worker has no say in the reference until it has had
+//!   [`TRUST_PUSHES`] nonzero pushes accepted on this shard over at least [`TRUST_SECONDS`]
+//!   (or the driver vouches for it, [`ShardState::vouch`]: e.g. it passed a spot check).
+//!   Workers on probation are kept apart ([`PROBATION`] of them at most, the least recently
+//!   heard making room), so a crowd of fresh identities neither counts nor evicts the trusted
+//!   ones ([`NORM_WINDOW`] trusted workers are kept).
+//! - **Only accepted, nonzero norms enter it.** A zero push is applied (it is harmless) but
+//!   noted nowhere; a refused or quarantined push is never noted as an accepted norm.
+//! - **It follows the model.** A trusted worker's estimate is the median of its last
+//!   [`NORM_HISTORY`] accepted norms, except when its last [`LOCKOUT`] pushes were all refused
+//!   by the bound: then it is the median of its refused norms. One trusted worker can only move
+//!   its own estimate; when the model changed so much that most trusted workers are refused
+//!   (a repair after poison), the median follows them and their repair goes through. Trusted
+//!   workers not heard from for [`NORM_MAX_AGE`] seconds no longer count.
+//! - **An anchor the crowd cannot move.** A driver that holds training data feeds the shard
+//!   the per-step gradient norm of its own batches at the current parameters
+//!   ([`ShardState::set_norm_anchor`]; the server recomputes it every few seconds, see
+//!   `server/src/coordinator/anchor.rs`). The reference is then clamped to
+//!   `[anchor / ANCHOR_SPAN, anchor × ANCHOR_SPAN]` ([`ANCHOR_SPAN`]): whatever the crowd does,
+//!   the bound stays within a fixed factor of the server's own gradient, and follows the model
+//!   when it changes. Local-steps pseudo-gradients are not gradients (their per-step norm is a
+//!   learning rate times an optimizer's step), so drivers give no anchor for them and their
+//!   shards rely on the trusted workers alone.
+//! - **Bootstrap.** Before any worker is trusted (the first [`TRUST_SECONDS`] of a shard),
+//!   the reference is the median over the workers on probation. Without an anchor, a worker
+//!   whose every push so far was refused counts with its refused norms there (so a flooder
+//!   that came first cannot lock later honest workers out): this window, on a shard without
+//!   an anchor (a `crowdgrad shard` process), is the one place refused pushes move the bound.
+//!   With an anchor they never do (its floor lets honest workers in).
+//! - **Refusals disclose nothing.** An `out_of_bounds` message says the push was an outlier,
+//!   never the reference or the bound ([`ShardState::norm_reference`] gives the driver the
+//!   figure for its own status and logs).
+//!
+//! # Replays (issue 21)
+//! [`PushLog`] keeps, per worker across all its connections to this shard, the request id of
+//! its last push and the digests of its last [`REPLAY_DIGESTS`] accepted gradients. A push
+//! whose request id does not follow the last one (wrapping, [`crate::wire::id_after`]), or
+//! whose decoded gradient equals one accepted recently (a nonzero one: zero pushes are
+//! harmless and honest workers may repeat them), is refused `replayed`. A worker's request ids
+//! rise across reconnects (one [`crate::worker::Worker`] numbers every frame it sends), so
+//! honest workers never meet it. At most [`MAX_PUSHERS`] workers are logged (the least recently
+//! heard is forgotten).
 
 use super::ShardState;
 
@@ -13,12 +65,9 @@ pub struct PushGuard {
     /// accumulator grows by at most `max_abs²` (1e8) per push, far from f32's 3.4e38.
     pub max_abs: f32,
     /// A push's L2 norm per step (norm / (samples / batch), so local rounds of any H compare)
-    /// may be at most this many times the median over the last [`NORM_WINDOW`] workers to push
-    /// of each one's median of its last [`NORM_HISTORY`] norms, refused pushes included (a
-    /// median over workers, not pushes:
-    /// a worker pushing faster than the others still counts once, so it cannot drag the
-    /// reference down and get honest pushes refused, not even honest workers that arrive after
-    /// it); 0 turns it off. Checked once [`NORM_WARMUP`] pushes were accepted.
+    /// may be at most this many times the shard's norm reference (module docs: trusted
+    /// workers' accepted norms, clamped around the driver's anchor); 0 turns it off. Checked
+    /// once [`NORM_WARMUP`] nonzero pushes were accepted.
     pub norm_factor: f32,
     /// Largest sample count a push may claim: batch × the most local steps.
     pub max_samples: u32,
@@ -75,92 +124,388 @@ fn median_of(v: &mut [f32]) -> f32 {
 /// Lanes of [`max_abs_and_square_sum`].
 const GUARD_LANES: usize = 8;
 
-/// Workers whose norms the norm bound's median is taken over (the most recent to push).
+/// Trusted workers whose estimates the norm reference's median is taken over (the most
+/// recent to push).
 pub const NORM_WINDOW: usize = 64;
-/// Each worker's recent norms its own median is taken over.
+/// Each worker's recent accepted norms its own median is taken over.
 pub const NORM_HISTORY: usize = 64;
+/// Refused norms kept per worker (its estimate when it is locked out, module docs).
+pub const REFUSED_HISTORY: usize = 16;
+/// Nonzero pushes accepted before the norm bound applies.
+pub const NORM_WARMUP: usize = 16;
+/// Nonzero pushes a worker must have accepted on a shard before it has a say in the
+/// reference ...
+pub const TRUST_PUSHES: u32 = 16;
+/// ... over at least this many seconds since its first accepted push.
+pub const TRUST_SECONDS: f64 = 10.0;
+/// Workers on probation tracked per shard (the least recently heard makes room).
+pub const PROBATION: usize = 256;
+/// Refusals by the bound in a row after which a trusted worker's estimate is its refused
+/// norms (the model moved away from the reference: module docs, "It follows the model").
+pub const LOCKOUT: u32 = 4;
+/// A trusted worker silent this long (seconds) no longer counts in the reference.
+pub const NORM_MAX_AGE: f64 = 60.0;
+/// The reference stays within this factor of the driver's anchor, both ways.
+pub const ANCHOR_SPAN: f32 = 4.0;
+/// An anchor older than this (seconds on the shard's clock) is not used.
+pub const ANCHOR_MAX_AGE: f64 = 120.0;
+/// Gradient digests kept per worker for the replay check.
+pub const REPLAY_DIGESTS: usize = 64;
+/// Workers whose pushes the replay log keeps.
+pub const MAX_PUSHERS: usize = 4096;
 
-/// One worker's recent per-step norms and their median (for [`PushGuard::norm_factor`]).
+/// One worker's recent per-step norms on one shard, and what it has earned.
 #[derive(Debug, Clone)]
 pub(super) struct WorkerNorms {
     pub(super) worker: u64,
-    /// When it last pushed (the shard's push count then): the stalest makes room.
-    pub(super) seq: u64,
-    /// Its last [`NORM_HISTORY`] norms, a ring.
+    /// When it was last heard from (seconds on the driver's clock).
+    pub(super) last_at: f64,
+    /// When its first push was accepted (for [`TRUST_SECONDS`]).
+    pub(super) since: Option<f64>,
+    /// Nonzero pushes accepted.
+    pub(super) accepted: u32,
+    /// Its last [`NORM_HISTORY`] accepted norms, a ring, and their median.
     pub(super) ring: Vec<f32>,
     pub(super) next: usize,
-    pub(super) median: f32,
+    pub(super) median: Option<f32>,
+    /// Its last [`REFUSED_HISTORY`] norms refused by the bound, a ring, and their median.
+    pub(super) refused: Vec<f32>,
+    pub(super) refused_next: usize,
+    pub(super) refused_median: Option<f32>,
+    /// Pushes refused by the bound since its last accepted one.
+    pub(super) streak: u32,
+    /// The driver vouched for it ([`ShardState::vouch`]).
+    pub(super) vouched: bool,
 }
-/// Accepted pushes before the norm bound applies.
-pub const NORM_WARMUP: usize = 16;
+
+impl WorkerNorms {
+    fn new(worker: u64, now: f64) -> Self {
+        Self {
+            worker,
+            last_at: now,
+            since: None,
+            accepted: 0,
+            ring: Vec::new(),
+            next: 0,
+            median: None,
+            refused: Vec::new(),
+            refused_next: 0,
+            refused_median: None,
+            streak: 0,
+            vouched: false,
+        }
+    }
+
+    /// Whether it has earned a say in the reference at `now`.
+    fn earned(&self, now: f64) -> bool {
+        self.accepted > 0
+            && (self.vouched
+                || (self.accepted >= TRUST_PUSHES
+                    && self.since.is_some_and(|s| now - s >= TRUST_SECONDS)))
+    }
+
+    /// Its estimate of the usual norm: its accepted median, or its refused one when locked out
+    /// (`lockout` refusals in a row, or nothing accepted yet).
+    /// `lockout` `None`: its accepted median only.
+    fn estimate(&self, lockout: Option<u32>) -> Option<f32> {
+        match lockout {
+            Some(l) if self.streak >= l || self.median.is_none() => {
+                self.refused_median.or(self.median)
+            }
+            _ => self.median,
+        }
+    }
+}
+
+/// Pushes `v` into the ring `ring` (capacity `cap`, next slot `next`) and returns its median.
+fn ring_push(
+    ring: &mut Vec<f32>,
+    next: &mut usize,
+    cap: usize,
+    v: f32,
+    scratch: &mut Vec<f32>,
+) -> f32 {
+    if ring.len() < cap {
+        ring.push(v);
+    } else {
+        ring[*next] = v;
+    }
+    *next = (*next + 1) % cap;
+    scratch.clear();
+    scratch.extend_from_slice(ring);
+    median_of(scratch)
+}
+
+/// One worker's replay record on one shard ([`ShardState`]'s replay log).
+#[derive(Debug, Clone, Default)]
+pub(super) struct PushLog {
+    /// Request id of its last push (on any connection).
+    pub(super) last_request: Option<u32>,
+    /// Digests of its last [`REPLAY_DIGESTS`] accepted nonzero gradients, a ring.
+    pub(super) digests: Vec<u64>,
+    pub(super) next: usize,
+    /// When it was last heard (for the bound).
+    pub(super) touched: u64,
+}
+
+/// A 64-bit digest of `values`' bits (four independent multiply-xorshift lanes, combined in a
+/// fixed order): equal gradients have equal digests; an accidental collision between two
+/// honest gradients (probability about 2⁻⁶⁴ per pair) refuses one push, nothing worse.
+pub(super) fn digest(values: &[f32]) -> u64 {
+    const K: [u64; 4] = [
+        0x9E37_79B9_7F4A_7C15,
+        0xC2B2_AE3D_27D4_EB4F,
+        0x1656_67B1_9E37_79F9,
+        0x27D4_EB2F_1656_67C5,
+    ];
+    let mut h = K;
+    let chunks = values.chunks_exact(4);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for i in 0..4 {
+            h[i] = (h[i] ^ u64::from(c[i].to_bits()))
+                .wrapping_mul(K[i])
+                .rotate_left(29);
+        }
+    }
+    for (i, v) in rest.iter().enumerate() {
+        h[i] = (h[i] ^ u64::from(v.to_bits()))
+            .wrapping_mul(K[i])
+            .rotate_left(29);
+    }
+    let mut z = (values.len() as u64).wrapping_mul(K[0]);
+    for x in h {
+        z = (z ^ x).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z ^= z >> 31;
+    }
+    z
+}
 
 impl ShardState {
-    /// Records `worker`'s latest per-step norm for the norm bound's median.
-    pub(super) fn note_norm(&mut self, worker: u64, norm: f32) {
-        self.offered += 1;
-        let seq = self.offered;
-        let i = match self.norms.iter().position(|e| e.worker == worker) {
+    /// The driver vouches for `worker` on this shard (it passed a spot check, or it is an
+    /// established identity): from its next accepted push it has a say in the reference.
+    pub fn vouch(&mut self, worker: u64) {
+        if let Some(e) = self.norms.iter_mut().find(|e| e.worker == worker) {
+            e.vouched = true;
+        } else if let Some(e) = self.probation.iter_mut().find(|e| e.worker == worker) {
+            e.vouched = true;
+        }
+    }
+
+    /// The driver's own per-step gradient norm for this shard's slice at the current
+    /// parameters (module docs, "An anchor"), measured at `now` on the shard's clock. A value
+    /// that is not finite and positive clears it.
+    pub fn set_norm_anchor(&mut self, norm: f32, now: f64) {
+        self.anchor = (norm.is_finite() && norm > 0.0).then_some((norm, now));
+    }
+
+    /// Whether a fresh anchor is set: then the bound holds from the first push, with no
+    /// warm-up a crowd could use.
+    pub(super) fn anchored(&self, now: f64) -> bool {
+        self.anchor
+            .is_some_and(|(_, at)| now - at <= ANCHOR_MAX_AGE)
+    }
+
+    /// The norm reference now, for the driver's status and logs (refusals never say it).
+    pub fn norm_reference(&mut self, now: f64) -> Option<f32> {
+        self.reference_norm(now)
+    }
+
+    /// Workers with a say in the reference now, and workers on probation.
+    pub fn trust_counts(&self, now: f64) -> (usize, usize) {
+        let trusted = self
+            .norms
+            .iter()
+            .filter(|e| now - e.last_at <= NORM_MAX_AGE)
+            .count();
+        (trusted, self.probation.len())
+    }
+
+    /// The entry of `worker` (trusted or on probation), made on probation if new.
+    fn norm_entry(&mut self, worker: u64, now: f64) -> &mut WorkerNorms {
+        if let Some(i) = self.norms.iter().position(|e| e.worker == worker) {
+            return &mut self.norms[i];
+        }
+        let i = match self.probation.iter().position(|e| e.worker == worker) {
             Some(i) => i,
             None => {
-                if self.norms.len() >= NORM_WINDOW {
-                    // The worker heard from least recently makes room.
-                    if let Some(i) = (0..self.norms.len()).min_by_key(|&i| self.norms[i].seq) {
-                        self.norms.swap_remove(i);
+                if self.probation.len() >= PROBATION {
+                    if let Some(i) = (0..self.probation.len()).min_by(|&a, &b| {
+                        self.probation[a]
+                            .last_at
+                            .total_cmp(&self.probation[b].last_at)
+                    }) {
+                        self.probation.swap_remove(i);
                     }
                 }
-                self.norms.push(WorkerNorms {
-                    worker,
-                    seq,
-                    ring: Vec::with_capacity(NORM_HISTORY),
-                    next: 0,
-                    median: norm,
-                });
-                self.norms.len() - 1
+                self.probation.push(WorkerNorms::new(worker, now));
+                self.probation.len() - 1
             }
         };
-        let e = &mut self.norms[i];
-        e.seq = seq;
-        if e.ring.len() < NORM_HISTORY {
-            e.ring.push(norm);
-        } else {
-            e.ring[e.next] = norm;
-        }
-        e.next = (e.next + 1) % NORM_HISTORY;
-        self.norm_scratch.clear();
-        self.norm_scratch.extend_from_slice(&e.ring);
-        e.median = median_of(&mut self.norm_scratch);
+        &mut self.probation[i]
     }
 
-    /// The norm bound ([`PushGuard::norm_factor`]) for a push of per-step norm `norm`.
-    /// The median over the recent workers of each one's median per-step norm (`None` before
-    /// any push).
-    pub(super) fn reference_norm(&mut self) -> Option<f32> {
-        if self.norms.is_empty() {
-            return None;
+    /// Moves `worker` from probation to the trusted window once it has earned it.
+    fn promote(&mut self, worker: u64, now: f64) {
+        let Some(i) = self.probation.iter().position(|e| e.worker == worker) else {
+            return;
+        };
+        if !self.probation[i].earned(now) {
+            return;
         }
-        // In the scratch `note_norm` also uses: no allocation per push.
-        self.norm_scratch.clear();
-        self.norm_scratch
-            .extend(self.norms.iter().map(|e| e.median));
-        Some(median_of(&mut self.norm_scratch))
+        let e = self.probation.swap_remove(i);
+        if self.norms.len() >= NORM_WINDOW {
+            // The trusted worker heard from least recently makes room.
+            if let Some(j) = (0..self.norms.len())
+                .min_by(|&a, &b| self.norms[a].last_at.total_cmp(&self.norms[b].last_at))
+            {
+                self.norms.swap_remove(j);
+            }
+        }
+        self.norms.push(e);
     }
 
-    pub(super) fn norm_check(&self, norm: f32, reference: Option<f32>) -> Result<(), String> {
+    /// `worker`'s push of per-step norm `norm` was accepted at `now` (zero norms are not noted).
+    pub(super) fn note_accepted(&mut self, worker: u64, norm: f32, now: f64) {
+        if norm <= 0.0 {
+            return;
+        }
+        let mut scratch = std::mem::take(&mut self.norm_scratch);
+        let e = self.norm_entry(worker, now);
+        e.last_at = now;
+        e.since.get_or_insert(now);
+        e.accepted = e.accepted.saturating_add(1);
+        if e.streak >= LOCKOUT {
+            // It was locked out and got through on its refused norms: the model moved, and
+            // its accepted history is of the old one. It starts again from the refused norms.
+            e.ring.clone_from(&e.refused);
+            e.next = e.ring.len() % NORM_HISTORY;
+        }
+        e.streak = 0;
+        e.median = Some(ring_push(
+            &mut e.ring,
+            &mut e.next,
+            NORM_HISTORY,
+            norm,
+            &mut scratch,
+        ));
+        self.norm_scratch = scratch;
+        self.promote(worker, now);
+    }
+
+    /// `worker`'s push of per-step norm `norm` was refused by the norm bound at `now`.
+    pub(super) fn note_refused(&mut self, worker: u64, norm: f32, now: f64) {
+        let mut scratch = std::mem::take(&mut self.norm_scratch);
+        let e = self.norm_entry(worker, now);
+        e.last_at = now;
+        e.streak = e.streak.saturating_add(1);
+        e.refused_median = Some(ring_push(
+            &mut e.refused,
+            &mut e.refused_next,
+            REFUSED_HISTORY,
+            norm,
+            &mut scratch,
+        ));
+        self.norm_scratch = scratch;
+    }
+
+    /// The norm reference (module docs): the median of the trusted workers' estimates (in the
+    /// bootstrap, of the workers on probation), clamped around the anchor; `None` when nothing
+    /// is known.
+    pub(super) fn reference_norm(&mut self, now: f64) -> Option<f32> {
+        // In the scratch `note_*` also use: no allocation per push.
+        let anchor = self.anchor.filter(|&(_, at)| now - at <= ANCHOR_MAX_AGE);
+        self.norm_scratch.clear();
+        self.norm_scratch.extend(
+            self.norms
+                .iter()
+                .filter(|e| now - e.last_at <= NORM_MAX_AGE)
+                .filter_map(|e| e.estimate(Some(LOCKOUT))),
+        );
+        if self.norm_scratch.is_empty() {
+            // Bootstrap: nobody has earned trust yet. Without an anchor, a worker refused
+            // every time counts with its refused norms (lockout 1: a flooder that came first
+            // cannot lock the others out); with one, refused norms never count (the anchor's
+            // floor lets honest workers in).
+            let lockout = anchor.is_none().then_some(1);
+            self.norm_scratch
+                .extend(self.probation.iter().filter_map(|e| e.estimate(lockout)));
+        }
+        let crowd = (!self.norm_scratch.is_empty()).then(|| median_of(&mut self.norm_scratch));
+        match anchor {
+            Some((a, _)) => Some(crowd.unwrap_or(a).clamp(a / ANCHOR_SPAN, a * ANCHOR_SPAN)),
+            None => crowd,
+        }
+    }
+
+    /// Whether a push of per-step `norm` passes the bound against `reference`. The message
+    /// says it was an outlier and nothing more (module docs, "Refusals disclose nothing").
+    pub(super) fn norm_check(
+        &self,
+        norm: f32,
+        reference: Option<f32>,
+        now: f64,
+    ) -> Result<(), String> {
         let g = self.cfg.setup.guard;
         if let (true, true, Some(median)) = (
             g.norm_factor > 0.0,
-            self.accepted >= NORM_WARMUP as u64,
+            self.accepted >= NORM_WARMUP as u64 || self.anchored(now),
             reference,
         ) {
-            let bound = g.norm_factor * median;
-            if norm > bound {
-                return Err(format!(
-                    "norm per step {norm:.3e} exceeds {} x the recent median {median:.3e}",
-                    g.norm_factor
-                ));
+            if norm > g.norm_factor * median {
+                return Err(
+                    "the push's norm is an outlier against the recent pushes of this shard".into(),
+                );
             }
         }
         Ok(())
+    }
+
+    /// The replay check of a push from `worker` with `request_id` (module docs, "Replays"):
+    /// refuses a request id that does not follow its last push's, on any connection; records
+    /// it otherwise.
+    pub(super) fn check_request(&mut self, worker: u64, request_id: u32) -> Result<(), String> {
+        self.log_tick += 1;
+        let tick = self.log_tick;
+        if !self.pushers.contains_key(&worker) && self.pushers.len() >= MAX_PUSHERS {
+            if let Some(victim) = self
+                .pushers
+                .iter()
+                .min_by_key(|(_, l)| l.touched)
+                .map(|(w, _)| *w)
+            {
+                self.pushers.remove(&victim);
+            }
+        }
+        let log = self.pushers.entry(worker).or_default();
+        log.touched = tick;
+        if let Some(last) = log.last_request {
+            if !crate::wire::id_after(request_id, last) {
+                return Err(format!(
+                    "push request id {request_id} does not follow this worker's last push {last}"
+                ));
+            }
+        }
+        log.last_request = Some(request_id);
+        Ok(())
+    }
+
+    /// Whether `worker` pushed a gradient of digest `d` recently.
+    pub(super) fn seen_digest(&self, worker: u64, d: u64) -> bool {
+        self.pushers
+            .get(&worker)
+            .is_some_and(|l| l.digests.contains(&d))
+    }
+
+    /// Records an accepted gradient's digest.
+    pub(super) fn note_digest(&mut self, worker: u64, d: u64) {
+        let log: &mut PushLog = self.pushers.entry(worker).or_default();
+        if log.digests.len() < REPLAY_DIGESTS {
+            log.digests.push(d);
+        } else {
+            log.digests[log.next] = d;
+        }
+        log.next = (log.next + 1) % REPLAY_DIGESTS;
     }
 
     /// Checks the validated gradient in scratch against the sample count and magnitude
@@ -191,7 +536,238 @@ mod tests {
     use crate::session::testing::{hello, sent, state};
     use crate::session::ShardSession;
     use crate::shard::Consistency;
-    use crate::wire;
+    use crate::wire::{self, ErrorCode, Message};
+
+    /// `g` scaled by `1 + k·1e-6`: a slightly different gradient per push.
+    fn nudge(g: &[f32], k: u32) -> Vec<f32> {
+        g.iter().map(|x| x * (1.0 + k as f32 * 1e-6)).collect()
+    }
+
+    /// A shard of two values with the run's batch 32, and a push helper that remembers request
+    /// ids per session: `push(sh, session, worker, gradient, now)` gives the reply.
+    struct Bench {
+        sh: ShardState,
+        sessions: std::collections::HashMap<u64, (ShardSession, u32)>,
+        k: u32,
+    }
+
+    impl Bench {
+        fn new() -> Self {
+            let mut sh = state(Consistency::Async, 2);
+            sh.cfg.setup.guard = PushGuard {
+                max_samples: 32,
+                batch: 32,
+                ..PushGuard::default()
+            };
+            Self {
+                sh,
+                sessions: Default::default(),
+                k: 0,
+            }
+        }
+
+        /// `worker` pushes `g` (nudged to be unique) at `now`; returns "ack" or the error code.
+        fn push(&mut self, worker: u64, g: &[f32], now: f64) -> String {
+            self.k += 1;
+            let g = nudge(g, self.k);
+            self.raw(worker, &g, now)
+        }
+
+        /// `worker` pushes exactly `g`, with the next request id of its session.
+        fn raw(&mut self, worker: u64, g: &[f32], now: f64) -> String {
+            let cfg = *self.sh.config();
+            let sh = &mut self.sh;
+            let (s, rid) = self.sessions.entry(worker).or_insert_with(|| {
+                let mut s = ShardSession::new(cfg);
+                s.handle_frame(sh, &hello(1, worker), now);
+                sent(&mut s);
+                (s, 1)
+            });
+            *rid += 1;
+            let v = sh.version();
+            s.handle_frame(sh, &wire::encode_push(*rid, 1, v, 32, g), now);
+            last_reply(s)
+        }
+    }
+
+    /// The last reply of `s`: "ack", or the error code's name (with its message).
+    fn last_reply(s: &mut ShardSession) -> String {
+        let mut out = String::new();
+        while let Some(a) = s.poll_action() {
+            if let crate::session::Action::Send(f) = a {
+                out = match wire::decode(&f, usize::MAX).unwrap() {
+                    Message::Ack { .. } => "ack".into(),
+                    Message::Error { error, .. } => {
+                        format!("{}: {}", error.code.name(), error.message)
+                    }
+                    m => format!("{m:?}"),
+                };
+            }
+        }
+        out
+    }
+
+    /// Three honest workers push norm ~1 gradients for 12 s: they have earned trust.
+    fn trusted_bench() -> Bench {
+        let mut b = Bench::new();
+        for i in 0..24 {
+            for w in 1..=3u64 {
+                let t = f64::from(i) * 0.5;
+                assert_eq!(b.push(w, &[0.6, -0.8], t), "ack", "warm-up");
+            }
+        }
+        assert_eq!(b.sh.trust_counts(12.0).0, 3, "three trusted");
+        b
+    }
+
+    /// Issue 21: 40 fresh sybils pushing zeros, then huge (refused) gradients, neither lower
+    /// nor lift the reference: honest pushes are all accepted, and a ×1000 gradient is still
+    /// refused. Before, zeros drove the median to 0 and refused pushes lifted it.
+    #[test]
+    fn issue_21_sybils_pushing_zeros_or_huge_norms_do_not_move_the_reference() {
+        let mut b = trusted_bench();
+        let before = b.sh.norm_reference(12.0).unwrap();
+        let mut t = 12.0;
+        for round in 0..20 {
+            for sybil in 100..140u64 {
+                let g = if round % 2 == 0 {
+                    [0.0, 0.0]
+                } else {
+                    [600.0, -800.0]
+                };
+                let r = b.push(sybil, &g, t);
+                if round % 2 == 1 {
+                    assert!(r.starts_with("out_of_bounds"), "{r}");
+                }
+            }
+            for w in 1..=3u64 {
+                assert_eq!(b.push(w, &[0.6, -0.8], t), "ack", "honest, round {round}");
+            }
+            t += 0.1;
+        }
+        let after = b.sh.norm_reference(t).unwrap();
+        assert!((after / before - 1.0).abs() < 0.01, "{before} -> {after}");
+        let r = b.push(120, &[600.0, -800.0], t);
+        assert!(r.starts_with("out_of_bounds"), "x1000: {r}");
+        // The refusal names no figure: the reference is not disclosed.
+        assert!(!r.chars().any(|c| c.is_ascii_digit()), "{r}");
+        // Sybils that behave for TRUST_SECONDS earn a say; zeros and refusals never do.
+        assert_eq!(b.sh.trust_counts(t).0, 3);
+    }
+
+    /// Issue 21: after the model changed (poison broke it; honest gradients are now 30x the
+    /// reference), trusted workers refused LOCKOUT times in a row count with their refused
+    /// norms, so the median follows them and the repair goes through. One trusted worker
+    /// alone cannot do that.
+    #[test]
+    fn issue_21_the_reference_follows_the_model_when_most_trusted_workers_are_refused() {
+        let mut b = trusted_bench();
+        let mut t = 13.0;
+        // One trusted worker pushing 30x: refused however often it tries.
+        for _ in 0..3 * LOCKOUT {
+            assert!(b.push(1, &[18.0, -24.0], t).starts_with("out_of_bounds"));
+            assert_eq!(b.push(2, &[0.6, -0.8], t), "ack");
+            assert_eq!(b.push(3, &[0.6, -0.8], t), "ack");
+            t += 0.1;
+        }
+        // All three see the larger gradients: refused LOCKOUT times, then accepted.
+        let mut accepted = 0;
+        for round in 0..LOCKOUT + 2 {
+            for w in 1..=3u64 {
+                if b.push(w, &[18.0, -24.0], t) == "ack" {
+                    accepted += 1;
+                } else {
+                    assert!(round < LOCKOUT, "still refused in round {round}");
+                }
+            }
+            t += 0.1;
+        }
+        assert!(accepted >= 3, "{accepted}");
+    }
+
+    /// Issue 21: with the driver's anchor, the reference stays within ANCHOR_SPAN of it
+    /// whatever the workers do, and moves with it (re-anchoring after the model changed).
+    #[test]
+    fn issue_21_the_anchor_bounds_the_reference_and_moves_it() {
+        let mut b = Bench::new();
+        b.sh.set_norm_anchor(1.0, 0.0);
+        // With an anchor the bound holds from the first push: 30 is refused at once.
+        assert!(b
+            .push(199, &[18.0, -24.0], 0.0)
+            .starts_with("out_of_bounds"));
+        // Bootstrap: sybils alone, pushing norm 9 (under 10 x the anchor).
+        for i in 0..NORM_WARMUP as u32 {
+            assert_eq!(b.push(200 + u64::from(i), &[5.4, -7.2], 0.0), "ack");
+        }
+        assert_eq!(b.sh.norm_reference(0.0), Some(ANCHOR_SPAN));
+        // 10 x 4 = 40: 38.6 passes, 50 does not.
+        assert_eq!(b.push(300, &[23.0, -31.0], 0.0), "ack");
+        assert!(b
+            .push(300, &[30.0, -40.0], 0.0)
+            .starts_with("out_of_bounds"));
+        // The model changed: the server's own gradient is 1000 now, and the floor follows.
+        b.sh.set_norm_anchor(1000.0, 1.0);
+        assert_eq!(b.sh.norm_reference(1.0), Some(1000.0 / ANCHOR_SPAN));
+        assert_eq!(b.push(301, &[1200.0, -1600.0], 1.0), "ack");
+        // Zero or non-finite anchors clear it; a stale one is not used.
+        b.sh.set_norm_anchor(f32::NAN, 2.0);
+        assert_eq!(b.sh.anchor, None);
+        b.sh.set_norm_anchor(1.0, 2.0);
+        let crowd = b.sh.norm_reference(2.0 + ANCHOR_MAX_AGE + 1.0).unwrap();
+        assert!(crowd > ANCHOR_SPAN, "{crowd}");
+    }
+
+    /// Issue 21: a push replayed on a new connection of the same worker, and the same
+    /// gradient under a new request id, are refused `replayed`; a new gradient goes through,
+    /// and so does a zero one twice (harmless, never logged).
+    #[test]
+    fn issue_21_replays_across_connections_and_request_ids_are_refused() {
+        let mut sh = state(Consistency::Async, 2);
+        let mut a = ShardSession::new(*sh.config());
+        a.handle_frame(&mut sh, &hello(1, 7), 0.0);
+        let frame = wire::encode_push(2, 1, 0, 8, &[0.25, -0.5]);
+        a.handle_frame(&mut sh, &frame, 0.0);
+        assert_eq!(last_reply(&mut a), "ack");
+        a.handle_close(&mut sh);
+        // The same frame on a new connection.
+        let mut b = ShardSession::new(*sh.config());
+        b.handle_frame(&mut sh, &hello(1, 7), 0.0);
+        sent(&mut b);
+        b.handle_frame(&mut sh, &frame, 0.0);
+        assert!(
+            last_reply(&mut b).starts_with("replayed"),
+            "same frame, new connection"
+        );
+        // The same gradient with rising request ids, at the current version.
+        for rid in [3, 50, 1 << 20] {
+            let v = sh.version();
+            b.handle_frame(
+                &mut sh,
+                &wire::encode_push(rid, 1, v, 8, &[0.25, -0.5]),
+                0.0,
+            );
+            assert!(last_reply(&mut b).starts_with("replayed"), "request {rid}");
+        }
+        assert_eq!(sh.version(), 1, "applied once");
+        let v = sh.version();
+        b.handle_frame(
+            &mut sh,
+            &wire::encode_push((1 << 20) + 1, 1, v, 8, &[0.5, 0.5]),
+            0.0,
+        );
+        assert_eq!(last_reply(&mut b), "ack");
+        for rid in [(1 << 20) + 2, (1 << 20) + 3] {
+            b.handle_frame(&mut sh, &wire::encode_push(rid, 1, v, 8, &[0.0, 0.0]), 0.0);
+            assert_eq!(last_reply(&mut b), "ack", "zero pushes");
+        }
+        // Another worker's identical gradient is its own.
+        let mut c = ShardSession::new(*sh.config());
+        c.handle_frame(&mut sh, &hello(1, 8), 0.0);
+        sent(&mut c);
+        c.handle_frame(&mut sh, &wire::encode_push(2, 1, v, 8, &[0.25, -0.5]), 0.0);
+        assert_eq!(last_reply(&mut c), "ack");
+        let _ = ErrorCode::Replayed;
+    }
 
     /// The laned guard sums equal a plain running max and f64 sum (to rounding), for every
     /// remainder length; the max is exact.
@@ -225,10 +801,12 @@ mod tests {
         let mut s = ShardSession::new(*sh.config());
         s.handle_frame(&mut sh, &hello(1, 7), 0.0);
         let mut rid = 1;
+        // Each push a little different (the same gradient twice is a replay).
         let mut push = |s: &mut ShardSession, sh: &mut ShardState, g: &[f32], samples: u32| {
             rid += 1;
             let v = sh.version();
-            s.handle_frame(sh, &wire::encode_push(rid, 1, v, samples, g), 0.0);
+            let g = nudge(g, rid);
+            s.handle_frame(sh, &wire::encode_push(rid, 1, v, samples, &g), 0.0);
             rid
         };
         for _ in 0..NORM_WARMUP {
@@ -261,8 +839,9 @@ mod tests {
 
     /// Issue 10 (found by `bench flood`): a worker flooding tiny pushes used to fill the norm
     /// window, so the median dropped and every honest push looked 10x too large. The median is
-    /// over workers now, refused pushes included: the flooder counts once, even when it was
-    /// there first.
+    /// over workers: the flooder counts once, even when it was there first (here, in the
+    /// bootstrap, before anyone earned trust, where a worker refused every time counts with its
+    /// refused norms).
     #[test]
     fn a_flood_of_tiny_pushes_does_not_get_honest_pushes_refused() {
         let mut sh = state(Consistency::Async, 2);
@@ -281,7 +860,7 @@ mod tests {
         let mut push = |s: &mut ShardSession, sh: &mut ShardState, g: &[f32]| {
             rid += 1;
             let v = sh.version();
-            s.handle_frame(sh, &wire::encode_push(rid, 1, v, 32, g), 0.0);
+            s.handle_frame(sh, &wire::encode_push(rid, 1, v, 32, &nudge(g, rid)), 0.0);
         };
         // The flooder comes first and alone: 200 tiny pushes are the whole history.
         for _ in 0..200 {

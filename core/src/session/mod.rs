@@ -52,7 +52,8 @@
 //!
 //! # Layout
 //! - `setup.rs`: [`ShardSetup`], [`ShardConfig`], [`fallbacks`], the `sync:K` round memory bound.
-//! - `guard.rs`: [`PushGuard`] and the checks a push's gradient passes before it is applied.
+//! - `guard.rs`: [`PushGuard`], the checks a push's gradient passes before it is applied (a
+//!   norm reference no stranger can move) and the per-worker replay log.
 //! - `state.rs`: [`ShardState`], [`ShardAccess`], [`Admission`], [`SampledPush`].
 //! - `conn.rs`: [`ShardSession`], [`Action`], [`Record`], [`header_request_id`].
 //!
@@ -69,6 +70,10 @@ mod state;
 mod testing;
 
 pub use conn::{header_request_id, Action, Record, ShardSession, MAX_DEFERRED};
-pub use guard::{PushGuard, NORM_HISTORY, NORM_WARMUP, NORM_WINDOW};
+pub use guard::{
+    PushGuard, ANCHOR_MAX_AGE, ANCHOR_SPAN, LOCKOUT, MAX_PUSHERS, NORM_HISTORY, NORM_MAX_AGE,
+    NORM_WARMUP, NORM_WINDOW, PROBATION, REFUSED_HISTORY, REPLAY_DIGESTS, TRUST_PUSHES,
+    TRUST_SECONDS,
+};
 pub use setup::{fallbacks, ShardConfig, ShardSetup, MAX_ROUND_BYTES};
 pub use state::{Admission, SampledPush, ShardAccess, ShardState};

@@ -2,14 +2,14 @@
 //! connections (who counts for sync and SSP, when a sync aggregate is flushed, when a waiting
 //! pull may be answered), and [`ShardAccess`], how a session reaches it.
 
-use super::guard::WorkerNorms;
+use super::guard::{digest, PushLog, WorkerNorms};
 use super::setup::round_memory;
 use super::{ShardConfig, NORM_WARMUP};
 use crate::codec::Encoding;
 use crate::error::Error;
 use crate::shard::{Consistency, Outcome, ShardCore, SspClock};
 use crate::wire::{self, ErrorCode, Payload};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 /// How often a waiting SSP pull re-checks the clock at the latest, seconds (a worker's
@@ -32,13 +32,23 @@ pub struct ShardState {
     epoch: u64,
     /// The gradient of the push being applied, validated before it reaches `core`.
     pub(super) scratch: Vec<f32>,
-    /// Per worker (the last [`NORM_WINDOW`] to push): its recent per-step norms, refused
-    /// pushes included, and their median (for [`PushGuard::norm_factor`]).
+    /// Trusted workers (at most [`NORM_WINDOW`](super::NORM_WINDOW)): their recent accepted
+    /// and refused per-step norms, for the norm reference (guard.rs module docs).
     pub(super) norms: Vec<WorkerNorms>,
+    /// Workers on probation (at most [`PROBATION`](super::guard::PROBATION)): no say in the
+    /// reference until they have earned it, except in the bootstrap.
+    pub(super) probation: Vec<WorkerNorms>,
+    /// The driver's own per-step gradient norm for this slice and when it was measured.
+    pub(super) anchor: Option<(f32, f64)>,
     /// Scratch for the medians (no allocation per push once grown).
     pub(super) norm_scratch: Vec<f32>,
-    /// Pushes whose norm was noted.
-    pub(super) offered: u64,
+    /// Per worker, across its connections: its last push request id and recent gradient
+    /// digests (the replay check), at most [`MAX_PUSHERS`](super::guard::MAX_PUSHERS).
+    pub(super) pushers: HashMap<u64, PushLog>,
+    pub(super) log_tick: u64,
+    /// The digest of the last push's decoded gradient (0 before any, or for a refused one),
+    /// for the driver's spot-check sampling ([`ShardState::last_digest`]).
+    pub(super) last_digest: u64,
     /// Pushes accepted so far (the norm bound's warm-up).
     pub(super) accepted: u64,
     /// Whether the last push offered had a non-zero gradient (its norm was above 0): what
@@ -92,8 +102,12 @@ impl ShardState {
             updates: BTreeMap::new(),
             epoch: 0,
             norms: Vec::new(),
+            probation: Vec::new(),
+            anchor: None,
             norm_scratch: Vec::new(),
-            offered: 0,
+            pushers: HashMap::new(),
+            log_tick: 0,
+            last_digest: 0,
             accepted: 0,
             last_push_nonzero: false,
         })
@@ -288,51 +302,80 @@ impl ShardState {
         }
     }
 
-    /// Validates `grad` (length, finite) into scratch and applies it (rule 1 included).
+    /// The digest of the last push's decoded gradient: what a driver keys its secret
+    /// spot-check sampling on (it is 0 after a push refused before its gradient was read).
+    pub fn last_digest(&self) -> u64 {
+        self.last_digest
+    }
+
+    /// Validates `grad` (length, finite) into scratch, refuses replays (guard.rs module docs)
+    /// and outliers, and applies it (rule 1 included).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn push(
         &mut self,
         worker: u64,
+        request_id: u32,
         base_version: u64,
         grad: Payload<'_>,
         samples: u32,
         now: f64,
     ) -> Outcome {
+        self.last_digest = 0;
+        if let Err(message) = self.check_request(worker, request_id) {
+            return Outcome::Rejected {
+                code: ErrorCode::Replayed,
+                message,
+            };
+        }
         if let Err(e) = grad.copy_into(&mut self.scratch) {
             return Outcome::Rejected {
                 code: ErrorCode::from(&e),
                 message: e.to_string(),
             };
         }
-        // `zeno`'s norm ratio is taken against the same per-worker reference as the norm
-        // bound, so a worker pushing faster than the others cannot set "the usual norm".
-        let mut ratio = None;
         // Whether the push moves anything: an all-zero push (norm 0) earns no credit in the
         // server's ledger, though the shard accepts it (it is harmless to the model).
         self.last_push_nonzero = false;
-        let checked = self.guard(samples).and_then(|norm| {
-            // The worker's norm counts in the reference whether or not this push passes, so
-            // honest workers that arrive after a flooder are not locked out by its median.
-            // Only when the norm bound or `zeno` will use it (a sort over up to 64 workers).
-            let g = self.cfg.setup.guard;
-            let bound_on = g.norm_factor > 0.0 && self.accepted >= NORM_WARMUP as u64;
-            let zeno_on = matches!(
-                self.cfg.setup.aggregation,
-                crate::robust::Aggregation::Zeno { .. }
-            ) && self.accepted >= crate::robust::ZENO_NORM_WARMUP as u64;
-            let reference = if bound_on || zeno_on {
-                self.reference_norm()
-            } else {
-                None
-            };
-            let verdict = self.norm_check(norm, reference);
-            if let Some(m) = reference.filter(|&m| zeno_on && m > 0.0) {
-                ratio = Some(f64::from(norm) / f64::from(m));
+        let norm = match self.guard(samples) {
+            Ok(n) => n,
+            Err(message) => {
+                return Outcome::Rejected {
+                    code: ErrorCode::OutOfBounds,
+                    message,
+                }
             }
-            self.note_norm(worker, norm);
-            self.last_push_nonzero = norm > 0.0;
-            verdict.map(|()| norm)
-        });
-        if let Err(message) = checked {
+        };
+        self.last_push_nonzero = norm > 0.0;
+        // The same nonzero gradient twice is a replay, whatever its request id or connection.
+        // (A push from a future version is left to the core, which refuses it as such.)
+        let d = if norm > 0.0 { digest(&self.scratch) } else { 0 };
+        if norm > 0.0 && base_version <= self.core.version() && self.seen_digest(worker, d) {
+            return Outcome::Rejected {
+                code: ErrorCode::Replayed,
+                message: "this gradient was pushed before".into(),
+            };
+        }
+        // `zeno`'s norm ratio is taken against the same reference as the norm bound, so
+        // neither a fast worker nor a crowd of fresh ones can set "the usual norm". The
+        // reference is computed only when the bound or `zeno` will use it.
+        let g = self.cfg.setup.guard;
+        // With the driver's anchor the bound holds from the first push (no warm-up to abuse).
+        let bound_on =
+            g.norm_factor > 0.0 && (self.accepted >= NORM_WARMUP as u64 || self.anchored(now));
+        let zeno_on = matches!(
+            self.cfg.setup.aggregation,
+            crate::robust::Aggregation::Zeno { .. }
+        ) && self.accepted >= crate::robust::ZENO_NORM_WARMUP as u64;
+        let reference = if bound_on || zeno_on {
+            self.reference_norm(now)
+        } else {
+            None
+        };
+        let ratio = reference
+            .filter(|&m| zeno_on && m > 0.0)
+            .map(|m| f64::from(norm) / f64::from(m));
+        if let Err(message) = self.norm_check(norm, reference, now) {
+            self.note_refused(worker, norm, now);
             return Outcome::Rejected {
                 code: ErrorCode::OutOfBounds,
                 message,
@@ -348,7 +391,13 @@ impl ShardState {
             .push_judged(worker, base_version, &self.scratch, scale, ratio);
         self.record(&outcome);
         if matches!(outcome, Outcome::Applied { .. } | Outcome::Buffered { .. }) {
-            self.accepted += 1;
+            if norm > 0.0 {
+                // Only accepted, nonzero norms have a say (and count for the warm-up).
+                self.accepted += 1;
+                self.note_accepted(worker, norm, now);
+                self.note_digest(worker, d);
+            }
+            self.last_digest = d;
             self.clock.tick(worker, now);
             self.epoch += 1;
         }
@@ -426,6 +475,14 @@ pub struct SampledPush {
     /// The encoding this connection's `Params` are sent in: the worker computed on the
     /// parameters as decoded from it.
     pub pull_encoding: Encoding,
+    /// The encoding the push came in.
+    pub push_encoding: Encoding,
+    /// An upper bound on how far the encoding moved this slice from the gradient the worker
+    /// computed (`‖pushed − computed‖₂`): with error feedback, the rounding of this push and
+    /// the residual carried in from the previous push on this connection
+    /// ([`Payload::error_bound`](wire::Payload::error_bound) of both; the worker resets its
+    /// residual when a connection ends). 0 for f32.
+    pub error_bound: f64,
     /// The decoded gradient slice.
     pub grad: Vec<f32>,
 }
@@ -451,8 +508,28 @@ pub trait ShardAccess {
     fn spot_checks(&self) -> bool {
         false
     }
-    /// Whether the driver wants a copy of this accepted, tagged push (default: no).
-    fn sample(&self, _worker: u64, _tag: &wire::PushTag) -> bool {
+    /// Before a tagged push is applied: whether the spot checker can check it, that is,
+    /// still holds the parameters of every version its tag names (default: yes). A push it
+    /// cannot check is refused `too_stale`, never applied unchecked, so an old tag is no way
+    /// around the checks; the driver may keep what it needs for the check (the versions'
+    /// parameters) until [`ShardAccess::take_sample`].
+    ///
+    /// # Errors
+    /// Why the push cannot be checked (sent in the `too_stale` error).
+    fn check_tag(&mut self, _worker: u64, _tag: &wire::PushTag) -> Result<(), String> {
+        Ok(())
+    }
+    /// Whether the driver wants a copy of this accepted, tagged push (default: no). Decided
+    /// after the push arrived, from its worker, request id and gradient digest
+    /// ([`ShardState::last_digest`]) as well as its tag, so a driver can key the choice on a
+    /// secret nobody else knows.
+    fn sample(
+        &mut self,
+        _worker: u64,
+        _request_id: u32,
+        _digest: u64,
+        _tag: &wire::PushTag,
+    ) -> bool {
         false
     }
     /// Takes the copy [`ShardAccess::sample`] asked for.
@@ -607,7 +684,8 @@ mod tests {
         sh.set_consistency(Consistency::Ssp { bound: 1 }).unwrap();
         for rid in [4, 5] {
             let v = sh.version();
-            a.handle_frame(&mut sh, &wire::encode_push(rid, 1, v, 8, &[0.5]), 0.4);
+            let g = [0.1 * rid as f32];
+            a.handle_frame(&mut sh, &wire::encode_push(rid, 1, v, 8, &g), 0.4);
         }
         a.handle_frame(&mut sh, &pull(6, 0), 0.4);
         assert!(a.is_waiting(), "two ahead of b with S = 1");

@@ -45,6 +45,41 @@ impl<'a> Payload<'a> {
         self.bytes
     }
 
+    /// An upper bound on `‖c − decoded‖₂` for any vector `c` whose encoding these bytes are:
+    /// how far a lossy encoding's rounding may have moved the values (issue 21: spot checks
+    /// compare a compressed push as what it is, not as an f32 gradient). 0 for f32; for bf16
+    /// (round to nearest, 8 significant bits) `2⁻⁸·(1 + 2⁻⁷)·‖decoded‖`; for int8 blocks, whose
+    /// codes round `c / s` to nearest with `s = max |c| / 127`, `√(Σ_b n_b·(s_b/2)²)` over the
+    /// blocks, plus the f32 rounding of `code·s`. Computed from the scales alone for int8 (one
+    /// pass over `⌈n/B⌉` floats), from the values for bf16.
+    pub fn error_bound(&self) -> f64 {
+        match self.encoding {
+            Encoding::F32 => 0.0,
+            Encoding::Bf16 => {
+                let sq: f64 = self.iter().map(|v| f64::from(v) * f64::from(v)).sum();
+                sq.sqrt() * (1.0 / 256.0) * (1.0 + 1.0 / 128.0)
+            }
+            Encoding::Int8Block { block } => {
+                let block = block.max(1) as usize;
+                let blocks = self.len.div_ceil(block);
+                let mut sq = 0.0f64;
+                for b in 0..blocks {
+                    let at = 4 * b;
+                    let Some(c) = self.bytes.get(at..at + 4) else {
+                        break;
+                    };
+                    let s = f64::from(f32::from_le_bytes([c[0], c[1], c[2], c[3]]).abs());
+                    let n = block.min(self.len - b * block) as f64;
+                    // Half a step, and the product code·s rounded in f32 (127·s·2⁻²⁴), and
+                    // subnormal scales' coarser steps (an absolute 2⁻¹⁴⁹ per value).
+                    let e = 0.5 * s + 127.0 * s * f64::from(f32::EPSILON) + 1e-45;
+                    sq += n * e * e;
+                }
+                sq.sqrt()
+            }
+        }
+    }
+
     /// The values, unchecked (decoded one by one; for tests and tools, not hot paths).
     pub fn iter(&self) -> impl Iterator<Item = f32> + 'a {
         let (enc, n, b) = (self.encoding, self.len, self.bytes);
@@ -296,6 +331,56 @@ mod tests {
     use proptest::prelude::*;
 
     const LIMIT: usize = 1 << 20;
+
+    /// Issue 21: the rounding a lossy push encoding did is within `Payload::error_bound`, for
+    /// sparse and dense blocks and over rounds of error feedback (what the spot checker's
+    /// tolerance is made of); f32's bound is 0.
+    #[test]
+    fn issue_21_error_bound_covers_the_rounding_of_every_encoding() {
+        let mut rng = crate::rng::Rng::new(21);
+        for enc in [Encoding::F32, Encoding::Bf16, Encoding::INT8] {
+            let n = 1000;
+            let mut fb = crate::codec::ErrorFeedback::new(n);
+            for round in 0..20 {
+                // Sparse blocks with outliers, like an MLP's first-layer gradient.
+                let g: Vec<f32> = (0..n)
+                    .map(|i| {
+                        let x = rng.normal() as f32 * 1e-3;
+                        if i % 97 == round {
+                            x * 300.0
+                        } else if i % 3 == 0 {
+                            0.0
+                        } else {
+                            x
+                        }
+                    })
+                    .collect();
+                let corrected: Vec<f32> = g.iter().zip(fb.residual()).map(|(g, r)| g + r).collect();
+                let f = crate::wire::encode_push_as(enc, 2, 0, 0, 8, &g, Some(&mut fb)).unwrap();
+                let Message::Push { grad, .. } = decode(&f, LIMIT).unwrap() else {
+                    panic!("a push")
+                };
+                let mut p = vec![0.0; n];
+                grad.copy_into(&mut p).unwrap();
+                let d: f64 = corrected
+                    .iter()
+                    .zip(&p)
+                    .map(|(c, p)| (f64::from(*c) - f64::from(*p)).powi(2))
+                    .sum::<f64>()
+                    .sqrt();
+                let b = grad.error_bound();
+                assert!(
+                    d <= b * (1.0 + 1e-9) + 1e-30,
+                    "{enc:?} round {round}: {d} > {b}"
+                );
+                if enc == Encoding::F32 {
+                    assert_eq!(b, 0.0);
+                } else {
+                    assert!(b > 0.0);
+                }
+            }
+        }
+    }
 
     #[test]
     fn bad_frames_are_errors() {

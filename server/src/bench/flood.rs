@@ -159,7 +159,7 @@ async fn attack(
                     })
                 };
                 // Zeros, or a fixed pattern of ±1e-3: the norm of a real gradient, no signal.
-                let grad: Vec<f32> = (0..n)
+                let mut grad: Vec<f32> = (0..n)
                     .map(
                         |i| match (zero, (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 63) {
                             (true, _) => 0.0,
@@ -170,6 +170,12 @@ async fn attack(
                     .collect();
                 let mut rid = 2u32;
                 while !stop.load(Ordering::Relaxed) {
+                    // One value flipped per push: the same gradient twice is refused as a
+                    // replay (issue 21), and a flooder would make each push differ.
+                    if !zero && n > 0 {
+                        let i = rid as usize % n;
+                        grad[i] = -grad[i];
+                    }
                     let f = wire::encode_push(rid, s as u32, version, 32, &grad);
                     if tx.send(Message::Binary(f.into())).await.is_err() {
                         break;

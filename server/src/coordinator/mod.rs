@@ -10,8 +10,10 @@
 //! - [`http`]: the router, one file per endpoint group.
 //! - [`remote`]: shards in other processes (`--shard-urls`).
 //! - [`zeno`]: the validation-gradient thread of `--aggregation zeno`.
+//! - [`anchor`]: the norm anchor thread (the server's own per-step gradient norms, issue 21).
 
 pub mod admin;
+pub mod anchor;
 pub mod app;
 pub mod dashboard;
 pub mod http;
@@ -232,6 +234,8 @@ pub async fn run(
     } else {
         None
     };
+    // The norm reference's anchor (crate::coordinator::anchor), before anything is served.
+    let anchor = anchor::start(&spec, &train, shards.clone(), stop_rx.clone())?;
     let defence = defence::spotcheck::Defence {
         reputation: Arc::new(defence::reputation::Reputation::new(cfg.spot.quarantine)),
         spot: None,
@@ -336,6 +340,9 @@ pub async fn run(
     let _ = evaluator.await;
     if let Some(z) = zeno {
         let _ = tokio::task::spawn_blocking(move || z.join()).await;
+    }
+    if let Some(a) = anchor {
+        let _ = tokio::task::spawn_blocking(move || a.join()).await;
     }
     // Every connection is done, so every acknowledged push is in the shards: the final
     // checkpoint holds them all. A failure here is the run's error (exit code 1).

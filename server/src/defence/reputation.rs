@@ -208,6 +208,16 @@ impl Reputation {
         Self::entry(&mut g, worker).identity = Some(identity.to_string());
     }
 
+    /// Spot checks `worker` has passed (0 for a worker with nothing on record): the
+    /// spot checker keeps a worker with fewer than
+    /// [`PROBATION_CHECKS`](crate::defence::spotcheck::PROBATION_CHECKS) on probation.
+    pub fn spot_passed(&self, worker: u64) -> u64 {
+        self.lock()
+            .workers
+            .get(&worker)
+            .map_or(0, |r| r.spot_passed)
+    }
+
     /// Why `worker` is quarantined, if it is.
     pub fn quarantined(&self, worker: u64) -> Option<String> {
         let g = self.lock();

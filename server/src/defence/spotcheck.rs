@@ -7,14 +7,28 @@
 //!   carry a [`PushTag`]: the index of the round's first batch in the worker's batch sequence
 //!   and the shard versions its parameters were read at (docs/protocol.md, "Spot checks"). A
 //!   push without one is refused (`protocol`, fatal).
-//! - Sampling is by a hash of (run seed, worker, first batch) below `F`: deterministic, and the
-//!   same decision on every shard for one round, so the round is recomputed once
-//!   ([`Checker`] keeps the last few recomputed rounds) and each shard's slice is compared.
-//! - The handler that applied a sampled push takes the parameters its tag names from the
+//! - Sampling (issue 21) is decided after the push arrived, by an HMAC-SHA256 under a secret
+//!   only this server holds (32 bytes from the OS, drawn at start, never sent nor derived
+//!   from the run seed) of the push's worker, request id, gradient digest and tag, below `F`
+//!   ([`SpotChecker::sample`]). It was a hash of (run seed, worker, batch): the run seed is in
+//!   every join reply and the batch is the worker's choice, so a poisoner knew which rounds
+//!   were unsampled and poisoned only those (60/60 accepted, accuracy 0.948 → 0.101). Now
+//!   every push is an independent coin nobody can predict, the same round re-tagged included.
+//!   A recomputed round is cached ([`Checker`] keeps the last few), so a round sampled on
+//!   several shards is still recomputed once.
+//! - Probation: a worker that has passed fewer than [`PROBATION_CHECKS`] spot checks is
+//!   sampled at least at [`PROBATION_RATE`]: a new identity is checked often before it is
+//!   checked rarely.
+//! - Before a tagged push is applied, the handler takes the parameters its tag names from the
 //!   shards' histories ([`SpotChecker::record`] keeps the last `--spot-check-history` versions
-//!   of every shard) and hands the push to one checker thread through a bounded queue
-//!   ([`QUEUE`]). A full queue drops the check (counted); a version no longer kept skips it
-//!   (counted). The reactor threads never compute.
+//!   of every shard; [`SpotChecker::capture`]). A push whose tag names a version no longer kept
+//!   (or never published) is refused `too_stale` and not applied: it could not be checked, and
+//!   a push that cannot be checked must not get through (a push tagged 200 versions back used
+//!   to be applied and its check counted as skipped). Honest workers meet this only when their
+//!   staleness exceeds the history (docs/protocol.md, "Spot checks").
+//! - A sampled push goes to one checker thread through a bounded queue ([`QUEUE`]) with the
+//!   parameters captured; a full queue drops the check (counted). The reactor threads never
+//!   compute.
 //! - The checker draws the worker's batches again ([`BatchSampler::skip`] to the tag's batch),
 //!   recomputes the gradient, or with local steps the whole round of `H = samples / batch`
 //!   inner steps from the pulled parameters with a fresh inner optimizer state (a worker
@@ -23,8 +37,11 @@
 //!   a function of the run spec and the versions alone), and compares the
 //!   shard's slice with the pushed one: cosine similarity at least `--spot-check-cosine` and
 //!   the norm ratio within `1 ± --spot-check-norm-tol`. Compressed pushes (bf16, int8 blocks
-//!   with error feedback) are compared as the shard decoded them; the tolerances cover their
-//!   rounding (docs/benchmarks.md, "Spot checks", has the measured figures).
+//!   with error feedback) are compared as what they are ([`within_tolerance`], issue 21): the
+//!   session bounds how far the encoding moved the slice (this push's rounding plus the
+//!   residual carried in from the last one, `SampledPush::error_bound`, from the block scales),
+//!   and the distance to the recomputed slice may exceed the f32 tolerance by that bound. With
+//!   fixed thresholds, honest int8 pushes (cosine 0.969–0.985) were quarantined.
 //! - A failure quarantines the worker ([`crate::defence::reputation`]).
 //!
 //! # Bounds
@@ -65,6 +82,10 @@ pub const DATASETS: usize = 8;
 /// Figures of the most recent checks kept for the status.
 pub const RECENT: usize = 512;
 pub use crate::config::defence::{SpotArgs, SpotConfig, DEFAULT_COSINE, DEFAULT_NORM_TOL};
+/// Spot checks a worker must pass before it is sampled at the run's rate only.
+pub const PROBATION_CHECKS: u64 = 4;
+/// The least sampling rate of a worker on probation.
+pub const PROBATION_RATE: f64 = 0.5;
 
 #[derive(Debug, Default)]
 struct Counters {
@@ -72,6 +93,7 @@ struct Counters {
     passed: AtomicU64,
     failed: AtomicU64,
     skipped_version: AtomicU64,
+    refused_version: AtomicU64,
     skipped_unknown: AtomicU64,
     dropped_queue: AtomicU64,
     dropped_quarantined: AtomicU64,
@@ -118,8 +140,11 @@ pub struct SpotStatus {
     pub passed: u64,
     /// Checks failed.
     pub failed: u64,
-    /// Sampled pushes whose parameters were no longer kept.
+    /// Sampled pushes whose parameters were no longer kept (0 since issue 21: such pushes are
+    /// refused before they are applied, [`SpotStatus::refused_version`]).
     pub skipped_version: u64,
+    /// Pushes refused `too_stale` because their tag named versions the checker no longer held.
+    pub refused_version: u64,
     /// Sampled pushes of workers the registry forgot.
     pub skipped_unknown: u64,
     /// Sampled pushes dropped because the queue was full.
@@ -142,7 +167,8 @@ type History = VecDeque<(u64, Arc<Vec<f32>>)>;
 /// checker thread. Shared by every shard of the server (`Arc`).
 pub struct SpotChecker {
     cfg: SpotConfig,
-    key: u64,
+    /// The sampling secret: never leaves this process (module docs, "Sampling").
+    key: [u8; 32],
     histories: Vec<Mutex<History>>,
     tx: SyncSender<Job>,
     shared: Arc<Shared>,
@@ -154,13 +180,6 @@ impl std::fmt::Debug for SpotChecker {
             .field("cfg", &self.cfg)
             .finish()
     }
-}
-
-fn mix(mut z: u64) -> u64 {
-    // splitmix64's finaliser.
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 /// The worker's batch seed (as `crowdgrad_core::worker::Worker` draws it).
@@ -213,7 +232,8 @@ impl SpotChecker {
             .collect();
         Ok(Arc::new(Self {
             cfg,
-            key: mix(spec.seed ^ 0x5EED_C4EC_0000_0001),
+            key: crate::support::credential::run_secret()
+                .map_err(|e| Error::io("drawing the spot-check secret", e))?,
             histories,
             tx,
             shared,
@@ -238,53 +258,81 @@ impl SpotChecker {
         }
     }
 
-    /// Whether the round of `worker` starting at `tag.batch` is checked (on every shard).
-    pub fn sample(&self, worker: u64, tag: &PushTag) -> bool {
-        if self.cfg.fraction <= 0.0 {
+    // --- Sampling, versions (issue 21). The recomputation is below, in `Checker`. ---
+
+    /// Whether this push is checked: an HMAC under the server's secret of its worker,
+    /// request id, gradient digest and tag, below the run's fraction (at least
+    /// [`PROBATION_RATE`] for a worker on probation). Decided once the push arrived; nothing
+    /// public predicts it.
+    pub fn sample(&self, worker: u64, request_id: u32, digest: u64, tag: &PushTag) -> bool {
+        let mut rate = self.cfg.fraction;
+        if rate <= 0.0 {
             return false;
         }
-        if self.cfg.fraction >= 1.0 {
+        if rate < PROBATION_RATE && self.shared.reputation.spot_passed(worker) < PROBATION_CHECKS {
+            rate = PROBATION_RATE;
+        }
+        if rate >= 1.0 {
             return true;
         }
-        let h = mix(self.key ^ mix(worker) ^ tag.batch.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        ((h >> 11) as f64 / (1u64 << 53) as f64) < self.cfg.fraction
+        use hmac::{Hmac, Mac};
+        type HmacSha256 = Hmac<sha2::Sha256>;
+        // HMAC takes keys of any length: `new_from_slice` does not fail for 32 bytes.
+        let Ok(mut m) = <HmacSha256 as Mac>::new_from_slice(&self.key) else {
+            return true;
+        };
+        m.update(b"crowdgrad spot check ");
+        m.update(&worker.to_le_bytes());
+        m.update(&request_id.to_le_bytes());
+        m.update(&digest.to_le_bytes());
+        m.update(&tag.batch.to_le_bytes());
+        for v in &tag.versions {
+            m.update(&v.to_le_bytes());
+        }
+        let out = m.finalize().into_bytes();
+        let mut h = [0u8; 8];
+        h.copy_from_slice(&out[..8]);
+        ((u64::from_le_bytes(h) >> 11) as f64 / (1u64 << 53) as f64) < rate
     }
 
-    /// A sampled push: takes the parameters its tag names and queues the check.
-    pub fn submit(&self, push: SampledPush) {
-        let c = &self.shared.counters;
-        c.sampled.fetch_add(1, Ordering::Relaxed);
-        if push.tag.versions.len() != self.histories.len() {
-            // Not what a worker of this run sends: the checker says so.
-            return self.enqueue(Job {
-                push,
-                params: Vec::new(),
-            });
+    /// The parameters of every version `tag` names, taken before its push is applied.
+    ///
+    /// # Errors
+    /// When the tag does not list one version per shard, or names a version this checker no
+    /// longer holds (older than its `--spot-check-history`) or never saw: the push cannot be
+    /// checked, and is refused `too_stale` (the message says which).
+    pub fn capture(&self, tag: &PushTag) -> std::result::Result<Vec<Arc<Vec<f32>>>, String> {
+        if tag.versions.len() != self.histories.len() {
+            return Err(format!(
+                "its tag lists {} shard versions for {} shards",
+                tag.versions.len(),
+                self.histories.len()
+            ));
         }
         let mut params = Vec::with_capacity(self.histories.len());
-        for (h, &v) in self.histories.iter().zip(&push.tag.versions) {
+        for (shard, (h, &v)) in self.histories.iter().zip(&tag.versions).enumerate() {
             let h = h.lock().unwrap_or_else(|p| p.into_inner());
-            let newest = h.back().map_or(0, |(v, _)| *v);
-            if v > newest {
-                // A version no shard has published: the tag is false.
-                drop(h);
-                return self.enqueue(Job {
-                    push,
-                    params: Vec::new(),
-                });
-            }
             match h.iter().find(|(hv, _)| *hv == v) {
                 Some((_, p)) => params.push(p.clone()),
                 None => {
-                    c.skipped_version.fetch_add(1, Ordering::Relaxed);
-                    drop(h);
+                    let oldest = h.front().map_or(0, |(v, _)| *v);
                     self.shared
-                        .reputation
-                        .checked(push.worker, CheckResult::Skipped);
-                    return;
+                        .counters
+                        .refused_version
+                        .fetch_add(1, Ordering::Relaxed);
+                    return Err(format!(
+                        "it was computed from version {v} of shard {shard}; the spot checker \
+                         holds versions {oldest} and later only: pull again"
+                    ));
                 }
             }
         }
+        Ok(params)
+    }
+
+    /// A sampled push with the parameters [`SpotChecker::capture`] took: queues the check.
+    pub fn submit(&self, push: SampledPush, params: Vec<Arc<Vec<f32>>>) {
+        self.shared.counters.sampled.fetch_add(1, Ordering::Relaxed);
         self.enqueue(Job { push, params });
     }
 
@@ -315,6 +363,7 @@ impl SpotChecker {
             passed: get(&c.passed),
             failed: get(&c.failed),
             skipped_version: get(&c.skipped_version),
+            refused_version: get(&c.refused_version),
             skipped_unknown: get(&c.skipped_unknown),
             dropped_queue: get(&c.dropped_queue),
             dropped_quarantined: get(&c.dropped_quarantined),
@@ -386,6 +435,7 @@ impl prometheus_client::collector::Collector for DefenceScrape {
                 ("passed", s.passed),
                 ("failed", s.failed),
                 ("skipped_version", s.skipped_version),
+                ("refused_version", s.refused_version),
                 ("skipped_unknown", s.skipped_unknown),
                 ("dropped_queue", s.dropped_queue),
                 ("dropped_quarantined", s.dropped_quarantined),
@@ -605,9 +655,7 @@ impl Checker {
         let expected = &self.cache[index].expected[range.start..range.end];
         let f = compare(expected, &p.grad);
         let steps = steps as u32;
-        let cos_ok = f.cosine >= self.cfg.cosine;
-        let norm_ok = (f.norm_ratio - 1.0).abs() <= self.cfg.norm_tol;
-        if cos_ok && norm_ok {
+        if within_tolerance(&self.cfg, f, expected, &p.grad, p.error_bound) {
             Verdict::Pass(f, steps)
         } else {
             Verdict::Fail(
@@ -683,6 +731,41 @@ impl Checker {
         }
         Some(grad)
     }
+}
+
+// --- Tolerance (issue 21). ---
+
+/// Whether a push passes its check: the f32 tolerances (cosine at least `cfg.cosine`, norm
+/// ratio within `1 ± cfg.norm_tol`), or, for a lossy encoding whose rounding moved the slice
+/// by at most `bound` (`SampledPush::error_bound`), the same tolerances widened by exactly
+/// that: `‖pushed − expected‖ ≤ √(2(1 − cosine))·‖expected‖ + bound` (the distance the cosine
+/// threshold allows at equal norms, plus the encoding's) and
+/// `|‖pushed‖ − ‖expected‖| ≤ norm_tol·‖expected‖ + bound`. A sign flip or a scaled gradient
+/// is as far off as before (the bound is a few percent of the norm); an honest int8 push with
+/// error feedback is compared as what it is.
+pub fn within_tolerance(
+    cfg: &SpotConfig,
+    f: CheckFigures,
+    expected: &[f32],
+    pushed: &[f32],
+    bound: f64,
+) -> bool {
+    if f.cosine >= cfg.cosine && (f.norm_ratio - 1.0).abs() <= cfg.norm_tol {
+        return true;
+    }
+    if !(bound > 0.0 && bound.is_finite()) {
+        return false;
+    }
+    let (mut dd, mut ee, mut pp) = (0.0f64, 0.0f64, 0.0f64);
+    for (&e, &p) in expected.iter().zip(pushed) {
+        let (e, p) = (f64::from(e), f64::from(p));
+        dd += (p - e) * (p - e);
+        ee += e * e;
+        pp += p * p;
+    }
+    let (d, ne, np) = (dd.sqrt(), ee.sqrt(), pp.sqrt());
+    let delta = (2.0 * (1.0 - cfg.cosine).max(0.0)).sqrt();
+    d <= delta * ne + bound && (np - ne).abs() <= cfg.norm_tol * ne + bound
 }
 
 /// Cosine similarity and norm ratio of `pushed` to `expected` (in f64). Two zero vectors

@@ -506,6 +506,32 @@ impl Registry {
         Some((id, part))
     }
 
+    /// Workers on probation and established ones, for the join admission bound (issue 21,
+    /// [`admission::admits`]): on probation, a worker that joined less than
+    /// [`PROBATION_S`](admission::PROBATION_S) ago or has no push applied yet and was seen in
+    /// that time; established, one that joined earlier, has had pushes applied and is
+    /// connected or was seen in the last 10 minutes. One pass over the registered workers.
+    pub fn probation_counts(&self) -> (usize, usize) {
+        let g = self.lock();
+        let now = Instant::now();
+        let age =
+            |t: Option<Instant>| t.map_or(f64::INFINITY, |t| now.duration_since(t).as_secs_f64());
+        let (mut new, mut established) = (0, 0);
+        for w in g.workers.values() {
+            let young = age(w.joined) < admission::PROBATION_S;
+            if young
+                || (w.counters.pushes_applied == 0 && age(w.last_seen) < admission::PROBATION_S)
+            {
+                new += 1;
+            } else if w.counters.pushes_applied > 0
+                && (w.shards_connected > 0 || age(w.last_seen) < FORGET_AFTER_S)
+            {
+                established += 1;
+            }
+        }
+        (new, established)
+    }
+
     /// True when `id` was handed out and not forgotten.
     pub fn knows(&self, id: u64) -> bool {
         self.lock().workers.contains_key(&id)
@@ -848,6 +874,28 @@ fn present(w: &WorkerRecord, now: Instant) -> WorkerRecord {
         .joined
         .map_or(0.0, |t| now.duration_since(t).as_secs_f64());
     w
+}
+
+/// The join admission bound (issue 21): how many identities may be on probation at once.
+pub mod admission {
+    /// A worker joined less than this many seconds ago is on probation (besides the shards'
+    /// own trust rule, `crowdgrad_core::session`'s guard).
+    pub const PROBATION_S: f64 = 30.0;
+    /// New identities always admitted, whatever the number of established ones (a run starts
+    /// with none established). 1,024: a classroom or a churn test (1,000 joins within
+    /// seconds, tests/integration/churn.rs) starts at once; sybils beyond it wait for the
+    /// established workers they would have to outnumber.
+    pub const FLOOR: usize = 1024;
+    /// Beyond [`FLOOR`], at most this many new identities per established worker.
+    pub const PER_ESTABLISHED: usize = 1;
+
+    /// Whether one more worker may join with `new` on probation and `established` workers:
+    /// `new < max(FLOOR, PER_ESTABLISHED × established)`. A crowd of fresh identities can
+    /// never outnumber the established workers by more than the floor, so sybils must earn
+    /// their standing over time, not by joining fast.
+    pub fn admits(new: usize, established: usize) -> bool {
+        new < FLOOR.max(PER_ESTABLISHED.saturating_mul(established))
+    }
 }
 
 #[cfg(test)]

@@ -278,6 +278,23 @@ impl Shard {
         self.state().set_reference(slice);
     }
 
+    /// The server's own per-step gradient norm for this shard's slice at the current
+    /// parameters ([`ShardState::set_norm_anchor`], kept fresh by
+    /// [`crate::coordinator::anchor`]).
+    pub fn set_norm_anchor(&self, norm: f32) {
+        let now = self.now();
+        self.state().set_norm_anchor(norm, now);
+    }
+
+    /// The norm reference now, and the workers with a say in it and on probation
+    /// ([`ShardState::norm_reference`]): for the server's own status, never for a refusal.
+    pub fn norm_reference(&self) -> (Option<f32>, usize, usize) {
+        let now = self.now();
+        let mut st = self.state();
+        let (trusted, probation) = st.trust_counts(now);
+        (st.norm_reference(now), trusted, probation)
+    }
+
     /// Reputation and spot checks, once set.
     pub fn defence(&self) -> Option<&crate::defence::spotcheck::Defence> {
         self.inner.defence.get()
@@ -320,6 +337,7 @@ impl Shard {
         Access {
             shard: self,
             registry,
+            held: None,
         }
     }
 }
@@ -328,6 +346,9 @@ impl Shard {
 pub struct Access<'a> {
     shard: &'a Shard,
     registry: &'a Registry,
+    /// The parameters a push's tag names, taken before it is applied and held until its spot
+    /// check is queued or declined (one push at a time).
+    held: Option<Vec<Arc<Vec<f32>>>>,
 }
 
 impl ShardAccess for Access<'_> {
@@ -392,16 +413,43 @@ impl ShardAccess for Access<'_> {
         self.shard.defence().is_some_and(|d| d.spot.is_some())
     }
 
-    fn sample(&self, worker: u64, tag: &crowdgrad_core::wire::PushTag) -> bool {
-        self.shard
+    fn check_tag(
+        &mut self,
+        _worker: u64,
+        tag: &crowdgrad_core::wire::PushTag,
+    ) -> std::result::Result<(), String> {
+        self.held = None;
+        if let Some(s) = self.shard.defence().and_then(|d| d.spot.as_ref()) {
+            self.held = Some(s.capture(tag)?);
+        }
+        Ok(())
+    }
+
+    fn sample(
+        &mut self,
+        worker: u64,
+        request_id: u32,
+        digest: u64,
+        tag: &crowdgrad_core::wire::PushTag,
+    ) -> bool {
+        let yes = self
+            .shard
             .defence()
             .and_then(|d| d.spot.as_ref())
-            .is_some_and(|s| s.sample(worker, tag))
+            .is_some_and(|s| s.sample(worker, request_id, digest, tag));
+        if !yes {
+            // Not checked: the versions' parameters are not kept past this push.
+            self.held = None;
+        }
+        yes
     }
 
     fn take_sample(&mut self, push: crowdgrad_core::session::SampledPush) {
-        if let Some(s) = self.shard.defence().and_then(|d| d.spot.as_ref()) {
-            s.submit(push);
+        if let (Some(s), Some(params)) = (
+            self.shard.defence().and_then(|d| d.spot.as_ref()),
+            self.held.take(),
+        ) {
+            s.submit(push, params);
         }
     }
 }

@@ -121,6 +121,15 @@ async fn join(
             return error(StatusCode::BAD_REQUEST, format!("bad join request: {e}"));
         }
     }
+    // Issue 21: new identities on probation are bounded by the established ones
+    // (crate::registry::admission; docs/protocol.md, "Join").
+    let (new, established) = app.registry.probation_counts();
+    if !crate::registry::admission::admits(new, established) {
+        return limited(
+            Duration::from_secs(5),
+            "too many new workers at once for this run's established ones; retry later",
+        );
+    }
     let name: Option<String> = req
         .name
         .map(|n| n.chars().filter(|c| !c.is_control()).take(64).collect());
