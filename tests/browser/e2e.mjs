@@ -613,7 +613,8 @@ async function gptTab() {
   }
   const port = await freePort();
   const base = `http://127.0.0.1:${port}`;
-  const server = await startServer(port, 'gpt', ['--model', E2E_GPT, '--dataset', 'sentences', '--eval-every', '2'],
+  const server = await startServer(port, 'gpt', ['--model', E2E_GPT, '--dataset', 'sentences', '--eval-every', '2',
+    '--optimizer', 'adamw', '--lr', '0.003', '--clip-norm', '1'],
     { dataDir: SENTENCES });
   const dir = tmpDir('crowdgrad-gpt-');
   let browser = null;
