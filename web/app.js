@@ -636,7 +636,10 @@ function renderStatus(st) {
   setTask(st.task);
   const ev = st.eval;
   $('kpi-accuracy').textContent = ev ? pct(ev.accuracy) : '–';
-  $('kpi-loss').textContent = ev ? (language ? fixed(ev.bits_per_token, 3) : fixed(ev.loss, 4)) : '–';
+  // A language model's perplexity is 2^(bits per token): how many tokens it is as unsure as.
+  $('kpi-loss').textContent = ev
+    ? (language ? `${fixed(ev.bits_per_token, 3)} (perplexity ${fixed(2 ** ev.bits_per_token, 1)})` : fixed(ev.loss, 4))
+    : '–';
   const t = st.totals || {};
   $('kpi-rate').textContent = num(t.samples_per_sec);
   $('kpi-workers').textContent = num(st.workers_connected);
