@@ -2,7 +2,7 @@
 //! handed to every viewer as the same bytes, so a viewer costs a reference-counted clone and
 //! a socket write, whatever the number of viewers or workers.
 //!
-//! Every [`TICK`] the [`task`] builds a [`Tick`]: the `tick` event (counters, shard versions,
+//! Every [`TICK`] the coordinator's dashboard task builds a [`Tick`]: the `tick` event (counters, shard versions,
 //! the newest evaluation and only the evaluation points added since the previous tick: no
 //! history, no worker list, no leaderboard) as plain SSE bytes and as one raw-deflate segment
 //! ending in a full flush. A full flush empties the compressor's window, so the segment does
@@ -22,7 +22,7 @@
 //! [`crate::registry::Registry::summary`] (per-kind worker counts kept as the workers come and
 //! go, not counted by walking them) and the shards' own counters.
 
-use super::app::{App, EvalPoint};
+use super::evals::EvalPoint;
 use bytes::Bytes;
 use flate2::{Compress, Compression, FlushCompress};
 use std::sync::{Arc, OnceLock};
@@ -150,33 +150,32 @@ impl Dashboard {
     }
 }
 
-/// Builds a tick every [`TICK`] until shutdown (the first at once).
-pub async fn task(app: Arc<App>) {
-    let mut shutdown = app.shutdown.clone();
-    let mut every = tokio::time::interval(TICK);
-    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-    let mut seq = 0u64;
-    let mut last_eval = f64::NEG_INFINITY;
-    loop {
-        tokio::select! {
-            _ = shutdown.changed() => return,
-            _ = every.tick() => {}
-        }
-        seq += 1;
-        let (body, newest) = app.tick_body(seq, last_eval);
-        last_eval = newest;
-        let tick_json = serde_json::to_string(&body).unwrap_or_default();
-        let tick = Tick {
+impl Tick {
+    /// Tick number `seq` with its `tick` event's JSON, and what its `run` event is built from
+    /// when a viewer first needs it: the run's description and the kept evaluation history.
+    pub fn new(
+        seq: u64,
+        tick_json: String,
+        description: serde_json::Value,
+        history: Vec<EvalPoint>,
+    ) -> Self {
+        Self {
             seq,
             tick: Encoded::new("tick", &tick_json),
             source: RunSource {
-                description: app.run_description(),
-                history: app.evals.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+                description,
+                history,
                 tick_json,
             },
             run: OnceLock::new(),
-        };
-        app.dashboard.tx.send_replace(Arc::new(tick));
+        }
+    }
+}
+
+impl Dashboard {
+    /// Makes `tick` the newest for every viewer (a viewer that missed one gets a `run` event).
+    pub fn publish(&self, tick: Tick) {
+        self.tx.send_replace(Arc::new(tick));
     }
 }
 

@@ -16,6 +16,7 @@ pub mod admin;
 pub mod anchor;
 pub mod app;
 pub mod dashboard;
+pub mod evals;
 pub mod http;
 pub mod parts;
 pub mod remote;
@@ -302,7 +303,7 @@ pub async fn run(
     let stop_tx = Arc::new(stop_tx);
     let stopper = stop_tx.clone();
     let evaluator = tokio::spawn(app::evaluator(app.clone()));
-    tokio::spawn(dashboard::task(app.clone()));
+    tokio::spawn(dashboard_task(app.clone()));
     tokio::spawn(trim::task(app.limits.clone(), app.shutdown.clone()));
     let checkpointer = checkpoints.clone().map(|ck| {
         tokio::spawn(checkpoint::task(
@@ -453,4 +454,31 @@ pub async fn start(addr: SocketAddr, cfg: ServeConfig, data: TrainTest) -> Resul
         stop: Some(stop),
         task,
     })
+}
+
+/// Builds a dashboard tick every [`dashboard::TICK`] until shutdown (the first at once) and
+/// hands it to every viewer ([`dashboard::Dashboard::publish`]).
+async fn dashboard_task(app: Arc<App>) {
+    let mut shutdown = app.shutdown.clone();
+    let mut every = tokio::time::interval(dashboard::TICK);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut seq = 0u64;
+    let mut last_eval = f64::NEG_INFINITY;
+    loop {
+        tokio::select! {
+            _ = shutdown.changed() => return,
+            _ = every.tick() => {}
+        }
+        seq += 1;
+        let (body, newest) = app.tick_body(seq, last_eval);
+        last_eval = newest;
+        let tick_json = serde_json::to_string(&body).unwrap_or_default();
+        let history = app.evals.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        app.dashboard.publish(dashboard::Tick::new(
+            seq,
+            tick_json,
+            app.run_description(),
+            history,
+        ));
+    }
 }
