@@ -446,7 +446,13 @@ async fn round(
         }
         _ => return Err(Error::WebSocket(frame_reason(&reply))),
     }
-    let grad = ctx.grad(link.len);
+    // The shared pattern with its first value set from the request id: the shard refuses the
+    // same gradient twice (a replay, issue 21), and 199 distinct values stay distinct after
+    // int8-block or bf16 rounding (steps of 1e-6 at a block maximum of ~1e-4).
+    let mut grad = (*ctx.grad(link.len)).clone();
+    if let Some(g0) = grad.first_mut() {
+        *g0 = ((rid % 199) as f32 - 99.0) * 1e-6;
+    }
     let push = wire::encode_push_as(link.push, rid, link.shard, link.version, 32, &grad, None)
         .map_err(Error::Core)?;
     let t = Instant::now();

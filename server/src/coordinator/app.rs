@@ -62,8 +62,8 @@ pub const SAMPLE_TEMPERATURE: f32 = 0.8;
 pub const SAMPLE_EVERY_S: f64 = 5.0;
 /// The prompt samples start from.
 pub const SAMPLE_PROMPT: &str = "The ";
-/// An evaluation takes at most this share of the evaluator's time: the next one waits at
-/// least `duration / EVAL_SHARE` (a language model's evaluation is not cheap).
+/// A language model's evaluation takes at most this share of the evaluator's time: the next
+/// one waits at least `duration / EVAL_SHARE` (its evaluation is not cheap).
 pub const EVAL_SHARE: f64 = 0.25;
 
 /// Most evaluation points kept (older ones are thinned out).
@@ -610,9 +610,12 @@ pub async fn evaluator(app: Arc<App>) {
                     Ok(s) => s,
                     Err(_) => continue,
                 };
-                // A slow evaluation (a language model on one core) waits longer for the next.
-                let took = began.elapsed().as_secs_f64();
-                next_eval = next_eval.max(began + Duration::from_secs_f64(took / EVAL_SHARE));
+                // A language model's slow evaluation waits longer for the next (an image
+                // model's keeps --eval-every: tests and pages expect fresh points).
+                if language {
+                    let took = began.elapsed().as_secs_f64();
+                    next_eval = next_eval.max(began + Duration::from_secs_f64(took / EVAL_SHARE));
+                }
                 let time_s = app.started.elapsed().as_secs_f64();
                 if let Some(text) = text {
                     last_sample = Some(tokio::time::Instant::now());
