@@ -369,14 +369,7 @@ impl Db {
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
             .map_err(e)?;
-        let get_meta = |k: &str| -> rusqlite::Result<i64> {
-            tx.query_row("SELECT value FROM meta WHERE key = ?1", [k], |r| r.get(0))
-        };
-        let (mut identities, mut samples, seq) = (
-            get_meta("identities").map_err(e)?,
-            get_meta("samples").map_err(e)?,
-            get_meta("seq").map_err(e)?,
-        );
+        let (mut identities, mut samples, seq) = totals(&tx).map_err(e)?;
         let mut moves: HashMap<i64, i64> = HashMap::new();
         {
             let mut get = tx
@@ -552,14 +545,7 @@ impl Db {
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
             .map_err(e)?;
-        let get_meta = |k: &str| -> rusqlite::Result<i64> {
-            tx.query_row("SELECT value FROM meta WHERE key = ?1", [k], |r| r.get(0))
-        };
-        let (mut identities, mut samples, seq) = (
-            get_meta("identities").map_err(e)?,
-            get_meta("samples").map_err(e)?,
-            get_meta("seq").map_err(e)?,
-        );
+        let (mut identities, mut samples, seq) = totals(&tx).map_err(e)?;
         let mut added = 0usize;
         let mut moves: HashMap<i64, i64> = HashMap::new();
         {
@@ -789,4 +775,12 @@ impl Db {
 
 fn fail(path: &Path, what: &str, e: impl std::fmt::Display) -> Error {
     Error::Ledger(format!("{}: {what}: {e}", path.display()))
+}
+
+/// The ledger's running totals in `meta`: identities, samples and the last committed seq.
+fn totals(tx: &rusqlite::Transaction<'_>) -> rusqlite::Result<(i64, i64, i64)> {
+    let get = |k: &str| -> rusqlite::Result<i64> {
+        tx.query_row("SELECT value FROM meta WHERE key = ?1", [k], |r| r.get(0))
+    };
+    Ok((get("identities")?, get("samples")?, get("seq")?))
 }
