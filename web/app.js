@@ -630,7 +630,7 @@ function renderStatus(st) {
   const dataset = st.dataset && st.dataset.name ? st.dataset.name : (st.dataset || '');
   $('run-info').textContent = [
     `run ${st.run_id}`, model, dataset && `on ${dataset}`, st.consistency,
-    st.batch_size && `batch ${st.batch_size}`, rule && `${rule}${opt.lr ? ` lr ${opt.lr}` : ''}`,
+    st.batch_size && `batch ${st.batch_size}`, rule && `${rule}${opt.lr ? ` lr ${Number(opt.lr.toPrecision(6))}` : ''}`,
     `up ${Math.round(st.uptime_s || 0)} s`,
   ].filter(Boolean).join(' · ');
   setTask(st.task);
