@@ -136,7 +136,16 @@ async fn data_partitions_are_gzipped_for_clients_that_ask() {
             .lines()
             .find_map(|l| l.strip_prefix("content-encoding:"))
             .map(|v| v.trim().to_string());
-        (enc, raw[split + 4..].to_vec())
+        let body = raw[split + 4..].to_vec();
+        // Encoded once, ahead of the response (coordinator::parts), so it has a length: a
+        // part compressed again on the request's path (the compression layer did that to the
+        // raw form) went out with none, seconds late.
+        let length = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:"))
+            .and_then(|v| v.trim().parse::<usize>().ok());
+        assert_eq!(length, Some(body.len()), "{head}");
+        (enc, body)
     };
     // The first download may get the raw part while the server compresses it once
     // (coordinator::parts); the compressed form follows within seconds.
