@@ -54,6 +54,9 @@ pub enum Record {
         /// was decoded): the server's ledger credits samples only for non-zero pushes, so
         /// pushing zeros earns nothing.
         nonzero: bool,
+        /// Whether the push was over the norm bound and scaled down to it (a trusted
+        /// worker's rare outlier, `session/guard.rs`): applied, and counted apart.
+        clipped: bool,
     },
     /// A worker reported its measurements.
     Reported {
@@ -382,6 +385,7 @@ impl ShardSession {
                 samples,
                 bytes,
                 nonzero: false,
+                clipped: false,
             },
             None => Record::Rejected { worker, code },
         };
@@ -643,9 +647,9 @@ impl ShardSession {
                         return self.fail(shard, request_id, ErrorCode::TooStale, m, push, now);
                     }
                 }
-                let (outcome, digest, nonzero) = shard.with(|s| {
+                let (outcome, digest, nonzero, clipped) = shard.with(|s| {
                     let o = s.push(worker, request_id, base_version, grad, samples, now);
-                    (o, s.last_digest(), s.last_push_nonzero)
+                    (o, s.last_digest(), s.last_push_nonzero, s.last_push_clipped)
                 });
                 if let Some(tag) = tag.filter(|t| {
                     matches!(outcome, Outcome::Applied { .. } | Outcome::Buffered { .. })
@@ -686,6 +690,7 @@ impl ShardSession {
                     samples,
                     bytes: bytes.len(),
                     nonzero,
+                    clipped,
                 }));
                 self.send(wire::encode(&Message::Ack {
                     request_id,

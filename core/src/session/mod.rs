@@ -71,9 +71,9 @@ mod testing;
 
 pub use conn::{header_request_id, Action, Record, ShardSession, MAX_DEFERRED};
 pub use guard::{
-    PushGuard, ANCHOR_MAX_AGE, ANCHOR_SPAN, LOCKOUT, MAX_PUSHERS, NORM_HISTORY, NORM_MAX_AGE,
-    NORM_WARMUP, NORM_WINDOW, PROBATION, REFUSED_HISTORY, REPLAY_DIGESTS, TRUST_PUSHES,
-    TRUST_SECONDS,
+    PushGuard, ANCHOR_MAX_AGE, ANCHOR_SPAN, CLIP_SPACING, LOCKOUT, MAX_PUSHERS, NORM_HISTORY,
+    NORM_MAX_AGE, NORM_WARMUP, NORM_WINDOW, PROBATION, REFUSED_HISTORY, REPLAY_DIGESTS,
+    TRUST_PUSHES, TRUST_SECONDS,
 };
 pub use setup::{fallbacks, ShardConfig, ShardSetup, MAX_ROUND_BYTES};
 pub use state::{Admission, SampledPush, ShardAccess, ShardState};

@@ -54,6 +54,11 @@ pub struct ShardState {
     /// Whether the last push offered had a non-zero gradient (its norm was above 0): what
     /// [`crate::session::Record::Pushed`] carries as `nonzero`.
     pub(super) last_push_nonzero: bool,
+    /// Whether the last push was over the norm bound and scaled down to it (guard.rs docs):
+    /// what [`crate::session::Record::Pushed`] carries as `clipped`.
+    pub(super) last_push_clipped: bool,
+    /// Pushes scaled down to the bound so far.
+    pub(super) clipped: u64,
 }
 
 impl ShardState {
@@ -110,6 +115,8 @@ impl ShardState {
             last_digest: 0,
             accepted: 0,
             last_push_nonzero: false,
+            last_push_clipped: false,
+            clipped: 0,
         })
     }
 
@@ -321,6 +328,7 @@ impl ShardState {
         now: f64,
     ) -> Outcome {
         self.last_digest = 0;
+        self.last_push_clipped = false;
         if let Err(message) = self.check_request(worker, request_id) {
             return Outcome::Rejected {
                 code: ErrorCode::Replayed,
@@ -374,13 +382,25 @@ impl ShardState {
         let ratio = reference
             .filter(|&m| zeno_on && m > 0.0)
             .map(|m| f64::from(norm) / f64::from(m));
+        let mut clipped = false;
         if let Err(message) = self.norm_check(norm, reference, now) {
-            self.note_refused(worker, norm, now);
-            return Outcome::Rejected {
-                code: ErrorCode::OutOfBounds,
-                message,
-            };
+            // A trusted worker's rare outlier is scaled down to the bound (guard.rs docs).
+            match reference.filter(|_| self.clip_allowed(worker, now)) {
+                Some(r) => {
+                    let scale = g.norm_factor * r / norm;
+                    self.scratch.iter_mut().for_each(|v| *v *= scale);
+                    clipped = true;
+                }
+                None => {
+                    self.note_refused(worker, norm, now);
+                    return Outcome::Rejected {
+                        code: ErrorCode::OutOfBounds,
+                        message,
+                    };
+                }
+            }
         }
+        self.last_push_clipped = clipped;
         let scale = if self.cfg.setup.pseudo_gradients {
             1.0 / self.connected.max(1) as f32
         } else {
@@ -392,9 +412,12 @@ impl ShardState {
         self.record(&outcome);
         if matches!(outcome, Outcome::Applied { .. } | Outcome::Buffered { .. }) {
             if norm > 0.0 {
-                // Only accepted, nonzero norms have a say (and count for the warm-up).
+                // Only accepted, nonzero norms have a say (and count for the warm-up); a
+                // scaled outlier's does not.
                 self.accepted += 1;
-                self.note_accepted(worker, norm, now);
+                if !clipped {
+                    self.note_accepted(worker, norm, now);
+                }
                 self.note_digest(worker, d);
             }
             self.last_digest = d;

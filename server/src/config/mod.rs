@@ -150,12 +150,18 @@ pub struct TrainingArgs {
     /// magnitude, so no optimizer state can overflow.
     #[arg(long, default_value_t = 1e4)]
     pub max_push_value: f32,
-    /// Shards refuse a push whose norm per step is more than this many times the median over
-    /// the last 64 workers to push of each one's median of its last 64 norms, refused ones
-    /// included (after 16 accepted pushes; over workers, so a flooding worker counts once);
-    /// 0 = off.
+    /// Shards refuse a push whose norm per step is more than this many times the norm
+    /// reference: the median of trusted workers' usual norms (a worker earns trust with 16
+    /// accepted pushes over 10 s), clamped within 4x of the server's own gradient norm when
+    /// it holds the training data; 0 = off.
     #[arg(long, default_value_t = 10.0)]
     pub norm_bound: f32,
+    /// A trusted worker's push over --norm-bound is scaled down to the bound and applied
+    /// (counted as `pushes_clipped`), not refused, when its last N accepted pushes kept the
+    /// bound: honest mini-batch gradients are heavy-tailed. 0 refuses every push over the
+    /// bound.
+    #[arg(long, default_value_t = 64, value_name = "N")]
+    pub norm_clip_spacing: u32,
 }
 
 /// How workers exchange with shards: local steps, overlap and the negotiated encodings' upper
@@ -172,6 +178,8 @@ pub struct Exchange {
     pub max_push_value: f32,
     /// `--norm-bound`.
     pub norm_bound: f32,
+    /// `--norm-clip-spacing`.
+    pub norm_clip_spacing: u32,
 }
 
 impl Default for Exchange {
@@ -183,6 +191,7 @@ impl Default for Exchange {
             push_encoding: Encoding::F32,
             max_push_value: 1e4,
             norm_bound: 10.0,
+            norm_clip_spacing: crowdgrad_core::session::CLIP_SPACING,
         }
     }
 }
@@ -196,6 +205,7 @@ impl Exchange {
             norm_factor: self.norm_bound,
             max_samples: batch.saturating_mul(self.local.steps.max()),
             batch,
+            clip_spacing: self.norm_clip_spacing,
         }
     }
 }
@@ -299,6 +309,7 @@ impl TrainingArgs {
             )?,
             max_push_value: self.max_push_value,
             norm_bound: self.norm_bound,
+            norm_clip_spacing: self.norm_clip_spacing,
         };
         if !(self.max_push_value.is_finite() && self.max_push_value > 0.0) {
             return Err(Error::Config(format!(

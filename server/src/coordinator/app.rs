@@ -238,6 +238,7 @@ fn remote_counters(status: Option<&serde_json::Value>) -> Counters {
     c.pushes_buffered = n("pushes_buffered");
     c.pushes_rejected = n("pushes_rejected");
     c.pushes_dropped = n("pushes_dropped");
+    c.pushes_clipped = n("pushes_clipped");
     c.frames_rejected = n("frames_rejected");
     c.samples = n("samples");
     c.staleness_max = n("staleness_max");

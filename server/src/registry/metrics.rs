@@ -13,6 +13,7 @@
 //! | `crowdgrad_pushes_rejected_total` | counter | `shard`, `reason` (error code name) |
 //! | `crowdgrad_frames_rejected_total` | counter | `shard`, `reason` |
 //! | `crowdgrad_pushes_dropped_total` | counter | `shard` (sync pushes dropped from their round: the worker was quarantined) |
+//! | `crowdgrad_pushes_clipped_total` | counter | `shard` (pushes over the norm bound scaled down to it: a trusted worker's rare outlier) |
 //! | `crowdgrad_pulls_total` | counter | `shard` |
 //! | `crowdgrad_samples_total` | counter | |
 //! | `crowdgrad_samples_per_second` | gauge | |
@@ -199,6 +200,12 @@ impl Collector for Scrape {
             "crowdgrad_pushes_dropped",
             "Sync pushes taken out of their pending round because their worker was quarantined.",
             &per_shard(&|s| s.counters.pushes_dropped),
+        )?;
+        counter(
+            &mut enc,
+            "crowdgrad_pushes_clipped",
+            "Pushes over the norm bound scaled down to it and applied (a trusted worker's rare outlier).",
+            &per_shard(&|s| s.counters.pushes_clipped),
         )?;
         counter(
             &mut enc,

@@ -104,6 +104,9 @@ pub struct Counters {
     /// Sync mode: buffered pushes taken out of their round before it was applied, because
     /// their worker was quarantined (they stay counted in `pushes_buffered`).
     pub pushes_dropped: u64,
+    /// Pushes over the norm bound that were scaled down to it and applied (a trusted worker's
+    /// rare outlier, core's `session/guard.rs`; included in `pushes_applied`).
+    pub pushes_clipped: u64,
     /// Push rejections by error code name.
     pub rejected_by_reason: BTreeMap<&'static str, u64>,
     /// Frames other than pushes refused with an error frame: malformed or oversized frames, text
@@ -637,6 +640,19 @@ impl Registry {
         }
         if let Some(id) = worker {
             g.ledger.pushed(id, outcome, samples, nonzero);
+        }
+    }
+
+    /// A push of `worker` to `shard` was over the norm bound and scaled down to it (counted
+    /// besides [`Registry::pushed`]).
+    pub fn clipped(&self, shard: u32, worker: Option<u64>) {
+        let mut g = self.lock();
+        if let Some(c) = g.shards.get_mut(shard as usize) {
+            c.pushes_clipped += 1;
+        }
+        g.totals.pushes_clipped += 1;
+        if let Some(w) = worker.and_then(|id| g.workers.get_mut(&id)) {
+            w.counters.pushes_clipped += 1;
         }
     }
 

@@ -360,9 +360,13 @@ fn record(registry: &Registry, shard: u32, r: Record) {
             samples,
             bytes,
             nonzero,
+            clipped,
         } => {
             registry.traffic(shard, worker, bytes, 0);
-            registry.pushed(shard, worker, &outcome, samples, nonzero)
+            registry.pushed(shard, worker, &outcome, samples, nonzero);
+            if clipped {
+                registry.clipped(shard, worker);
+            }
         }
         Record::Reported {
             worker,
