@@ -114,6 +114,10 @@ pub enum BenchCmd {
     /// Honest workers' samples/s with default limits, none and a tight push rate, without and
     /// with a flooding attacker from 127.0.0.2.
     Flood(Box<crate::bench::flood::FloodArgs>),
+    /// How often the norm bound refuses honest workers (per 10,000 pushes), with a trusted
+    /// worker's rare outlier scaled to the bound and without, and what x10 and x1e6 attackers
+    /// get applied.
+    Outliers(Box<crate::bench::outliers::OutliersArgs>),
     /// A crowd of simulated volunteers (join, a socket per shard, pulls, pushes, reports and a
     /// dashboard stream) from one process against one server: RSS per volunteer, CPU, fds,
     /// bytes/s per dashboard and per socket, round trips, per phase (ramp, steady, leave).

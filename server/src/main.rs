@@ -240,6 +240,9 @@ fn main() -> anyhow::Result<()> {
             command: BenchCmd::Flood(args),
         } => crowdgrad::bench::flood::cli_flood(&args)?,
         Cmd::Bench {
+            command: BenchCmd::Outliers(args),
+        } => crowdgrad::bench::outliers::cli(&args)?,
+        Cmd::Bench {
             command: BenchCmd::Crowd(args),
         } => crowdgrad::bench::crowd::cli(&args)?,
         Cmd::Bench {

@@ -24,6 +24,7 @@ pub mod flood;
 pub mod ledger;
 pub mod link;
 mod load;
+pub mod outliers;
 
 use crate::config::ServeConfig;
 use crate::error::{Error, Result};
