@@ -51,7 +51,8 @@ initVolunteer({ status: () => lastStatus, onProgress: () => { markMyWorker(); re
 // ---------------------------------------------------------------- charts
 
 const chart = new EvalChart($('chart'));
-const pchart = new EvalChart($('p-chart'), { height: 420, big: true });
+// On a projector the chart takes about half the screen's height.
+const pchart = new EvalChart($('p-chart'), { height: Math.round(Math.min(720, Math.max(320, 0.5 * innerHeight))), big: true });
 registerEvalChart(chart);
 registerEvalChart(pchart);
 initChartControls(() => renderCharts(true));
@@ -120,8 +121,8 @@ function makeHist(shardCount) {
     height: 200,
     scales: { x: { time: false }, y: { range: [0, 1] } },
     axes: [
-      { ...axis, label: 'updates behind', values: (u, vs) => vs.map((v) => (v >= BUCKETS - 1 ? `${BUCKETS - 1}+` : v)) },
-      { ...axis, label: 'share', values: (u, vs) => vs.map((v) => `${Math.round(v * 100)}%`) },
+      { ...axis, label: 'updates behind', values: (u, vs) => vs.map((v) => (v == null ? '' : v >= BUCKETS - 1 ? `${BUCKETS - 1}+` : v)) },
+      { ...axis, label: 'share', values: (u, vs) => vs.map((v) => (v == null ? '' : `${Math.round(v * 100)}%`)) },
     ],
     series,
     legend: { live: true },
@@ -335,7 +336,8 @@ function renderSummary() {
     ? `${ev && ev.bits_per_token != null ? ev.bits_per_token.toFixed(2) : '–'} bits/char`
     : `${ev ? `${(100 * ev.accuracy).toFixed(1)}%` : '–'} accuracy`;
   const me = volunteer.running ? ` · you: ${(volunteer.progress && volunteer.progress.state) || 'starting'}` : '';
-  $('summary').textContent = `${figure} · ${num(vols ? vols.connected : st.workers_connected)} volunteers · ${num(t.samples_per_sec)} samples/s${me}`;
+  const online = vols ? vols.connected : st.workers_connected || 0;
+  $('summary').textContent = `${figure} · ${num(online)} ${online === 1 ? 'volunteer' : 'volunteers'} · ${num(t.samples_per_sec)} samples/s${me}`;
 }
 
 function renderQuarantines(list) {
@@ -574,7 +576,10 @@ async function loadBoard() {
     $('leaderboard').replaceChildren(...b.contributors.map((c, i) => {
       const tr = document.createElement('tr');
       if (c.identity === id) tr.className = 'me';
-      const who = `${c.name || `${c.identity.slice(0, 8)}…`}${c.identity === id ? ' (you)' : ''}`;
+      // A team the server does not record is shown on this browser's own row.
+      const team = $('my-team').value.trim();
+      const you = c.identity === id ? ` (you${team && !c.team ? `, team ${team}` : ''})` : '';
+      const who = `${c.name || `${c.identity.slice(0, 8)}…`}${c.team ? ` · ${c.team}` : ''}${you}`;
       const cells = [String(i + 1), who, c.client, num(c.samples),
         `${num(c.pushes_accepted)} / ${num(c.pushes_rejected)}`, `${fixed(c.compute_seconds, 1)} s`];
       tr.replaceChildren(...cells.map((text, j) => cell(text, j === 0 || j >= 3 ? 'num' : '')));

@@ -83,8 +83,8 @@ export class EvalChart {
       height: this.height,
       scales: { x: { time }, acc: accScale, loss: { auto: true } },
       axes: [
-        { ...AXIS, font, label: time ? 'time' : 'samples', labelFont: font, values: time ? undefined : (u, vs) => vs.map((v) => num(v)) },
-        { ...AXIS, font, labelFont: font, scale: 'acc', label: accLabel, stroke: ACC, values: (u, vs) => vs.map((v) => (log ? `${+(100 * v).toPrecision(2)}%` : `${Math.round(v * 100)}%`)) },
+        { ...AXIS, font, label: time ? 'time' : 'samples', labelFont: font, values: time ? undefined : (u, vs) => vs.map((v) => (v == null ? '' : num(v))) },
+        { ...AXIS, font, labelFont: font, scale: 'acc', label: accLabel, stroke: ACC, values: (u, vs) => vs.map((v) => (v == null ? '' : log ? `${+(100 * v).toPrecision(2)}%` : `${Math.round(v * 100)}%`)), size: 56 },
         { ...AXIS, font, labelFont: font, scale: 'loss', label: view.language ? 'bits per token' : 'loss', side: 1, grid: { show: false }, stroke: LOSS },
       ],
       series: [{ label: time ? 'time' : 'samples', value: time ? (u, v) => (v == null ? '' : clock(v * 1000)) : (u, v) => num(v) }, ...series],
@@ -262,7 +262,7 @@ export function renderMultiples(points) {
         width: Math.max(200, e.plot.clientWidth),
         height: 140,
         scales: { x: { time: true }, y: { auto: true, range: (u, min, max) => [0, Math.max(m.integer ? 4 : 1, max * 1.1)] } },
-        axes: [{ ...AXIS, size: 30 }, { ...AXIS, size: m.axisSize || 50, ...(m.integer ? { incrs: INTEGER_STEPS } : {}), values: (u, vs) => vs.map((v) => (m.axis || m.fmt)(v)) }],
+        axes: [{ ...AXIS, size: 30 }, { ...AXIS, size: m.axisSize || 50, ...(m.integer ? { incrs: INTEGER_STEPS } : {}), values: (u, vs) => vs.map((v) => (v == null ? '' : (m.axis || m.fmt)(v))) }],
         series: [{ value: (u, v) => (v == null ? '' : clock(v * 1000)) }, ...series.map(([label, , style], i) => ({
           label, width: 2, stroke: ACC, ...(m.reasons ? REASON_STYLES[i % REASON_STYLES.length] : {}), ...(style || {}), value: (u, v) => m.fmt(v),
         }))],
