@@ -11,7 +11,7 @@
 // 1. Layout at 1280×720: the dashboard is wider than 700 px; a public run with one worker shows
 //    no join-token field and no workers pager; a phone (390 px) has no horizontal scroll and
 //    its one-line summary at the top. Screenshots at 390, 1280 and 1920 px (full page) go to
-//    target/page-shots/ (CARGO_TARGET_DIR honoured).
+//    page-shots/ in the target directory (harness.mjs TARGET).
 // 2. The page sits idle for a while, then one tab trains: the evaluation chart is flat across
 //    the idle stretch (no slope from the first point to the next); no error is shown while it
 //    trains; outlier refusals are counted, never shown as an error.
