@@ -83,7 +83,9 @@ async function copyIdentity() {
 }
 
 function forget() {
-  stopAll('You asked to be forgotten: this tab stopped.');
+  if (volunteer.running) stopAll(null);
+  showError('');
+  showNote('');
   for (const k of [IDENTITY_KEY, NAME_KEY, TEAM_KEY, DATA_KEY, CAP_KEY, REACHED_KEY]) store.del(k);
   identity = null;
   $('my-name').value = '';

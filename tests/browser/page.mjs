@@ -19,7 +19,8 @@
 //    the classroom view).
 // 4. Stop: every Web Worker target is gone and every WebSocket it opened is closed (CDP
 //    Network events of the workers' sessions), and the server sees the tab's workers offline.
-// 5. A data cap (a few MB over what the tab moved today) stops the tab at the cap.
+// 5. A data cap (20 MB over what the tab moved today) stops the tab at the cap; Forget me
+//    leaves nothing of the volunteer in localStorage; the display name went with the join.
 // 6. ?view=present shows the QR code, which decodes (jsQR, on the canvas's pixels) to the join
 //    URL; the teacher's admin token pauses and resumes the run and stays out of the URL and
 //    storage.
@@ -183,12 +184,15 @@ async function layoutAndTraining(server) {
   // Idle for a while before anybody trains: the chart must stay flat across it.
   await sleep(Math.max(0, 13_000 - (Date.now() - loadedAt)));
   page.watchNetwork = true;
-  await page.eval("document.getElementById('cores').value = '1'; document.getElementById('contribute').click()");
+  await page.eval(`(() => { const n = document.getElementById('my-name'); n.value = 'Ada L.'; n.dispatchEvent(new Event('change'));
+    document.getElementById('cores').value = '1'; document.getElementById('contribute').click(); })()`);
   const run = await watchErrors(page, async () => ((await page.progress()) || {}).pushes_accepted >= 200, 60_000);
   const p = await page.progress();
   check('one tab trains (200 accepted pushes)', run.done, `${p && p.pushes_accepted} accepted, refused by reason ${JSON.stringify(p && p.rejected_by_reason)}`);
   check('no error is shown while an honest tab trains', run.shown.length === 0, run.shown.join(' | ') || 'none shown');
   check('the workers pager is hidden with one worker', !(await page.shown('workers-pager')));
+  const named = (await (await fetch(`${server.base}/api/workers`)).json()).workers.map((w) => w.name);
+  check('the display name goes with the join', named.includes('Ada L.'), JSON.stringify(named));
   const shownRefusals = await page.text('my-refusals');
   const refused = Object.values((p && p.rejected_by_reason) || {}).reduce((a, b) => a + b, 0);
   check('refusals are counted by reason, in the details, not as an error',
@@ -270,6 +274,10 @@ async function layoutAndTraining(server) {
     capped ? `cap ${capMb} MB, stopped at ${(capped.bytes / 1e6).toFixed(2)} MB, ${(after.bytes / 1e6).toFixed(2)} MB 2 s later (${over >= 0 ? '+' : ''}${(over / 1e3).toFixed(0)} kB from the cap); "${capped.note}"` : 'did not stop');
   const again = await page.eval("document.getElementById('contribute').click(), window.crowdgrad.volunteer.running");
   check('Contribute at the cap does not start', !again);
+  await page.click('forget');
+  const kept = await page.eval("Object.keys(localStorage).filter((k) => k.startsWith('crowdgrad.'))");
+  check('Forget me clears the identity (and everything else of the volunteer) from the browser', kept.length === 0,
+    kept.join(', ') || 'nothing kept');
 
   // Classroom view.
   await page.goto(`${server.base}/?view=present`);
