@@ -35,8 +35,6 @@ export function drawQr(canvas, text) {
   for (let y = 0; y < n; y++) {
     for (let x = 0; x < n; x++) if (qr.data[y][x]) g.fillRect(x * scale, y * scale, scale, scale);
   }
-  canvas.dataset.text = text;
-  canvas.setAttribute('aria-label', `QR code of the join link ${text}`);
 }
 
 export function setView(present, { push = true } = {}) {
@@ -242,9 +240,13 @@ export function initPresent({ token, onToggle }) {
     if (a) body.aggregation = a;
     admin('/api/admin/experiment', body);
   });
-  const url = joinUrl(token);
-  $('join-url').href = url;
-  $('join-url').textContent = url.replace(/#token=.*/, '#token=…');
-  drawQr($('qr'), url);
+  // A private run's token is in the QR code's pixels only: never in the page's text or
+  // attributes (the link shown and its href go without it).
+  const plain = joinUrl('');
+  $('join-url').href = plain;
+  $('join-url').textContent = plain;
+  $('qr').setAttribute('aria-label', `QR code of the join link ${plain}${token ? ', with the run\'s join token' : ''}`);
+  if (token) $('join-url').after(document.createTextNode(' (the QR code carries the join token)'));
+  drawQr($('qr'), joinUrl(token));
   setView(new URLSearchParams(location.search).get('view') === 'present', { push: false });
 }

@@ -24,7 +24,8 @@
 // 6. ?view=present shows the QR code, which decodes (jsQR, on the canvas's pixels) to the join
 //    URL; the teacher's admin token pauses and resumes the run and stays out of the URL and
 //    storage.
-// 7. A private run refused (401): the tab stops with the reason and what to do, no retrying.
+// 7. A private run refused (401): the tab stops with the reason and what to do, no retrying;
+//    its classroom view's QR code carries the join token, its markup and address do not.
 // With the server's history endpoints (`/api/history`), the run's figures after an idle start
 // are flat (samples/s 0) before training, not a line.
 // Everything binds 127.0.0.1, every wait is bounded, the last line is `N passed, M failed`.
@@ -339,6 +340,17 @@ async function privateRefused() {
   check('a refused join token (401) stops the tab with the reason and what to do, no retrying',
     !!stopped && /private/.test(stopped) && /token/.test(stopped) && joins <= 2 && page.workers.size === 0,
     `${stopped}; ${joins} refused joins`);
+  // The classroom view of a private run opened with its link: the QR code carries the token,
+  // the page's text and attributes do not.
+  await page.goto(`${server.base}/?view=present#token=class-token-42`);
+  const qr = await page.eval(`(() => { const c = document.getElementById('qr'); const g = c.getContext('2d');
+    return { w: c.width, h: c.height, data: Array.from(g.getImageData(0, 0, c.width, c.height).data),
+      html: document.documentElement.outerHTML, href: location.href }; })()`);
+  const code = jsQR(Uint8ClampedArray.from(qr.data), qr.w, qr.h);
+  const want = `${server.base}/#token=class-token-42`;
+  check('a private run\'s QR code carries the join token, the page\'s markup and address do not',
+    code && code.data === want && !qr.html.includes('class-token-42') && !qr.href.includes('class-token-42'),
+    `${code ? code.data : 'no code found'} (want ${want})`);
   await page.b.close();
   await stopChild(server, 'private server');
 }
