@@ -24,7 +24,8 @@
 // 6. ?view=present shows the QR code, which decodes (jsQR, on the canvas's pixels) to the join
 //    URL; the teacher's admin token pauses and resumes the run and stays out of the URL and
 //    storage.
-// 7. A private run refused (401): the tab stops with the reason and what to do, no retrying;
+// 7. A phone (coarse pointer) starts with 1 core at 50%, and pauses itself on Save-Data.
+// 8. A private run refused (401): the tab stops with the reason and what to do, no retrying;
 //    its classroom view's QR code carries the join token, its markup and address do not.
 // With the server's history endpoints (`/api/history`), the run's figures after an idle start
 // are flat (samples/s 0) before training, not a line.
@@ -324,6 +325,25 @@ async function historyFlat(server) {
     `${idle.length} idle points of ${pts.length}`);
 }
 
+// A phone (coarse pointer, touch) that asks to save data: the gentle defaults, and the tab
+// pauses itself on Save-Data.
+async function phoneSavingData(server) {
+  const page = await newPage('phone');
+  await page.size(390, 844);
+  await page.b.send('Emulation.setTouchEmulationEnabled', { enabled: true, maxTouchPoints: 5 }, page.b.session);
+  await page.b.send('Emulation.setDataSaverOverride', { dataSaverEnabled: true }, page.b.session);
+  await page.goto(`${server.base}/`);
+  const d = await page.eval(`({ cores: document.getElementById('cores').value, limit: document.getElementById('throttle').value,
+    note: document.getElementById('defaults-note').textContent })`);
+  check('a phone starts gently: 1 core at 50%', d.cores === '1' && d.limit === '50', d.note);
+  await page.click('contribute');
+  const paused = await waitFor('the tab to pause on Save-Data', () => page.eval(`(() => {
+    const p = window.crowdgrad.volunteer.progress; const n = document.getElementById('my-note');
+    return window.crowdgrad.volunteer.paused && p && p.state === 'paused' && !n.hidden ? n.textContent : null; })()`), 20_000).catch(() => null);
+  check('Save-Data pauses the tab and says why', !!paused && /save data/.test(paused), paused || 'not paused');
+  await page.b.close();
+}
+
 async function privateRefused() {
   const port = await freePort();
   const server = await startServer(port, 'page-private', ['--model', 'softmax', '--join-token', 'class-token-42']);
@@ -393,6 +413,7 @@ async function main() {
   const server = await startServer(port, 'page', ['--model', 'softmax', '--admin-token', ADMIN]);
   await layoutAndTraining(server);
   await historyFlat(server);
+  await phoneSavingData(server);
   await stopChild(server, 'server');
   await privateRefused();
 }
