@@ -15,8 +15,8 @@
 // 2. The page sits idle for a while, then one tab trains: the evaluation chart is flat across
 //    the idle stretch (no slope from the first point to the next); no error is shown while it
 //    trains; outlier refusals are counted, never shown as an error.
-// 3. axe-core, injected in the page, reports no serious or critical violation (full page and
-//    the classroom view).
+// 3. The evaluations and the run over time download as CSV and JSON. axe-core, injected in
+//    the page, reports no serious or critical violation (full page and the classroom view).
 // 4. Stop: every Web Worker target is gone and every WebSocket it opened is closed (CDP
 //    Network events of the workers' sessions), and the server sees the tab's workers offline.
 // 5. A data cap (20 MB over what the tab moved today) stops the tab at the cap; Forget me
@@ -236,6 +236,22 @@ async function layoutAndTraining(server) {
   const violations = await page.axe();
   check('axe-core: no serious or critical violations on the page', violations.length === 0,
     violations.map((v) => `${v.id} (${v.impact}): ${v.nodes.join(', ')}`).join('; ') || 'none');
+
+  // Every series downloads: the evaluations and the run over time, as CSV and as JSON.
+  const dl = tmpDir('crowdgrad-page-downloads-');
+  dirs.push(dl);
+  await page.b.send('Browser.setDownloadBehavior', { behavior: 'allow', downloadPath: dl });
+  await page.eval("document.querySelectorAll('[data-download]').forEach((b) => b.click())");
+  const files = await waitFor('four downloads', () => {
+    const f = fs.readdirSync(dl).filter((n) => !n.endsWith('.crdownload'));
+    return f.length >= 4 ? f : null;
+  }, 15_000).catch(() => fs.readdirSync(dl));
+  const body = (n) => fs.readFileSync(path.join(dl, n), 'utf8');
+  // A header and at least two rows in each CSV; each JSON parses.
+  const ok = files.length === 4
+    && files.filter((n) => n.endsWith('.csv')).every((n) => body(n).trim().split('\n').length > 2)
+    && files.filter((n) => n.endsWith('.json')).every((n) => JSON.parse(body(n)));
+  check('the evaluations and the run over time download as CSV and JSON', ok, files.join(', '));
 
   // Stop: the Web Workers end and their sockets close.
   const workerIds = (p && p.worker_ids) || [];
