@@ -326,6 +326,7 @@ function renderStatus(st) {
   renderCharts();
 }
 
+const compact = new Intl.NumberFormat('en', { notation: 'compact', maximumFractionDigits: 1 });
 function renderSummary() {
   const st = lastStatus;
   if (!st) return;
@@ -337,7 +338,7 @@ function renderSummary() {
     : `${ev ? `${(100 * ev.accuracy).toFixed(1)}%` : '–'} accuracy`;
   const me = volunteer.running ? ` · you: ${(volunteer.progress && volunteer.progress.state) || 'starting'}` : '';
   const online = vols ? vols.connected : st.workers_connected || 0;
-  $('summary').textContent = `${figure} · ${num(online)} ${online === 1 ? 'volunteer' : 'volunteers'} · ${num(t.samples_per_sec)} samples/s${me}`;
+  $('summary').textContent = `${figure} · ${num(online)} ${online === 1 ? 'volunteer' : 'volunteers'} · ${compact.format(t.samples_per_sec || 0)} samples/s${me}`;
 }
 
 function renderQuarantines(list) {

@@ -103,6 +103,9 @@ class Page {
   eval(expr, ms) { return this.b.evaluate(expr, ms); }
 
   async size(width, height) {
+    if (this.w === width && this.h === height) return;
+    this.w = width;
+    this.h = height;
     await this.b.send('Emulation.setDeviceMetricsOverride',
       { width, height, deviceScaleFactor: 1, mobile: width < 500 }, this.b.session);
     await sleep(400);
@@ -119,8 +122,10 @@ class Page {
     await this.size(width, height);
     await sleep(700);
     const h = full ? await this.eval('Math.ceil(document.documentElement.scrollHeight)') : height;
+    // A screen's worth is clipped where the page is scrolled to (sticky parts where they stick).
+    const y = full ? 0 : await this.eval('Math.round(window.scrollY)');
     const { data } = await this.b.send('Page.captureScreenshot', {
-      format: 'png', captureBeyondViewport: true, clip: { x: 0, y: 0, width, height: Math.min(h, 12_000), scale: 1 },
+      format: 'png', captureBeyondViewport: full, clip: { x: 0, y, width, height: Math.min(h, 12_000), scale: 1 },
     }, this.b.session, 30_000);
     fs.mkdirSync(SHOTS, { recursive: true });
     const file = path.join(SHOTS, `${name}.png`);
@@ -228,7 +233,10 @@ async function layoutAndTraining(server) {
   check('a phone (390 px) does not scroll sideways', phone.scroll <= 390, `scrollWidth ${phone.scroll}`);
   check('a phone has the one-line run summary at the top', phone.summary < 200 && /accuracy/.test(phone.text), `${phone.text} at y=${Math.round(phone.summary)}`);
   await page.shot('page-390', 390, 844);
-  await page.eval('window.scrollTo(0, 600)');
+  await page.eval('window.scrollTo(0, 1500)');
+  await sleep(300);
+  const stuck = await page.eval("Math.round(document.getElementById('summary').getBoundingClientRect().top)");
+  check('the phone\'s summary stays at the top of the screen while the page scrolls', stuck >= 0 && stuck < 5, `top ${stuck} px after scrolling 1500 px`);
   await page.shot('page-390-screen', 390, 844, false);
   await page.eval('window.scrollTo(0, 0)');
   await page.size(1280, 720);
