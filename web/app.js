@@ -56,6 +56,12 @@ const pchart = new EvalChart($('p-chart'), { height: Math.round(Math.min(720, Ma
 registerEvalChart(chart);
 registerEvalChart(pchart);
 initChartControls(() => renderCharts(true));
+// The classroom view's own x-axis choice is the dashboard's (one view of the chart).
+$('p-x-axis').addEventListener('change', (e) => {
+  $('x-axis').value = e.target.value;
+  $('x-axis').dispatchEvent(new Event('change'));
+});
+$('x-axis').addEventListener('change', (e) => { $('p-x-axis').value = e.target.value; });
 
 function currentExperiments() {
   if (experiments && experiments.length) {
@@ -355,7 +361,8 @@ function renderQuarantines(list) {
 function renderDemo(list) {
   const on = list.filter((d) => d.delay_ms || d.fault);
   $('demo-banner').hidden = on.length === 0;
-  $('demo-banner').textContent = on.length
+  $('p-demo').hidden = on.length === 0;
+  $('demo-banner').textContent = $('p-demo').textContent = on.length
     ? `Demonstration on: ${on.map((d) => `worker ${d.worker}${d.delay_ms ? ` slowed by ${num(d.delay_ms)} ms` : ''}${d.fault ? ` made faulty (${d.fault})` : ''}`).join('; ')}.`
     : '';
 }
