@@ -326,7 +326,8 @@ function renderStatus(st) {
   }
   renderHist(st);
   if (st.quarantines) renderQuarantines(st.quarantines);
-  if (st.demo) renderDemo(st.demo);
+  // The tick carries `demo` only while one is on: without it, none is.
+  if (st.demo || pageApi) renderDemo(st.demo || []);
   renderPresent(st, language);
   renderSummary();
   renderCharts();
@@ -647,9 +648,10 @@ async function loadFigures() {
 }
 
 let statusLoading = false;
-// The demonstration list lives in /api/status (not in the tick): asked for every 10 s.
+// The quarantine list and the demonstrations are in /api/status: asked for every 10 s (the
+// tick carries the demonstrations only while one is on, /api/workers the quarantines).
 async function loadDemo() {
-  if (!pageApi || statusLoading || (lastStatus && lastStatus.demo)) return;
+  if (!pageApi || statusLoading) return;
   statusLoading = true;
   try {
     const st = await getJson('/api/status');

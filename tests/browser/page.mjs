@@ -27,8 +27,10 @@
 // 7. A phone (coarse pointer) starts with 1 core at 50%, and pauses itself on Save-Data.
 // 8. A private run refused (401): the tab stops with the reason and what to do, no retrying;
 //    its classroom view's QR code carries the join token, its markup and address do not.
-// With the server's history endpoints (`/api/history`), the run's figures after an idle start
-// are flat (samples/s 0) before training, not a line.
+// With the server's history endpoints (`/api/history`, `/api/evals`): the run's figures after
+// an idle start are flat (samples/s 0) before training, not a line; the classroom view shows
+// the guesses, a demonstration banner, a live consistency switch and a second experiment
+// overlaid on the first, exported as CSV with its sim command.
 // Everything binds 127.0.0.1, every wait is bounded, the last line is `N passed, M failed`.
 
 import fs from 'node:fs';
@@ -349,6 +351,58 @@ async function historyFlat(server) {
     `${idle.length} idle points of ${pts.length}`);
 }
 
+// The teacher's view of a server with the history endpoints: the guesses strip, a worker
+// made slow for a demonstration (the banner says so, and goes), a live consistency switch, a
+// second experiment overlaid on the first on the samples axis, an experiment exported as CSV
+// with its sim command.
+async function teacher(server) {
+  if ((await fetch(`${server.base}/api/evals`)).status === 404) {
+    log('skipped the teacher\'s experiments: this server has no /api/evals');
+    return;
+  }
+  const page = await newPage('teacher');
+  await page.size(1280, 720);
+  await page.goto(`${server.base}/?view=present`);
+  await page.eval("document.getElementById('cores').value = '1'; document.getElementById('contribute').click()");
+  await waitFor('the tab to train', async () => ((await page.progress()) || {}).pushes_accepted > 20, 60_000);
+  const guesses = await waitFor('the guesses', () => page.eval("document.getElementById('guesses').children.length"), 15_000).catch(() => 0);
+  check('the classroom view shows the model\'s guesses on test images', guesses > 0 && await page.shown('guesses-box'), `${guesses} images`);
+  const admin = (id, value) => page.eval(`(() => { const e = document.getElementById('${id}'); e.value = ${JSON.stringify(value)};
+    e.dispatchEvent(new Event('input')); e.dispatchEvent(new Event('change')); })()`);
+  await page.eval("document.getElementById('teacher').open = true");
+  await admin('admin-token', ADMIN);
+  await waitFor('a worker to choose', () => page.eval("document.getElementById('demo-worker').options.length > 0"), 10_000);
+  await admin('demo-delay', '200');
+  await page.click('demo-apply');
+  const on = await waitFor('the demonstration banner', () => page.eval("(() => { const e = document.getElementById('p-demo'); return !e.hidden && e.textContent; })()"), 10_000).catch(() => null);
+  await page.click('demo-clear');
+  const off = await waitFor('the banner to go', () => page.eval("document.getElementById('p-demo').hidden"), 10_000).catch(() => false);
+  check('a worker made slow for a demonstration is shown while it is, and no longer after', !!on && /slowed by 200 ms/.test(on) && off, on || 'no banner');
+  await admin('admin-consistency', 'ssp:2');
+  await page.click('admin-set-consistency');
+  const adminState = async () => (await fetch(`${server.base}/api/admin/state`, { headers: { Authorization: `Bearer ${ADMIN}` } })).json();
+  const switched = await waitFor('the switch', async () => (await adminState()).consistency === 'ssp:2', 5_000).catch(() => false);
+  check('the teacher switches consistency live from the page (async → ssp:2)', switched, await page.text('admin-result'));
+  await admin('exp-label', 'second try');
+  await page.click('exp-start');
+  const two = await waitFor('the second experiment to have trained points', () => page.eval(`(() => {
+    const e = window.crowdgrad.experiments(); return e.length >= 2 && e[e.length - 1].points.some((p) => p.samples > 0) ? e.length : null; })()`), 30_000).catch(() => 0);
+  await admin('p-x-axis', 'samples');
+  await sleep(1_500);
+  const series = await page.eval("window.crowdgrad.chart().series.map((s) => s.label)");
+  check('a second experiment appears overlaid on the first (samples axis)', two >= 2 && series.length >= 4, series.join(', '));
+  await page.shot('present-experiments-1280', 1280);
+  const dl = tmpDir('crowdgrad-page-export-');
+  dirs.push(dl);
+  await page.b.send('Browser.setDownloadBehavior', { behavior: 'allow', downloadPath: dl });
+  await page.eval("document.querySelector('#experiments button').click()");
+  const file = await waitFor('the export', () => fs.readdirSync(dl).find((n) => n.endsWith('.csv')), 10_000).catch(() => null);
+  const text = file ? fs.readFileSync(path.join(dl, file), 'utf8') : '';
+  check('an experiment exports as CSV with its crowdgrad sim command', /^# sim: crowdgrad sim /.test(text), text.split('\n')[0]);
+  await page.click('stop');
+  await page.b.close();
+}
+
 // A phone (coarse pointer, touch) that asks to save data: the gentle defaults, and the tab
 // pauses itself on Save-Data.
 async function phoneSavingData(server) {
@@ -437,6 +491,7 @@ async function main() {
   const server = await startServer(port, 'page', ['--model', 'softmax', '--admin-token', ADMIN]);
   await layoutAndTraining(server);
   await historyFlat(server);
+  await teacher(server);
   await phoneSavingData(server);
   await stopChild(server, 'server');
   await privateRefused();
