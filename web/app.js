@@ -67,9 +67,15 @@ function currentExperiments() {
   if (experiments && experiments.length) {
     const out = experiments.map((e) => ({ ...e }));
     const cur = out[out.length - 1];
-    // Stream points newer than what /api/evals answered join the current experiment.
-    const last = cur.points.length ? cur.points[cur.points.length - 1].t_ms : -Infinity;
-    cur.points = [...cur.points, ...history.filter((p) => p.t_ms > last)];
+    // Stream points newer than what /api/evals answered join the current experiment. The
+    // stream counts samples from the server's start, an experiment from its own: the offset
+    // is read off the evaluation both have (the same t_ms); without one, none join.
+    const last = cur.points[cur.points.length - 1];
+    const same = last && history.find((p) => p.t_ms === last.t_ms);
+    if (same) {
+      const offset = same.samples - last.samples;
+      cur.points = [...cur.points, ...history.filter((p) => p.t_ms > last.t_ms).map((p) => ({ ...p, samples: p.samples - offset }))];
+    }
     return out;
   }
   return [{ id: 0, label: 'this run', points: history }];

@@ -63,7 +63,9 @@ export function renderPresent(st, language) {
   }
   const t = st.totals || {};
   const vols = t.workers && t.workers.volunteers;
-  $('p-volunteers').textContent = num(vols ? vols.connected : st.workers_connected);
+  const online = vols ? vols.connected : st.workers_connected;
+  $('p-volunteers').textContent = num(online);
+  $('p-volunteers-label').textContent = online === 1 ? 'volunteer online' : 'volunteers online';
   $('p-rate').textContent = num(t.samples_per_sec);
   $('p-mode').textContent = st.consistency ? `consistency ${st.consistency}` : '';
 }
@@ -182,7 +184,7 @@ export function renderExperiments(experiments, current, onExport) {
     const li = document.createElement('li');
     const s = e.settings || {};
     li.textContent = `${e.label || `experiment ${e.id}`}${e.id === current ? ' (now)' : ''}: `
-      + `${[s.consistency, s.lr != null && `lr ${s.lr}`, s.aggregation, s.model].filter(Boolean).join(', ')} `;
+      + `${[s.consistency, s.lr != null && `lr ${Number(Number(s.lr).toPrecision(6))}`, s.aggregation, s.model].filter(Boolean).join(', ')} `;
     const b = document.createElement('button');
     b.type = 'button';
     b.className = 'small';

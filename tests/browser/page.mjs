@@ -390,7 +390,10 @@ async function teacher(server) {
   await admin('p-x-axis', 'samples');
   await sleep(1_500);
   const series = await page.eval("window.crowdgrad.chart().series.map((s) => s.label)");
-  check('a second experiment appears overlaid on the first (samples axis)', two >= 2 && series.length >= 4, series.join(', '));
+  // Overlaid: the second counts its samples from its own start, as the first did.
+  const starts = await page.eval(`window.crowdgrad.experiments().map((e) => [e.points[0].samples, e.points[e.points.length - 1].samples])`);
+  check('a second experiment appears overlaid on the first (samples axis)', two >= 2 && series.length >= 4
+    && starts[starts.length - 1][0] < starts[0][1], `${series.join(', ')}; samples first..last ${starts.map((r) => r.join('..')).join(', ')}`);
   await page.shot('present-experiments-1280', 1280);
   const dl = tmpDir('crowdgrad-page-export-');
   dirs.push(dl);
