@@ -1,278 +1,116 @@
-// The page: a volunteer panel driving K Web Workers ("use K of N cores"; each web/worker.js
-// hosts one Rust BrowserWorker, joined as thread i of K of one volunteer), and a live dashboard fed by the server's dashboard stream (/api/events:
-// a `run` event once, then a small `tick` a second with the counters and only the new
-// evaluation points; docs/protocol.md, "Dashboard stream"). The worker table (with its
-// reputation records) comes from /api/workers and the leaderboard from /api/contributors,
-// polled only while the page is visible; a hidden page closes its stream and reopens it when
-// shown (issue 18).
-// No training logic lives here: the numbers shown come from the worker's progress reports and
-// the server's status.
+// The page: the volunteer's panel (volunteer.js), the run's live dashboard fed by the server's
+// dashboard stream (/api/events: a `run` event once, then a small `tick` a second with the
+// counters and only the new evaluation points; docs/protocol.md, "Dashboard stream"), the
+// host's charts over time (charts.js) and the classroom view (present.js). The worker table
+// (with its reputation records) comes from /api/workers and the leaderboard from
+// /api/contributors, polled only while the page is visible; a hidden page closes its stream
+// and reopens it when shown (issue 18). Servers with the history endpoints (`/api/evals`,
+// `/api/history`; their evaluation points carry `t_ms`) feed the experiments and the figures
+// over time; an older server's are kept here from the ticks since the page opened.
+// What each person sees and can do: docs/page.md.
 import uPlot from './vendor/uPlot.esm.js';
+import { $, announce, bytes, cell, clock, csv, download, fixed, num, pct } from './fmt.js';
+import {
+  EvalChart, evalSummary, initChartControls, registerEvalChart, renderMultiples, setLanguage,
+} from './charts.js';
+import {
+  cores, getIdentity, initVolunteer, joinToken, loopback, noteRun, reasonsText, renderYou, volunteer,
+} from './volunteer.js';
+import {
+  initPresent, presenting, renderDemoWorkers, renderExperiments, renderPresent, wantGuesses,
+} from './present.js';
 
-const $ = (id) => document.getElementById(id);
-const fmtInt = new Intl.NumberFormat('en');
-const num = (v) => (v == null ? '–' : fmtInt.format(Math.round(v)));
-const fixed = (v, d) => (v == null || !Number.isFinite(v) ? '–' : v.toFixed(d));
-const pct = (v) => (v == null ? '–' : `${(100 * v).toFixed(2)}%`);
-// Bytes in B, kB, MB, GB (decimal, as link speeds are).
-const bytes = (v) => {
-  if (v == null || !Number.isFinite(v)) return '–';
-  const units = ['B', 'kB', 'MB', 'GB', 'TB'];
-  let i = 0;
-  while (Math.abs(v) >= 1000 && i < units.length - 1) { v /= 1000; i += 1; }
-  return `${i === 0 ? Math.round(v) : v.toFixed(1)} ${units[i]}`;
-};
+// ---------------------------------------------------------------- state
 
-// ---------------------------------------------------------------- volunteer panel
+// The latest status (loopback threads take the run's model and batch from it).
+let lastStatus = null;
+let run = null;
+// This experiment's evaluation points from the stream, each with `t_ms`.
+let history = [];
+// Every experiment, oldest first, from /api/evals (else the stream's one).
+let experiments = null;
+let currentExperiment = null;
+// The run's figures over time: from /api/history, or kept here from the ticks.
+let figures = [];
+let figuresFromServer = false;
+// Whether the server has the history endpoints (its evaluation points carry t_ms).
+let pageApi = false;
+// The wall-clock time the server started, from a tick's uptime (for an older server's points).
+let startedMs = null;
+// "Pause live updates": data keeps coming, the page stops redrawing.
+let frozen = false;
+let language = null;
 
-const volunteer = {
-  worker: null,
-  // One entry per Web Worker: { worker, progress }. `progress` below is their sum.
-  threads: [],
-  paused: false,
-  progress: null,
-  hiddenSince: null,
-  hiddenMs: 0,
-  // performance.now() (ms since navigation start) of the click and of the first accepted push.
-  clickedAt: null,
-  firstPushAt: null,
-};
+const EVAL_HISTORY = 1024;
+const FIGURE_EVERY_MS = 5_000;
 
-// Every command goes to every Web Worker: pause and the CPU limit hold for all of them.
-function send(cmd, value) {
-  for (const t of volunteer.threads) t.worker.postMessage({ cmd, value });
-}
+const withTime = (p) => (p.t_ms != null ? p : { ...p, t_ms: Math.round((startedMs || Date.now()) + 1000 * (p.time_s || 0)) });
 
-// "Use K of N cores": N from the browser, the default leaves one core to the volunteer.
-const cores = Math.max(1, Number(navigator.hardwareConcurrency) || 1);
-$('cores').replaceChildren(...Array.from({ length: cores }, (_, i) => {
-  const o = document.createElement('option');
-  o.value = String(i + 1);
-  o.textContent = String(i + 1);
-  return o;
-}));
-$('cores').value = String(Math.max(1, cores - 1));
-$('cores-total').textContent = String(cores);
+initVolunteer({ status: () => lastStatus, onProgress: () => { markMyWorker(); renderSummary(); } });
 
-// Loopback mode (`/?loopback=1`): every Web Worker trains against in-memory shards of its own
-// on a synthetic partition, with the run's model and batch: this device's compute alone;
-// `&batch=B` overrides the batch there (to time smaller batches).
-const pageQuery = new URLSearchParams(location.search);
-const loopback = pageQuery.get('loopback') === '1';
+// ---------------------------------------------------------------- charts
 
-// The volunteer's stable identity: 32 random hex digits made once and kept in localStorage
-// (a Web Worker cannot read it, so it goes in the script URL), sent with every join: the
-// server's ledger credits it across sessions, reloads and server restarts. Not a secret
-// credential (docs/protocol.md, "Identity"). Without localStorage: one for this page only.
-const IDENTITY_KEY = 'crowdgrad.identity';
-const IDENTITY_RE = /^[A-Za-z0-9_-]{8,64}$/;
-const identity = (() => {
-  const fresh = () => Array.from(crypto.getRandomValues(new Uint8Array(16)), (b) => b.toString(16).padStart(2, '0')).join('');
-  try {
-    let id = localStorage.getItem(IDENTITY_KEY);
-    if (!id || !IDENTITY_RE.test(id)) {
-      id = fresh();
-      localStorage.setItem(IDENTITY_KEY, id);
+const chart = new EvalChart($('chart'));
+// On a projector the chart takes about half the screen's height.
+const pchart = new EvalChart($('p-chart'), { height: Math.round(Math.min(720, Math.max(320, 0.5 * innerHeight))), big: true });
+registerEvalChart(chart);
+registerEvalChart(pchart);
+initChartControls(() => renderCharts(true));
+// The classroom view's own x-axis choice is the dashboard's (one view of the chart).
+$('p-x-axis').addEventListener('change', (e) => {
+  $('x-axis').value = e.target.value;
+  $('x-axis').dispatchEvent(new Event('change'));
+});
+$('x-axis').addEventListener('change', (e) => { $('p-x-axis').value = e.target.value; });
+
+function currentExperiments() {
+  if (experiments && experiments.length) {
+    const out = experiments.map((e) => ({ ...e }));
+    const cur = out[out.length - 1];
+    // Stream points newer than what /api/evals answered join the current experiment. The
+    // stream counts samples from the server's start, an experiment from its own: the offset
+    // is read off the evaluation both have (the same t_ms); without one, none join.
+    const last = cur.points[cur.points.length - 1];
+    const same = last && history.find((p) => p.t_ms === last.t_ms);
+    if (same) {
+      const offset = same.samples - last.samples;
+      cur.points = [...cur.points, ...history.filter((p) => p.t_ms > last.t_ms).map((p) => ({ ...p, samples: p.samples - offset }))];
     }
-    return id;
-  } catch (err) {
-    console.warn('crowdgrad: no localStorage; this identity lasts for this page only', err);
-    return fresh();
+    return out;
   }
-})();
+  return [{ id: 0, label: 'this run', points: history }];
+}
 
-// The script URL tells each Web Worker which thread it is (worker.js stays the same shim).
-function workerUrl(index, count, key, st) {
-  const q = new URLSearchParams({ thread: String(index), threads: String(count), volunteer: key });
-  if (!loopback) q.set('identity', identity);
-  if (loopback) {
-    const cfg = (st && st.config && st.config.training) || {};
-    q.set('loopback', '1');
-    if (cfg.model) q.set('model', String(cfg.model));
-    if (st && st.batch_size) q.set('batch', String(st.batch_size));
-    if (st && st.shards && st.shards.length) q.set('shards', String(st.shards.length));
-    if (pageQuery.get('batch')) q.set('batch', pageQuery.get('batch'));
+// The server evaluates every --eval-every seconds while the run moves: a gap much longer
+// than that was idle.
+const evalEveryMs = () => 1000 * (Number(lastStatus && lastStatus.config && lastStatus.config.eval_every) || 1);
+const evalGapMs = () => Math.max(10_000, 5 * evalEveryMs());
+const leadMs = () => 1.5 * evalEveryMs();
+
+function renderCharts(force = false) {
+  if (frozen && !force) return;
+  const exps = currentExperiments();
+  chart.update(exps, evalGapMs(), leadMs());
+  $('chart-summary').textContent = evalSummary(exps[exps.length - 1].points);
+  if (presenting()) {
+    pchart.update(exps, evalGapMs(), leadMs());
+    $('p-chart-summary').textContent = evalSummary(exps[exps.length - 1].points);
   }
-  // `/?simd=relaxed` opts into the relaxed-SIMD build (worker.js checks the engine has it).
-  if (pageQuery.get('simd') === 'relaxed') q.set('simd', 'relaxed');
-  return new URL(`./worker.js?${q}`, import.meta.url);
+  renderMultiples(figures);
+  $('over-time-source').textContent = figuresFromServer
+    ? `From the server's record of the run, one point every ${FIGURE_EVERY_MS / 1000} s.`
+    : `Since this page opened, one point every ${FIGURE_EVERY_MS / 1000} s (this server keeps no history of its own).`;
+  renderExperiments(exps, currentExperiment, exportExperiment);
 }
 
-function startThread(index, count, key) {
-  const w = new Worker(workerUrl(index, count, key, lastStatus), { type: 'module' });
-  const t = { worker: w, progress: null };
-  volunteer.threads[index] = t;
-  if (index === 0) volunteer.worker = w;
-  w.onmessage = (e) => {
-    const msg = e.data;
-    if (msg.type === 'progress') {
-      t.progress = msg.progress;
-      renderProgress(sumProgress());
-      // The first thread has the partition in the Cache API once it trains: start the others,
-      // which find it there (one download for all).
-      if (index === 0 && msg.progress.state === 'training') startRest(count, key);
-    } else if (msg.type === 'error') showError(msg.message);
-  };
-  w.onerror = (e) => {
-    e.preventDefault();
-    showError(`The worker failed to load: ${e.message || 'unknown error'}`);
-  };
-  w.postMessage({ cmd: 'throttle', value: Number($('throttle').value) });
-  w.postMessage({ cmd: 'token', value: $('join-token').value });
-  if (volunteer.paused) w.postMessage({ cmd: 'pause' });
-  w.postMessage({ cmd: 'start' });
-}
+// ---------------------------------------------------------------- staleness histogram
 
-function startRest(count, key) {
-  if (volunteer.threads.length >= count) return;
-  clearTimeout(volunteer.restTimer);
-  for (let i = volunteer.threads.length; i < count; i++) startThread(i, count, key);
-}
-
-// The threads' reports as one: counts and rates add up, times and the loss are means.
-function sumProgress() {
-  const ps = volunteer.threads.map((t) => t && t.progress).filter(Boolean);
-  if (ps.length === 0) return null;
-  const sum = (k) => ps.reduce((a, p) => a + (p[k] || 0), 0);
-  const mean = (k) => {
-    const vs = ps.map((p) => p[k]).filter((v) => v != null && Number.isFinite(v));
-    return vs.length ? vs.reduce((a, b) => a + b, 0) / vs.length : null;
-  };
-  const stepping = ps.filter((p) => p.steps > 0);
-  const first = ps[0];
-  const worse = ps.find((p) => p.state === 'reconnecting') || first;
-  return {
-    ...first,
-    state: worse.state,
-    retry_in_ms: worse.retry_in_ms,
-    error: ps.map((p) => p.error).find(Boolean) || null,
-    last_error: ps.map((p) => p.last_error).find(Boolean) || null,
-    worker_ids: ps.map((p) => p.worker_id).filter((id) => id != null),
-    threads: ps.length,
-    samples: sum('samples'),
-    steps: sum('steps'),
-    pushes_accepted: sum('pushes_accepted'),
-    pushes_rejected: sum('pushes_rejected'),
-    samples_per_sec: sum('samples_per_sec'),
-    reconnects: sum('reconnects'),
-    ema_loss: stepping.length ? stepping.reduce((a, p) => a + p.ema_loss, 0) / stepping.length : first.ema_loss,
-    step_ms: mean('step_ms'),
-    wait_ms: mean('wait_ms'),
-  };
-}
-
-// A private run's join token: from the link's fragment (#token=..., never sent to the server
-// in a URL) or typed into the field. It is taken off the address bar at once and never shown.
-const joinToken = (() => {
-  const m = /(?:^#|&)token=([^&]*)/.exec(location.hash);
-  if (!m) return '';
-  history.replaceState(null, '', location.pathname + location.search);
-  try {
-    return decodeURIComponent(m[1]);
-  } catch {
-    return '';
-  }
-})();
-if (joinToken) $('join-token').value = joinToken;
-
-function startContributing() {
-  volunteer.clickedAt = performance.now();
-  const button = $('contribute');
-  button.disabled = true;
-  button.textContent = 'Contributing';
-  button.setAttribute('aria-pressed', 'true');
-  $('pause').hidden = false;
-  $('cores').disabled = true;
-  const count = Math.min(cores, Math.max(1, Number($('cores').value) || 1));
-  const key = Array.from(crypto.getRandomValues(new Uint8Array(16)), (b) => b.toString(16).padStart(2, '0')).join('');
-  startThread(0, count, key);
-  // Loopback threads download nothing; otherwise the rest start once thread 0 trains, or
-  // after 30 s whatever it is doing (a slow download must not keep the other cores idle).
-  if (loopback) startRest(count, key);
-  else volunteer.restTimer = setTimeout(() => startRest(count, key), 30_000);
-}
-
-function togglePause() {
-  volunteer.paused = !volunteer.paused;
-  send(volunteer.paused ? 'pause' : 'resume');
-  const b = $('pause');
-  b.textContent = volunteer.paused ? 'Resume' : 'Pause';
-  b.setAttribute('aria-pressed', String(volunteer.paused));
-}
-
-function showError(text) {
-  const el = $('my-error');
-  el.hidden = !text;
-  el.textContent = text || '';
-}
-
-function renderProgress(p) {
-  if (!p) return;
-  volunteer.progress = p;
-  if (volunteer.firstPushAt == null && p.pushes_accepted > 0) volunteer.firstPushAt = performance.now();
-  const state = $('my-state');
-  let label = p.state;
-  if (p.state === 'reconnecting' && p.retry_in_ms != null) {
-    label = `reconnecting (retry in ${(p.retry_in_ms / 1000).toFixed(1)} s)`;
-  }
-  state.textContent = label;
-  state.dataset.state = p.state;
-  $('my-id').textContent = p.worker_ids && p.worker_ids.length ? p.worker_ids.join(', ')
-    : (loopback ? 'loopback' : '–');
-  $('my-threads').textContent = `${p.threads || 1} of ${cores}${loopback ? ' (loopback)' : ''}`;
-  $('my-samples').textContent = num(p.samples);
-  $('my-steps').textContent = num(p.steps);
-  $('my-accepted').textContent = num(p.pushes_accepted);
-  $('my-rejected').textContent = num(p.pushes_rejected);
-  $('my-rate').textContent = num(p.samples_per_sec);
-  $('my-loss').textContent = p.steps > 0 ? fixed(p.ema_loss, 4) : '–';
-  $('my-step').textContent = p.step_ms == null ? '–'
-    : `${p.step_ms.toFixed(1)} ms` + (p.wait_ms == null ? '' : ` + ${p.wait_ms.toFixed(1)} ms waiting`);
-  $('my-reconnects').textContent = num(p.reconnects);
-  // The driver's own error (why the last session ended) or the shards' last word.
-  $('my-last-error').textContent = p.error || p.last_error || 'none';
-  const problem = p.state === 'reconnecting' ? p.error : null;
-  showError(problem ? `Lost the server: ${problem}. Retrying automatically.` : '');
-  document.title = p.steps > 0 ? `crowdgrad · ${num(p.samples)} samples` : 'crowdgrad';
-  markMyWorker();
-}
-
-function renderVisibility() {
-  const note = $('visibility');
-  if (!volunteer.worker) {
-    note.hidden = true;
-    return;
-  }
-  if (document.visibilityState === 'hidden') {
-    volunteer.hiddenSince = performance.now();
-    note.hidden = false;
-    note.textContent = 'This tab is hidden. Training continues in the Web Worker, '
-      + 'though the browser may slow background tabs.';
-  } else {
-    if (volunteer.hiddenSince != null) {
-      volunteer.hiddenMs += performance.now() - volunteer.hiddenSince;
-      volunteer.hiddenSince = null;
-    }
-    const s = Math.round(volunteer.hiddenMs / 1000);
-    note.hidden = s === 0;
-    note.textContent = `This tab was hidden for ${s} s in total; the Web Worker kept training meanwhile.`;
-  }
-}
-
-$('contribute').addEventListener('click', startContributing);
-$('pause').addEventListener('click', togglePause);
-$('throttle').addEventListener('change', (e) => send('throttle', Number(e.target.value)));
-document.addEventListener('visibilitychange', renderVisibility);
-
-// ---------------------------------------------------------------- dashboard
-
-let chart = null;
 let hist = null;
 let histShards = -1;
 const BUCKETS = 17;
-const HIST_COLORS = ['#1f4f8f', '#a3441f', '#1f6f43', '#7a3f9d', '#8a6d00', '#2b7c8c'];
+const HIST_COLORS = ['#1b3a6b', '#c45f00', '#1f6f43', '#7a3f9d', '#8a6d00', '#2b7c8c'];
+const HIST_DASH = [undefined, [6, 4], [2, 3], [12, 3, 3, 3], [1, 3], [8, 2]];
 
-// Normalises a histogram to shares (a step outline is drawn, one bucket per staleness value).
 function shares(h) {
   const counts = Array.from({ length: BUCKETS }, (_, i) => (h && h[i]) || 0);
   const total = counts.reduce((a, b) => a + b, 0);
@@ -286,22 +124,25 @@ function makeHist(shardCount) {
   const step = uPlot.paths.stepped({ align: 1 });
   const series = [{ label: 'staleness', value: (u, v) => (v == null ? '' : v >= BUCKETS - 1 ? `${BUCKETS - 1}+` : String(v)) }];
   for (let i = 0; i < shardCount; i++) {
-    series.push({ label: `shard ${i}`, stroke: HIST_COLORS[i % HIST_COLORS.length], width: 2, paths: step, value: (u, v) => pct(v) });
+    series.push({ label: `shard ${i}`, stroke: HIST_COLORS[i % HIST_COLORS.length], dash: HIST_DASH[i % HIST_DASH.length], width: 2, paths: step, value: (u, v) => pct(v) });
   }
-  series.push({ label: 'read skew', stroke: '#444', dash: [6, 4], width: 2, paths: step, value: (u, v) => pct(v) });
-  const opts = {
+  series.push({ label: 'read skew', stroke: '#444', dash: [10, 3, 2, 3], width: 2, paths: step, value: (u, v) => pct(v) });
+  const axis = { stroke: '#3d4452', grid: { stroke: '#e4e2dc' } };
+  hist = new uPlot({
     width: Math.max(280, box.clientWidth),
     height: 200,
     scales: { x: { time: false }, y: { range: [0, 1] } },
     axes: [
-      { label: 'updates behind', stroke: '#555', values: (u, vs) => vs.map((v) => (v >= BUCKETS - 1 ? `${BUCKETS - 1}+` : v)) },
-      { label: 'share', stroke: '#555', values: (u, vs) => vs.map((v) => `${Math.round(v * 100)}%`) },
+      { ...axis, label: 'updates behind', values: (u, vs) => vs.map((v) => (v == null ? '' : v >= BUCKETS - 1 ? `${BUCKETS - 1}+` : v)) },
+      { ...axis, label: 'share', values: (u, vs) => vs.map((v) => (v == null ? '' : `${Math.round(v * 100)}%`)) },
     ],
     series,
     legend: { live: true },
-  };
-  const empty = [Array.from({ length: BUCKETS }, (_, i) => i), ...series.slice(1).map(() => [])];
-  hist = new uPlot(opts, empty, box);
+  }, [Array.from({ length: BUCKETS }, (_, i) => i), ...series.slice(1).map(() => [])], box);
+  new ResizeObserver(() => {
+    const w = Math.max(280, box.clientWidth);
+    if (hist && Math.abs(hist.width - w) > 2) hist.setSize({ width: w, height: 200 });
+  }).observe(box);
 }
 
 function renderHist(st) {
@@ -309,23 +150,15 @@ function renderHist(st) {
   if (histShards !== shards.length) makeHist(shards.length);
   const xs = Array.from({ length: BUCKETS }, (_, i) => i);
   hist.setData([xs, ...shards.map((s) => shares(s.staleness_hist)), shares(st.read_skew_hist)]);
+  const t = st.totals || {};
+  const fresh = shares(t.staleness_hist)[0];
+  $('hist-summary').textContent = t.pushes_applied
+    ? `${pct(fresh)} of applied pushes were computed on the current version; mean staleness ${fixed(t.staleness_mean, 2)}, max ${num(t.staleness_max)}; `
+      + `mean read skew ${fixed(t.read_skew_mean, 2)}.`
+    : 'No pushes applied yet.';
 }
 
-// A compact text sparkline of a worker's staleness histogram (its counts in the label).
-function sparkline(h) {
-  const bars = '▁▂▃▄▅▆▇█';
-  const counts = Array.from({ length: BUCKETS }, (_, i) => (h && h[i]) || 0);
-  const last = counts.reduce((m, c, i) => (c > 0 ? i : m), 0);
-  const max = Math.max(1, ...counts);
-  return counts.slice(0, last + 1).map((c) => (c === 0 ? ' ' : bars[Math.min(7, Math.floor((c / max) * 7.999))])).join('');
-}
-
-// A language model's run (status `task.kind` "language") shows validation bits per character
-// (bits per token with byte tokens) where a classifier shows accuracy and loss, and the text
-// its current weights write (/api/sample).
-let language = null;
-const SAMPLE_EVERY_MS = 5_000;
-let sampleTimer = null;
+// ---------------------------------------------------------------- status
 
 function setTask(task) {
   const lm = task && task.kind === 'language' ? task : null;
@@ -335,77 +168,225 @@ function setTask(task) {
   $('kpi-accuracy-label').textContent = lm ? `Next-${unit} accuracy` : 'Test accuracy';
   $('kpi-loss-label').textContent = lm ? `Validation bits/${unit === 'byte' ? 'byte' : 'char'}` : 'Test loss';
   $('chart-caption').textContent = lm
-    ? `Next-${unit} accuracy (left axis) and validation bits per ${unit} (right axis; lower is better) against seconds since the run began.`
-    : 'Test accuracy (left axis) and loss (right axis) against seconds since the run began.';
-  if (chart) {
-    chart.destroy();
-    chart = null;
-    $('chart').replaceChildren();
-    makeChart();
-  }
+    ? `Next-${unit} accuracy (left axis, solid) and validation bits per ${unit} (right axis, dashed; lower is better). Drag across the chart to zoom; the zoom stays while the run updates.`
+    : 'Test accuracy (left axis, solid) and loss (right axis, dashed). Drag across the chart to zoom; the zoom stays while the run updates.';
+  setLanguage(lm);
+  wantGuesses(!lm && pageApi);
   $('sample').hidden = !lm;
   if (lm && !sampleTimer) {
     loadSample();
-    sampleTimer = setInterval(() => { if (!document.hidden) loadSample(); }, SAMPLE_EVERY_MS);
+    sampleTimer = setInterval(() => { if (!document.hidden) loadSample(); }, 5_000);
   }
 }
 
+let sampleTimer = null;
 async function loadSample() {
   try {
     const r = await fetch('/api/sample');
     if (r.status !== 200) return;
     const s = await r.json();
-    const out = $('sample-text');
     const prompt = document.createElement('span');
     prompt.className = 'sample-prompt';
     prompt.textContent = s.prompt;
-    out.replaceChildren(prompt, document.createTextNode(s.text));
+    $('sample-text').replaceChildren(prompt, document.createTextNode(s.text));
     $('sample-info').textContent = `After ${num(s.samples)} samples (step ${num(s.step)}), at temperature ${s.temperature}: `
       + 'the bold prompt is the server\'s, the rest the model\'s.';
-  } catch (_) {
+  } catch {
     // The next poll tries again.
   }
 }
 
-function makeChart() {
-  const box = $('chart');
-  const width = Math.max(280, box.clientWidth);
-  const opts = {
-    width,
-    height: 260,
-    scales: { x: { time: false }, acc: { range: [0, 1] }, loss: { auto: true } },
-    axes: [
-      { label: 'seconds', stroke: '#555' },
-      { scale: 'acc', label: language ? 'next-token accuracy' : 'accuracy', stroke: '#1f6f43', values: (u, vs) => vs.map((v) => `${Math.round(v * 100)}%`) },
-      { scale: 'loss', label: language ? 'bits per token' : 'loss', side: 1, grid: { show: false }, stroke: '#a3441f' },
-    ],
-    series: [
-      { label: 'time (s)' },
-      { label: language ? 'next-token accuracy' : 'test accuracy', scale: 'acc', stroke: '#1f6f43', width: 2, value: (u, v) => pct(v) },
-      { label: language ? 'validation bits/token' : 'test loss', scale: 'loss', stroke: '#a3441f', width: 2, value: (u, v) => fixed(v, language ? 3 : 4) },
-    ],
-    legend: { live: true },
+function kindSummary(k) {
+  if (!k) return '–';
+  const part = (name, c) => `${name} ${num(c && c.connected)} / ${num(c && c.registered)}`;
+  return `${part('native', k.native)} · ${part('browser', k.browser)}`;
+}
+
+function shardHealth(h) {
+  if (!h) return 'in process';
+  if (h.ready) return `up (${h.url})`;
+  return `${h.up ? 'wrong layout' : 'DOWN'}: ${h.error || ''} (${h.url})`;
+}
+
+// The resolved configuration as TOML-like text: top-level keys, then [sections].
+function configText(cfg) {
+  if (!cfg || typeof cfg !== 'object') return '–';
+  const v = (x) => (typeof x === 'string' ? JSON.stringify(x) : Array.isArray(x) ? JSON.stringify(x) : String(x));
+  const plain = Object.entries(cfg).filter(([, x]) => typeof x !== 'object' || Array.isArray(x) || x === null);
+  const sections = Object.entries(cfg).filter(([, x]) => x && typeof x === 'object' && !Array.isArray(x));
+  const lines = plain.map(([k, x]) => `${k} = ${v(x)}`);
+  for (const [name, t] of sections) {
+    lines.push('', `[${name}]`, ...Object.entries(t).map(([k, x]) => `${k} = ${v(x)}`));
+  }
+  return lines.join('\n');
+}
+
+function renderShards(shards, health) {
+  $('shards').replaceChildren(...shards.map((s, i) => {
+    const tr = document.createElement('tr');
+    tr.append(
+      cell(String(s.id)),
+      cell(`${num(s.range.start)}–${num(s.range.end)}`),
+      cell(num(s.version), 'num'),
+      cell(`${num(s.pushes_applied)} / ${num(s.pushes_rejected)}`, 'num'),
+      cell(num(s.pulls), 'num'),
+      cell(`${fixed(s.staleness_mean, 1)} / ${num(s.staleness_max)}`, 'num'),
+      cell(shardHealth(health && health[i])),
+    );
+    return tr;
+  }));
+}
+
+function sumReasons(shards, key) {
+  const out = {};
+  for (const s of shards || []) for (const [k, v] of Object.entries(s[key] || {})) out[k] = (out[k] || 0) + v;
+  return out;
+}
+
+const LIMIT_KEYS = ['connections_refused_total', 'pushes_limited_per_worker', 'pushes_limited_per_ip', 'joins_limited', 'joins_unauthorized', 'downloads_limited'];
+const limitRefusals = (l) => LIMIT_KEYS.reduce((a, k) => a + ((l && l[k]) || 0), 0);
+
+// One figure every 5 s from the ticks, in /api/history's shape, when the server keeps none.
+let lastFigureTotals = null;
+function observeFigure(st) {
+  if (figuresFromServer) return;
+  const now = Date.now();
+  const t = st.totals || {};
+  const totals = {
+    t_ms: now, samples: t.samples || 0, up: t.bytes_up || 0, down: t.bytes_down || 0,
+    rejected: sumReasons(st.shards, 'rejected_by_reason'), limits: limitRefusals(st.limits),
   };
-  chart = new uPlot(opts, [[], [], []], box);
-  new ResizeObserver(() => {
-    const w = Math.max(280, box.clientWidth);
-    if (chart && Math.abs(chart.width - w) > 2) chart.setSize({ width: w, height: 260 });
-  }).observe(box);
+  const prev = lastFigureTotals;
+  if (prev && now - prev.t_ms < FIGURE_EVERY_MS) return;
+  lastFigureTotals = totals;
+  if (!prev) return;
+  const s = (now - prev.t_ms) / 1000;
+  const rejected = {};
+  for (const [k, v] of Object.entries(totals.rejected)) if (v - (prev.rejected[k] || 0) > 0) rejected[k] = v - (prev.rejected[k] || 0);
+  const vols = t.workers && t.workers.volunteers;
+  figures.push({
+    t_ms: now,
+    samples: totals.samples,
+    samples_per_s: Math.max(0, (totals.samples - prev.samples) / s),
+    volunteers: vols ? vols.connected : st.workers_connected || 0,
+    bytes_up_per_s: Math.max(0, (totals.up - prev.up) / s),
+    bytes_down_per_s: Math.max(0, (totals.down - prev.down) / s),
+    rejected,
+    quarantined: (st.reputation && st.reputation.quarantined) || 0,
+    limit_refusals: Math.max(0, totals.limits - prev.limits),
+  });
+  if (figures.length > 17_280) figures.shift();
 }
 
-function cell(text, cls) {
-  const td = document.createElement('td');
-  td.textContent = text;
-  if (cls) td.className = cls;
-  return td;
+let configShown = '';
+function renderStatus(st) {
+  lastStatus = st;
+  noteRun(st);
+  observeFigure(st);
+  setTask(st.task);
+  if (frozen) return;
+  // A private run shows the token field (unless the link carried the token).
+  $('join-token-label').hidden = !st.private_run || Boolean(joinToken);
+  const opt = st.optimizer || {};
+  const rule = opt.rule && opt.rule.kind ? opt.rule.kind : (typeof opt.rule === 'string' ? opt.rule : '');
+  const model = typeof st.model === 'string' ? st.model : JSON.stringify(st.model);
+  const dataset = st.dataset && st.dataset.name ? st.dataset.name : (st.dataset || '');
+  $('run-info').textContent = [
+    `run ${st.run_id}`, model, dataset && `on ${dataset}`, st.consistency,
+    st.batch_size && `batch ${st.batch_size}`, rule && `${rule}${opt.lr ? ` lr ${Number(opt.lr.toPrecision(6))}` : ''}`,
+    `up ${Math.round(st.uptime_s || 0)} s`,
+  ].filter(Boolean).join(' · ');
+  const ev = st.eval;
+  $('kpi-accuracy').textContent = ev ? pct(ev.accuracy) : '–';
+  // A language model's perplexity is 2^(bits per token): how many tokens it is as unsure as.
+  $('kpi-loss').textContent = ev
+    ? (language ? `${fixed(ev.bits_per_token, 3)} (perplexity ${fixed(2 ** ev.bits_per_token, 1)})` : fixed(ev.loss, 4))
+    : '–';
+  const t = st.totals || {};
+  $('kpi-rate').textContent = num(t.samples_per_sec);
+  $('kpi-workers').textContent = num(st.workers_connected);
+  const vols = t.workers && t.workers.volunteers;
+  $('kpi-volunteers').textContent = vols ? num(vols.connected) : '–';
+  $('kpi-samples').textContent = num(t.samples);
+  $('kpi-pushes').textContent = `${num(t.pushes_applied)} / ${num(t.pushes_rejected)}`;
+  $('kpi-frames').textContent = num(t.frames_rejected);
+  const quarantined = (st.reputation && st.reputation.quarantined) || 0;
+  const sc = st.spot_checks;
+  $('kpi-spot').textContent = `${sc ? `${num(sc.passed)} / ${num(sc.failed)}` : 'off'} · ${num(quarantined)}`;
+  $('kpi-bytes').textContent = `${bytes(t.bytes_up)} / ${bytes(t.bytes_down)}`;
+  $('kpi-kinds').textContent = kindSummary(t.workers);
+  $('kpi-mode').textContent = st.consistency || '–';
+  $('kpi-policy').textContent = st.staleness_policy || '–';
+  $('kpi-skew').textContent = t.read_steps ? `${fixed(t.read_skew_mean, 2)} / ${num(t.read_skew_max)}` : '–';
+  const pushes = reasonsText(sumReasons(st.shards, 'rejected_by_reason'));
+  const frames = reasonsText(sumReasons(st.shards, 'frames_rejected_by_reason'));
+  $('refusals').textContent = `Pushes: ${pushes}. Frames: ${frames}.`;
+  if (t.workers) workerPages.total = t.workers.registered;
+  renderWorkerPager();
+  renderShards(st.shards || [], st.remote_shards);
+  // Rewritten only when it changes, so it can be selected and copied.
+  const cfg = configText(st.config);
+  if (cfg !== configShown) {
+    configShown = cfg;
+    $('config').textContent = cfg;
+  }
+  renderHist(st);
+  if (st.quarantines) renderQuarantines(st.quarantines);
+  // The tick carries `demo` only while one is on: without it, none is.
+  if (st.demo || pageApi) renderDemo(st.demo || []);
+  renderPresent(st, language);
+  renderSummary();
+  renderCharts();
 }
 
-// The worker table shows one page of PAGE workers, newest first, from /api/workers (with the
-// reputation records of its rows): fetched when the page moves and every WORKERS_EVERY_MS
-// while the page is visible, one request at a time.
+const compact = new Intl.NumberFormat('en', { notation: 'compact', maximumFractionDigits: 1 });
+function renderSummary() {
+  const st = lastStatus;
+  if (!st) return;
+  const ev = st.eval;
+  const t = st.totals || {};
+  const vols = t.workers && t.workers.volunteers;
+  const figure = language
+    ? `${ev && ev.bits_per_token != null ? ev.bits_per_token.toFixed(2) : '–'} bits/char`
+    : `${ev ? `${(100 * ev.accuracy).toFixed(1)}%` : '–'} accuracy`;
+  const me = volunteer.running ? ` · you: ${(volunteer.progress && volunteer.progress.state) || 'starting'}` : '';
+  const online = vols ? vols.connected : st.workers_connected || 0;
+  $('summary').textContent = `${figure} · ${num(online)} ${online === 1 ? 'volunteer' : 'volunteers'} · ${compact.format(t.samples_per_sec || 0)} samples/s${me}`;
+}
+
+function renderQuarantines(list) {
+  $('quarantine-none').hidden = list.length > 0;
+  $('quarantine-wrap').hidden = list.length === 0;
+  $('quarantines').replaceChildren(...list.map((q) => {
+    const tr = document.createElement('tr');
+    tr.append(cell(q.worker == null ? '–' : String(q.worker)), cell(q.identity_short || '–'),
+      cell(q.reason || '–', 'reason'), cell(q.at_ms ? new Date(q.at_ms).toLocaleString() : '–'));
+    return tr;
+  }));
+}
+
+function renderDemo(list) {
+  const on = list.filter((d) => d.delay_ms || d.fault);
+  $('demo-banner').hidden = on.length === 0;
+  $('p-demo').hidden = on.length === 0;
+  $('demo-banner').textContent = $('p-demo').textContent = on.length
+    ? `Demonstration on: ${on.map((d) => `worker ${d.worker}${d.delay_ms ? ` slowed by ${num(d.delay_ms)} ms` : ''}${d.fault ? ` made faulty (${d.fault})` : ''}`).join('; ')}.`
+    : '';
+}
+
+function setLive(live) {
+  const el = $('live');
+  el.dataset.live = frozen ? 'paused' : String(live);
+  el.textContent = frozen ? 'updates paused' : live ? 'live' : 'reconnecting…';
+  if (!live && !frozen) announce('Lost the run\'s live updates; reconnecting.');
+}
+
+// ---------------------------------------------------------------- workers
+
 const PAGE = 100;
 const WORKERS_EVERY_MS = 3_000;
 const workerPages = { offset: 0, total: 0, loading: false };
+const reputation = { workers: {} };
 
 function renderWorkerPager() {
   const { offset, total } = workerPages;
@@ -418,7 +399,7 @@ function renderWorkerPager() {
 }
 
 async function loadWorkerPage() {
-  if (workerPages.loading) return;
+  if (workerPages.loading || frozen) return;
   const offset = workerPages.offset;
   workerPages.loading = true;
   try {
@@ -428,11 +409,13 @@ async function loadWorkerPage() {
     if (offset !== workerPages.offset) return; // the user moved on meanwhile
     workerPages.total = page.total;
     reputation.workers = page.reputation || {};
+    if (page.quarantines) renderQuarantines(page.quarantines);
+    else renderQuarantines(quarantinesFromRecords(page.workers));
     if (page.workers.length === 0 && offset > 0) {
-      // Workers were forgotten since: show the last page that still exists.
       workerPages.offset = Math.max(0, Math.ceil(page.total / PAGE) - 1) * PAGE;
     } else {
       renderWorkers(page.workers);
+      renderDemoWorkers(page.workers);
     }
   } catch (err) {
     console.warn('crowdgrad: could not load workers', err);
@@ -442,21 +425,25 @@ async function loadWorkerPage() {
   }
 }
 
+// An older server has no quarantine list: the shown workers' reputation records have it.
+function quarantinesFromRecords(workers) {
+  const ids = new Map(workers.map((w) => [String(w.id), w]));
+  return Object.entries(reputation.workers || {}).filter(([, r]) => r.quarantined).map(([id, r]) => ({
+    worker: Number(id),
+    identity_short: ids.get(id) && ids.get(id).identity ? `${ids.get(id).identity.slice(0, 8)}…` : null,
+    reason: r.quarantined.reason,
+    at_ms: r.quarantined.at_ms || (r.quarantined.at_unix ? r.quarantined.at_unix * 1000 : null),
+  }));
+}
+
 function moveWorkerPage(pages) {
   const last = Math.max(0, Math.ceil(workerPages.total / PAGE) - 1) * PAGE;
   workerPages.offset = Math.min(last, Math.max(0, workerPages.offset + pages * PAGE));
   loadWorkerPage();
   renderWorkerPager();
 }
-
 $('workers-newer').addEventListener('click', () => moveWorkerPage(-1));
 $('workers-older').addEventListener('click', () => moveWorkerPage(1));
-
-function kindSummary(k) {
-  if (!k) return '–';
-  const part = (name, c) => `${name} ${num(c && c.connected)} / ${num(c && c.registered)}`;
-  return `${part('native', k.native)} · ${part('browser', k.browser)}`;
-}
 
 // The threads of one volunteer (joined with one threads.volunteer) as one row: counts add up,
 // staleness is their pushes' mean and their max, the histograms add up.
@@ -495,11 +482,17 @@ function groupThreads(workers) {
   return out;
 }
 
+function sparkline(h) {
+  const bars = '▁▂▃▄▅▆▇█';
+  const counts = Array.from({ length: BUCKETS }, (_, i) => (h && h[i]) || 0);
+  const last = counts.reduce((m, c, i) => (c > 0 ? i : m), 0);
+  const max = Math.max(1, ...counts);
+  return counts.slice(0, last + 1).map((c) => (c === 0 ? ' ' : bars[Math.min(7, Math.floor((c / max) * 7.999))])).join('');
+}
+
 function renderWorkers(workers) {
-  const body = $('workers');
-  // Online workers first, then newest first (as the pages are).
   const rows = groupThreads(workers).sort((a, b) => (b.connected - a.connected) || (b.id - a.id));
-  body.replaceChildren(...rows.map((w) => {
+  $('workers').replaceChildren(...rows.map((w) => {
     const tr = document.createElement('tr');
     tr.dataset.connected = String(!!w.connected);
     tr.dataset.kind = w.client;
@@ -509,7 +502,7 @@ function renderWorkers(workers) {
     const ids = w.ids.length > 1 ? `${w.ids.join(', ')} · ${w.thread_count} threads` : String(w.id);
     const label = w.name ? `${ids} (${w.name})` : ids;
     tr.append(
-      cell(label),
+      cell(label, 'who'),
       cell(w.client, `kind kind-${w.client}`),
       cell(w.connected ? `yes (${w.shards_connected})` : 'no'),
       cell(num(w.samples), 'num'),
@@ -525,40 +518,28 @@ function renderWorkers(workers) {
   markMyWorker();
 }
 
-// Spot checks and quarantine (issue 10): the counts from the tick, the records of the shown
-// rows from /api/workers: checks passed / failed over the row's worker ids, or QUARANTINED
-// with the reason as the tooltip.
-const reputation = { workers: {}, quarantined: 0 };
+// Spot checks and quarantine (issue 10): QUARANTINED with its reason in the cell itself.
 function trustCell(ids, tr) {
   const reps = ids.map((id) => (reputation.workers || {})[String(id)]).filter(Boolean);
   const q = reps.find((r) => r.quarantined);
   if (q) {
     tr.dataset.quarantined = 'true';
-    const td = cell('QUARANTINED', 'quarantined');
-    td.title = q.quarantined.reason;
-    return td;
+    return cell(`QUARANTINED: ${q.quarantined.reason}`, 'quarantined');
   }
   const ok = reps.reduce((n, r) => n + r.spot_passed, 0);
   const bad = reps.reduce((n, r) => n + r.spot_failed, 0);
-  const td = cell(reps.length ? `${num(ok)} / ${num(bad)}` : '–', 'num');
-  const last = reps.map((r) => r.last_check).filter(Boolean).pop();
-  if (last) td.title = `last check: cosine ${last.cosine.toFixed(6)}, norm ratio ${last.norm_ratio.toFixed(4)}`;
-  return td;
+  return cell(reps.length ? `${num(ok)} / ${num(bad)}` : '–', 'num');
 }
 
-// What a worker reported about its exchanges (issue 8): inner steps per push, the negotiated
-// encodings, its traffic, and the share of its time spent computing rather than waiting.
 function exchangeCells(x) {
   if (!x) return [cell('–', 'num'), cell('–'), cell('–', 'num'), cell('–', 'num')];
   const enc = (e) => (e === 'int8_block' ? 'int8' : e);
   const share = Math.max(0, Math.min(1, x.compute_share || 0));
-  const busy = cell(`${(100 * share).toFixed(0)}% / ${(100 * (1 - share)).toFixed(0)}%`, 'num');
-  busy.title = `mean exchange ${fixed(1000 * (x.exchange_s || 0), 1)} ms`;
   return [
     cell(num(x.local_steps), 'num'),
     cell(`${enc(x.pull_encoding)} / ${enc(x.push_encoding)}`),
     cell(`${bytes(x.up_bps)}/s / ${bytes(x.down_bps)}/s`, 'num'),
-    busy,
+    cell(`${(100 * share).toFixed(0)}% / ${(100 * (1 - share)).toFixed(0)}%`, 'num'),
   ];
 }
 
@@ -566,151 +547,57 @@ function sparkCell(h) {
   const td = cell(sparkline(h), 'spark');
   const counts = (h || []).map((c, i) => `${i === BUCKETS - 1 ? `${i}+` : i}: ${c}`).filter((s) => !s.endsWith(': 0'));
   td.setAttribute('aria-label', counts.length ? `pushes by staleness, ${counts.join(', ')}` : 'no pushes yet');
-  td.title = counts.join('\n');
   return td;
 }
 
 function markMyWorker() {
-  const mine = new Set(((volunteer.progress && volunteer.progress.worker_ids) || []).map(String));
+  const mine = new Set(((volunteer.progress && volunteer.running && volunteer.progress.worker_ids) || []).map(String));
   for (const tr of $('workers').children) {
     const me = (tr.dataset.ids || '').split(',').some((id) => mine.has(id));
     tr.classList.toggle('me', me);
-    if (me) tr.title = 'this tab';
-    else tr.removeAttribute('title');
+    const who = tr.querySelector('.who');
+    if (who) {
+      const base = who.textContent.replace(/ · this tab$/, '');
+      who.textContent = me ? `${base} · this tab` : base;
+    }
   }
 }
 
-// Remote shard processes (serve --shard-urls) report their health; in-process shards are
-// always up.
-function shardHealth(h) {
-  if (!h) return 'in process';
-  if (h.ready) return `up (${h.url})`;
-  return `${h.up ? 'wrong layout' : 'DOWN'}: ${h.error || ''} (${h.url})`;
-}
+// ---------------------------------------------------------------- leaderboard
 
-// The resolved configuration as TOML-like text: top-level keys, then [sections].
-function configText(cfg) {
-  if (!cfg || typeof cfg !== 'object') return '–';
-  const v = (x) => (typeof x === 'string' ? JSON.stringify(x) : Array.isArray(x) ? JSON.stringify(x) : String(x));
-  const plain = Object.entries(cfg).filter(([, x]) => typeof x !== 'object' || Array.isArray(x));
-  const sections = Object.entries(cfg).filter(([, x]) => x && typeof x === 'object' && !Array.isArray(x));
-  const lines = plain.map(([k, x]) => `${k} = ${v(x)}`);
-  for (const [name, t] of sections) {
-    lines.push('', `[${name}]`, ...Object.entries(t).map(([k, x]) => `${k} = ${v(x)}`));
-  }
-  return lines.join('\n');
-}
-
-function renderShards(shards, health) {
-  $('shards').replaceChildren(...shards.map((s, i) => {
-    const tr = document.createElement('tr');
-    tr.append(
-      cell(String(s.id)),
-      cell(`${num(s.range.start)}–${num(s.range.end)}`),
-      cell(num(s.version), 'num'),
-      cell(`${num(s.pushes_applied)} / ${num(s.pushes_rejected)}`, 'num'),
-      cell(num(s.pulls), 'num'),
-      cell(`${fixed(s.staleness_mean, 1)} / ${num(s.staleness_max)}`, 'num'),
-      cell(shardHealth(health && health[i])),
-    );
-    return tr;
-  }));
-}
-
-// The latest status (loopback threads take the run's model and batch from it).
-let lastStatus = null;
-
-function renderStatus(st) {
-  lastStatus = st;
-  // A private run shows the token field (unless the link carried the token).
-  $('join-token-label').hidden = !st.private_run || Boolean(joinToken);
-  const opt = st.optimizer || {};
-  const rule = opt.rule && opt.rule.kind ? opt.rule.kind : (typeof opt.rule === 'string' ? opt.rule : '');
-  const model = typeof st.model === 'string' ? st.model : JSON.stringify(st.model);
-  const dataset = st.dataset && st.dataset.name ? st.dataset.name : (st.dataset || '');
-  $('run-info').textContent = [
-    `run ${st.run_id}`, model, dataset && `on ${dataset}`, st.consistency,
-    st.batch_size && `batch ${st.batch_size}`, rule && `${rule}${opt.lr ? ` lr ${Number(opt.lr.toPrecision(6))}` : ''}`,
-    `up ${Math.round(st.uptime_s || 0)} s`,
-  ].filter(Boolean).join(' · ');
-  setTask(st.task);
-  const ev = st.eval;
-  $('kpi-accuracy').textContent = ev ? pct(ev.accuracy) : '–';
-  // A language model's perplexity is 2^(bits per token): how many tokens it is as unsure as.
-  $('kpi-loss').textContent = ev
-    ? (language ? `${fixed(ev.bits_per_token, 3)} (perplexity ${fixed(2 ** ev.bits_per_token, 1)})` : fixed(ev.loss, 4))
-    : '–';
-  const t = st.totals || {};
-  $('kpi-rate').textContent = num(t.samples_per_sec);
-  $('kpi-workers').textContent = num(st.workers_connected);
-  const vols = t.workers && t.workers.volunteers;
-  $('kpi-volunteers').textContent = vols ? num(vols.connected) : '–';
-  $('kpi-samples').textContent = num(t.samples);
-  $('kpi-pushes').textContent = `${num(t.pushes_applied)} / ${num(t.pushes_rejected)}`;
-  $('kpi-frames').textContent = num(t.frames_rejected);
-  reputation.quarantined = (st.reputation && st.reputation.quarantined) || 0;
-  const sc = st.spot_checks;
-  $('kpi-spot').textContent = `${sc ? `${num(sc.passed)} / ${num(sc.failed)}` : 'off'} · ${num(reputation.quarantined || 0)}`;
-  $('kpi-bytes').textContent = `${bytes(t.bytes_up)} / ${bytes(t.bytes_down)}`;
-  $('kpi-kinds').textContent = kindSummary(t.workers);
-  $('kpi-mode').textContent = st.consistency || '–';
-  $('kpi-policy').textContent = st.staleness_policy || '–';
-  $('kpi-skew').textContent = t.read_steps ? `${fixed(t.read_skew_mean, 2)} / ${num(t.read_skew_max)}` : '–';
-  if (t.workers) workerPages.total = t.workers.registered;
-  renderWorkerPager();
-  renderShards(st.shards || [], st.remote_shards);
-  $('config').textContent = configText(st.config);
-  renderHist(st);
-  const h = st.eval_history || [];
-  const second = language ? (e) => e.bits_per_token : (e) => e.loss;
-  if (chart) chart.setData([h.map((e) => e.time_s), h.map((e) => e.accuracy), h.map(second)]);
-}
-
-function setLive(live) {
-  const el = $('live');
-  el.dataset.live = String(live);
-  el.textContent = live ? 'live' : 'reconnecting…';
-}
-
-// "Your contribution" and the leaderboard, from the server's ledger (/api/contributors):
-// one request at a time, every 3 s, each abandoned after 5 s.
 const BOARD_EVERY_MS = 3_000;
 const BOARD_TOP = 10;
 let boardLoading = false;
-
-function ago(unix) {
-  if (!unix) return '–';
-  return new Date(unix * 1000).toLocaleString();
-}
+const ago = (unix) => (unix ? new Date(unix * 1000).toLocaleString() : '–');
 
 async function loadBoard() {
-  if (boardLoading) return;
+  if (boardLoading || frozen) return;
   boardLoading = true;
   const abort = new AbortController();
   const timer = setTimeout(() => abort.abort(), 5_000);
   try {
-    const q = new URLSearchParams({ limit: String(BOARD_TOP), identity });
+    const id = getIdentity(false);
+    const q = new URLSearchParams({ limit: String(BOARD_TOP) });
+    if (id) q.set('identity', id);
     const r = await fetch(`/api/contributors?${q}`, { signal: abort.signal });
     const b = await r.json();
     if (!r.ok) throw new Error(b.error || r.statusText);
     const you = b.you;
-    $('me-identity').textContent = identity;
-    $('me-samples').textContent = you ? num(you.samples) : '0';
+    renderYou(you, b.your_rank, b.total);
     $('me-pushes').textContent = you ? `${num(you.pushes_accepted)} / ${num(you.pushes_rejected)}` : '0 / 0';
     $('me-compute').textContent = you ? `${fixed(you.compute_seconds, 1)} s` : '0 s';
     $('me-seen').textContent = you ? `${ago(you.first_seen_unix)} – ${ago(you.last_seen_unix)}` : '–';
     $('me-rank').textContent = you && b.your_rank ? `${num(b.your_rank)} of ${num(b.total)}` : '–';
     $('leaderboard').replaceChildren(...b.contributors.map((c, i) => {
       const tr = document.createElement('tr');
-      if (c.identity === identity) tr.className = 'me';
-      const cells = [String(i + 1), c.name || `${c.identity.slice(0, 8)}…`, c.client, num(c.samples),
+      if (c.identity === id) tr.className = 'me';
+      // A team the server does not record is shown on this browser's own row.
+      const team = $('my-team').value.trim();
+      const you = c.identity === id ? ` (you${team && !c.team ? `, team ${team}` : ''})` : '';
+      const who = `${c.name || `${c.identity.slice(0, 8)}…`}${c.team ? ` · ${c.team}` : ''}${you}`;
+      const cells = [String(i + 1), who, c.client, num(c.samples),
         `${num(c.pushes_accepted)} / ${num(c.pushes_rejected)}`, `${fixed(c.compute_seconds, 1)} s`];
-      tr.replaceChildren(...cells.map((text, j) => {
-        const td = document.createElement('td');
-        td.textContent = text;
-        if (j === 0 || j >= 3) td.className = 'num';
-        return td;
-      }));
+      tr.replaceChildren(...cells.map((text, j) => cell(text, j === 0 || j >= 3 ? 'num' : '')));
       return tr;
     }));
   } catch (err) {
@@ -721,34 +608,155 @@ async function loadBoard() {
   }
 }
 
-loadBoard();
-setInterval(() => { if (document.visibilityState !== 'hidden') loadBoard(); }, BOARD_EVERY_MS);
+// ---------------------------------------------------------------- history endpoints
 
-// The dashboard stream. `run` (first, and again after a missed tick) carries the run's
-// description, the whole evaluation history and the current tick; each `tick` carries the
-// counters and only the evaluation points added since the previous one, appended here (thinned
-// as the server thins its own history: every other point once it holds EVAL_HISTORY).
-const EVAL_HISTORY = 1024;
-let run = null;
-let history = [];
+async function getJson(path) {
+  const r = await fetch(path);
+  if (!r.ok) throw new Error(`${path}: ${r.status}`);
+  return r.json();
+}
+
+let evalsLoading = false;
+async function loadEvals() {
+  if (!pageApi || evalsLoading) return;
+  evalsLoading = true;
+  try {
+    const e = await getJson('/api/evals');
+    experiments = (e.experiments || []).map((x) => ({ ...x, points: (x.points || []).filter((p) => p.t_ms != null) }));
+    currentExperiment = e.experiment;
+    // The stream's points belong to the current experiment only from its start.
+    const cur = experiments[experiments.length - 1];
+    if (cur && cur.started_ms) history = history.filter((p) => p.t_ms >= cur.started_ms);
+    renderCharts();
+  } catch (err) {
+    console.warn('crowdgrad: could not load the experiments', err);
+  } finally {
+    evalsLoading = false;
+  }
+}
+
+let figuresLoading = false;
+async function loadFigures() {
+  if (!pageApi || figuresLoading) return;
+  figuresLoading = true;
+  try {
+    const since = figuresFromServer && figures.length ? figures[figures.length - 1].t_ms : 0;
+    const h = await getJson(`/api/history?since_ms=${since}`);
+    if (!figuresFromServer) figures = [];
+    figuresFromServer = true;
+    for (const p of h.points || []) if (!figures.length || p.t_ms > figures[figures.length - 1].t_ms) figures.push(p);
+    renderCharts();
+  } catch (err) {
+    console.warn('crowdgrad: could not load the run\'s history', err);
+  } finally {
+    figuresLoading = false;
+  }
+}
+
+let statusLoading = false;
+// The quarantine list and the demonstrations are in /api/status: asked for every 10 s (the
+// tick carries the demonstrations only while one is on, /api/workers the quarantines).
+async function loadDemo() {
+  if (!pageApi || statusLoading) return;
+  statusLoading = true;
+  try {
+    const st = await getJson('/api/status');
+    if (st.demo) renderDemo(st.demo);
+    if (st.quarantines) renderQuarantines(st.quarantines);
+  } catch {
+    // The next poll tries again.
+  } finally {
+    statusLoading = false;
+  }
+}
+
+function discoverPageApi(points) {
+  if (pageApi || !points.some((p) => p && p.t_ms != null)) return;
+  pageApi = true;
+  wantGuesses(!language);
+  loadEvals();
+  loadFigures();
+  loadDemo();
+}
+
+// ---------------------------------------------------------------- downloads
+
+function evalRows(points) {
+  return points.filter((p) => !p.hold).map((p) => ({ ...p, accuracy: p.accuracy, time: new Date(p.t_ms).toISOString() }));
+}
+
+async function fetchText(path) {
+  const r = await fetch(path);
+  if (!r.ok) throw new Error(`${path}: ${r.status}`);
+  return r.text();
+}
+
+async function exportExperiment(e) {
+  const name = `crowdgrad-experiment-${e.id}.csv`;
+  if (pageApi) {
+    try {
+      download(name, await fetchText(`/api/evals.csv?experiment=${encodeURIComponent(e.id)}`), 'text/csv');
+      return;
+    } catch (err) {
+      console.warn('crowdgrad: /api/evals.csv failed; exporting what the page has', err);
+    }
+  }
+  const head = e.sim_command ? `# sim: ${e.sim_command}\n` : '';
+  download(name, head + csv(['time', 't_ms', 'samples', 'accuracy', 'loss', 'bits_per_token'], evalRows(e.points)), 'text/csv');
+}
+
+async function downloadSeries(what) {
+  const exps = currentExperiments();
+  const cur = exps[exps.length - 1];
+  const run = lastStatus ? lastStatus.run_id : 'run';
+  if (what === 'evals.csv') return exportExperiment(cur);
+  if (what === 'evals.json') {
+    return download(`crowdgrad-${run}-evals.json`, JSON.stringify({ experiment: currentExperiment, experiments: exps.map((e) => ({ ...e, points: evalRows(e.points) })) }, null, 1), 'application/json');
+  }
+  const cols = ['time', 't_ms', 'samples', 'samples_per_s', 'volunteers', 'bytes_up_per_s', 'bytes_down_per_s', 'rejected', 'quarantined', 'limit_refusals'];
+  const rows = figures.map((p) => ({ ...p, time: new Date(p.t_ms).toISOString() }));
+  if (what === 'history.csv') {
+    if (figuresFromServer) {
+      try {
+        return download(`crowdgrad-${run}-history.csv`, await fetchText('/api/history.csv'), 'text/csv');
+      } catch { /* what the page has, below */ }
+    }
+    return download(`crowdgrad-${run}-history.csv`, csv(cols, rows), 'text/csv');
+  }
+  return download(`crowdgrad-${run}-history.json`, JSON.stringify({ interval_s: FIGURE_EVERY_MS / 1000, points: figures }, null, 1), 'application/json');
+}
+
+for (const b of document.querySelectorAll('[data-download]')) {
+  b.addEventListener('click', () => downloadSeries(b.dataset.download));
+}
+
+// ---------------------------------------------------------------- the stream
+
 let events = null;
 
 function applyTick(tick) {
   if (!run || !tick) return;
+  if (tick.uptime_s != null) startedMs = Date.now() - 1000 * tick.uptime_s;
   renderStatus({ ...run, ...tick, eval_history: history });
 }
 
 function onRun(data) {
   run = data.run || {};
-  history = data.eval_history || [];
+  if (data.tick && data.tick.uptime_s != null) startedMs = Date.now() - 1000 * data.tick.uptime_s;
+  const pts = data.eval_history || [];
+  discoverPageApi(pts);
+  history = pts.map(withTime);
   applyTick(data.tick);
 }
 
 function onTick(tick) {
-  for (const p of tick.evals || []) {
+  const pts = tick.evals || [];
+  discoverPageApi(pts);
+  for (const raw of pts) {
+    const p = withTime(raw);
     // A point the `run` event already carried (it may be taken a moment after its tick).
     if (history.length && p.time_s <= history[history.length - 1].time_s) continue;
-    if (history.length >= EVAL_HISTORY) history = history.filter((_, i) => i % 2 === 0);
+    if (history.length >= EVAL_HISTORY && !pageApi) history = history.filter((_, i) => i % 2 === 0);
     history.push(p);
   }
   applyTick(tick);
@@ -779,8 +787,20 @@ function closeEvents() {
   events = null;
 }
 
-// A hidden page sends nothing and receives nothing: its stream closes, its polls stop; both
-// resume (a fresh `run` event first) when it is shown again.
+// "Pause live updates": nothing on the page moves until it is pressed again.
+$('live-toggle').addEventListener('click', () => {
+  frozen = !frozen;
+  const b = $('live-toggle');
+  b.setAttribute('aria-pressed', String(frozen));
+  b.textContent = frozen ? 'Resume live updates' : 'Pause live updates';
+  setLive(!!events);
+  if (!frozen && lastStatus) {
+    renderStatus(lastStatus);
+    loadWorkerPage();
+    loadBoard();
+  }
+});
+
 function dashboardVisibility() {
   if (document.visibilityState === 'hidden') {
     closeEvents();
@@ -791,11 +811,16 @@ function dashboardVisibility() {
   }
 }
 document.addEventListener('visibilitychange', dashboardVisibility);
-setInterval(() => { if (document.visibilityState !== 'hidden') loadWorkerPage(); }, WORKERS_EVERY_MS);
+const visible = () => document.visibilityState !== 'hidden';
+setInterval(() => { if (visible()) loadWorkerPage(); }, WORKERS_EVERY_MS);
+setInterval(() => { if (visible()) loadBoard(); }, BOARD_EVERY_MS);
+setInterval(() => { if (visible() && !frozen) { loadEvals(); loadFigures(); } }, FIGURE_EVERY_MS);
+setInterval(() => { if (visible() && !frozen) loadDemo(); }, 10_000);
 
-makeChart();
+initPresent({ token: joinToken, onToggle: () => renderCharts(true) });
 connectEvents();
 loadWorkerPage();
+loadBoard();
 
-// A handle for debugging from the console (and for the browser test to read figures).
-window.crowdgrad = { volunteer };
+// A handle for debugging from the console (and for the browser tests to read figures).
+window.crowdgrad = { volunteer, cores, loopback, figures: () => figures, experiments: currentExperiments, chart: () => chart.u };

@@ -7,7 +7,8 @@
 // its throughput (see e2e.mjs). `PipeBrowser` launches Debian's Chromium headless with
 // `--remote-debugging-pipe` (requests on fd 3, answers on fd 4, each message NUL-terminated
 // JSON), attaches to its first page and speaks only the Target, Page, Runtime and Browser
-// domains: no port, nothing mirrored.
+// domains: no port, nothing mirrored (page.mjs alone enables Network, on the Web Workers of
+// one short phase, to see their sockets close).
 //
 // Every wait is bounded: a request unanswered in 15 s (or the caller's bound) is rejected,
 // Chromium gets 20 s to open its first page and 5 s to exit on Browser.close before the
@@ -77,6 +78,7 @@ export class PipeBrowser {
     this.next = 1;
     this.pending = new Map();
     this.buffer = '';
+    this.listeners = new Set();
     // Writes after Chromium exits fail with EPIPE; the pending call times out instead.
     child.stdio[3].on('error', () => {});
     child.stdio[4].on('data', (chunk) => {
@@ -85,8 +87,13 @@ export class PipeBrowser {
       while ((end = this.buffer.indexOf('\0')) >= 0) {
         const msg = JSON.parse(this.buffer.slice(0, end));
         this.buffer = this.buffer.slice(end + 1);
-        // Answers carry the request's id; events (no id) are not asked for and are dropped.
-        const p = msg.id && this.pending.get(msg.id);
+        // Answers carry the request's id; events (no id) go to the listeners `on` added
+        // (none by default: they are dropped).
+        if (!msg.id) {
+          for (const f of this.listeners) f(msg);
+          continue;
+        }
+        const p = this.pending.get(msg.id);
         if (p) {
           this.pending.delete(msg.id);
           if (msg.error) p.reject(new Error(`${p.method}: ${msg.error.message}`));
@@ -94,6 +101,13 @@ export class PipeBrowser {
         }
       }
     });
+  }
+
+  /// Calls `f({ method, params, sessionId })` for every event of every domain the caller
+  /// enabled (page.mjs follows Web Workers and their sockets); returns the way to stop.
+  on(f) {
+    this.listeners.add(f);
+    return () => this.listeners.delete(f);
   }
 
   /// Sends `method` (to the page when `sessionId` is given, else to the browser) and resolves

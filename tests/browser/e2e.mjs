@@ -256,7 +256,7 @@ async function functional() {
 
   // ---------------------------------------------------------------- controls: pause, CPU limit
   phase = 'controls';
-  await tabB.page.getByRole('button', { name: 'Pause' }).click();
+  await tabB.page.getByRole('button', { name: 'Pause', exact: true }).click();
   let paused = null;
   try {
     paused = await waitFor('tab B to pause', async () => {
@@ -273,7 +273,7 @@ async function functional() {
     check('Pause stops tab B computing and closes its connections',
       still.steps === paused.steps && listedB && !listedB.connected,
       `${still.steps - paused.steps} steps while paused; server lists it ${listedB && listedB.connected ? 'online' : 'offline'}`);
-    await tabB.page.getByRole('button', { name: 'Resume' }).click();
+    await tabB.page.getByRole('button', { name: 'Resume', exact: true }).click();
     let resumed = null;
     try {
       resumed = await waitFor('tab B to resume', async () => {

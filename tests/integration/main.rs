@@ -12,6 +12,7 @@ mod data;
 mod defences;
 mod durability;
 mod faults;
+mod host;
 mod http;
 mod ledger;
 mod limits;

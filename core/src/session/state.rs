@@ -226,6 +226,22 @@ impl ShardState {
         n
     }
 
+    /// Operator controls: starts over from `values` ([`ShardCore::restart`]: a teacher's next
+    /// experiment). The norm reference starts over too (the new model's gradients are not the
+    /// old one's); connections, SSP clocks and the replay log stay. Wakes waiting pulls.
+    ///
+    /// # Errors
+    /// As [`ShardCore::restart`]; nothing changes.
+    pub fn restart(&mut self, values: Vec<f32>) -> crate::Result<()> {
+        self.core.restart(values)?;
+        self.norms.clear();
+        self.probation.clear();
+        self.anchor = None;
+        self.accepted = 0;
+        self.epoch += 1;
+        Ok(())
+    }
+
     /// Operator controls: the learning rate from the next update on ([`ShardCore::set_lr`]).
     ///
     /// # Errors

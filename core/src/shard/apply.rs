@@ -261,6 +261,38 @@ impl ShardCore {
         Ok(core)
     }
 
+    /// Starts over from `values` (a teacher's next experiment, issue 19): a fresh optimizer
+    /// state, the pending `sync:K` round, DC-ASGD's history and the `scale` statistics
+    /// dropped. The version moves on by one rather than back to 0, so every push computed
+    /// before is at least one version stale (refused as late in `sync:K`) and versions stay
+    /// monotonic for the workers, the spot checker and the replay log.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when `values` has another length or a non-finite value; nothing
+    /// changes.
+    pub fn restart(&mut self, values: Vec<f32>) -> Result<()> {
+        if values.len() != self.values.len() || values.iter().any(|v| !v.is_finite()) {
+            return Err(Error::Config(format!(
+                "a restart needs {} finite values, got {}",
+                self.values.len(),
+                values.len()
+            )));
+        }
+        let n = values.len();
+        self.values = Arc::new(values);
+        self.spare = None;
+        self.state = OptState::new(&self.cfg.rule, n);
+        self.version += 1;
+        self.pending = 0;
+        self.sum.iter_mut().for_each(|v| *v = 0.0);
+        self.owners.clear();
+        self.round_rows = false;
+        self.history.clear();
+        self.inv_staleness_mean = 1.0;
+        self.scaled_pushes = 0;
+        Ok(())
+    }
+
     /// Everything a checkpoint keeps ([`ShardExport`]). Copies the optimizer state (the values
     /// are shared), so it is quick enough to take under the shard's lock.
     pub fn export(&self) -> ShardExport {

@@ -9,7 +9,9 @@
 //!   `format_version` (`1`), `run` (the run spec JSON, its shard map included), `shards` (JSON:
 //!   per shard its range, version, optimizer update count and the `scale` policy's running
 //!   mean), `ledger` (the contribution ledger's position, `{"seq": N}`; older checkpoints
-//!   hold the whole ledger as JSON), `created_unix_ms` and `checksum`.
+//!   hold the whole ledger as JSON), `created_unix_ms`, optionally `history` (JSON: the
+//!   coordinator's evaluation history of every experiment, issue 19; absent in older
+//!   checkpoints, which load as before) and `checksum`.
 //! - `checksum` is `sha256:` and the hex SHA-256 of every tensor (sorted by name: the name, a 0
 //!   byte, its little-endian data) followed by every other metadata entry (sorted by key: key,
 //!   0, value, 0). safetensors itself checks the size: a truncated file does not parse.
@@ -72,6 +74,10 @@ pub struct Checkpoint {
     pub ledger: serde_json::Value,
     /// When it was taken, milliseconds since the Unix epoch.
     pub created_unix_ms: u64,
+    /// What the coordinator keeps across restarts besides the model (issue 19: every
+    /// experiment's evaluation history), as it saved it; `None` in checkpoints written before
+    /// it existed (they still load) and by writers with nothing to keep.
+    pub history: Option<serde_json::Value>,
 }
 
 pub(crate) fn bad(m: impl Into<String>) -> Error {
@@ -293,6 +299,7 @@ impl Checkpoint {
             slots,
             ledger,
             created_unix_ms: now_ms(),
+            history: None,
         })
     }
 
@@ -344,7 +351,7 @@ impl Checkpoint {
         if self.slots.len() != rule.slots() {
             return Err(bad("optimizer slots do not match the rule"));
         }
-        let meta: HashMap<String, String> = [
+        let mut meta: HashMap<String, String> = [
             ("format", FORMAT.to_string()),
             ("format_version", FORMAT_VERSION.to_string()),
             ("run", json(&self.spec)?),
@@ -355,6 +362,10 @@ impl Checkpoint {
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
         .collect();
+        // Optional, so a reader that does not know it (or a checkpoint without it) is fine.
+        if let Some(h) = &self.history {
+            meta.insert("history".into(), json(h)?);
+        }
         let mut flats: Vec<(&str, &[f32])> = vec![("", &self.values)];
         for (name, s) in rule.slot_names().iter().zip(&self.slots) {
             flats.push((name, s));
@@ -431,6 +442,11 @@ impl Checkpoint {
             slots,
             ledger,
             created_unix_ms,
+            // Covered by the checksum like every entry; unreadable only from a writer's bug,
+            // which must not cost the model: then it is dropped.
+            history: meta
+                .get("history")
+                .and_then(|h| serde_json::from_str(h).ok()),
         })
     }
 }
@@ -545,6 +561,21 @@ mod tests {
             assert_eq!(ex.len(), 3);
             assert_eq!(ex[2].version, 12);
         }
+    }
+
+    #[test]
+    fn the_history_is_kept_and_optional() {
+        // Issue 19: a checkpoint carries the coordinator's history; one without it (written
+        // before it existed) still loads, with none.
+        let mut c = sample(2, "sgd");
+        let old = c.encode().unwrap();
+        let back = Checkpoint::decode(&old).unwrap();
+        assert_eq!(back.history, None);
+        let (_, header) = SafeTensors::read_metadata(&old).unwrap();
+        assert!(!header.metadata().clone().unwrap().contains_key("history"));
+        c.history = Some(serde_json::json!({"list": [{"id": 1}]}));
+        let back = Checkpoint::decode(&c.encode().unwrap()).unwrap();
+        assert_eq!(back, c);
     }
 
     #[test]

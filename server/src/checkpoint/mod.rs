@@ -65,6 +65,8 @@ pub struct Restored {
     /// The ledger as saved: `{"seq": N}`, the ledger's position when it was taken, or (a
     /// checkpoint written before the ledger moved to SQLite) `{"contributors": [...]}`.
     pub ledger: serde_json::Value,
+    /// What the writer's [`Source::history`] saved (absent in older checkpoints).
+    pub history: Option<serde_json::Value>,
 }
 
 /// Writes checkpoints of one server.
@@ -114,8 +116,10 @@ impl Checkpointer {
             }
             None => serde_json::Value::Null,
         };
+        let history = run.history.as_ref().map(|h| (h.0)());
         let (bytes, versions, created_unix_ms) = tokio::task::spawn_blocking(move || {
-            let c = Checkpoint::assemble(spec, &exports, ledger)?;
+            let mut c = Checkpoint::assemble(spec, &exports, ledger)?;
+            c.history = history;
             Ok::<_, Error>((c.encode()?, c.versions(), c.created_unix_ms))
         })
         .await
@@ -352,7 +356,20 @@ async fn load(store: &Store, e: &Entry, spec: &RunSpec, reshard: bool) -> Result
         versions: c.versions(),
         exports,
         ledger: c.ledger,
+        history: c.history,
     }))
+}
+
+/// What the coordinator keeps in a checkpoint besides the model, read when one is taken
+/// (issue 19: the evaluation history): a function, so this module names nothing of the
+/// coordinator's state.
+#[derive(Clone)]
+pub struct History(pub Arc<dyn Fn() -> serde_json::Value + Send + Sync>);
+
+impl std::fmt::Debug for History {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("History(..)")
+    }
 }
 
 /// What a checkpoint is taken of: the shards, the run they belong to, the registry whose
@@ -367,6 +384,8 @@ pub struct Source {
     pub registry: Registry,
     /// Where the last checkpoint's size and time are reported.
     pub metrics: Arc<Metrics>,
+    /// What else the checkpoint keeps ([`Checkpoint::history`]), if anything.
+    pub history: Option<History>,
 }
 
 /// The periodic writer: every [`CheckpointConfig::every`], a checkpoint if any shard moved

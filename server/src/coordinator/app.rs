@@ -120,6 +120,18 @@ pub struct App {
     pub defence: crate::defence::spotcheck::Defence,
     /// The dashboard stream's newest tick ([`crate::coordinator::dashboard`]).
     pub dashboard: crate::coordinator::dashboard::Dashboard,
+    /// Every experiment's evaluation history (`/api/evals`, kept in checkpoints).
+    pub experiments: Arc<Mutex<crate::coordinator::history::Experiments>>,
+    /// The ring of the run's figures every 5 s (`/api/history`).
+    pub figures: Mutex<crate::coordinator::history::Figures>,
+    /// The teacher's demonstration settings per worker (`/api/admin/demo`), read by the
+    /// shards' handlers.
+    pub demo: Arc<crate::shard::demo::Demo>,
+    /// The strip of test images with the model's guesses (`/api/guesses`), shared by every
+    /// viewer.
+    pub guesses: crate::coordinator::experiments::GuessCache,
+    /// [`App::quarantines`] as of a reputation epoch (recomputed only when it moved).
+    pub quarantine_cache: Mutex<Option<(u64, Vec<QuarantineRow>)>>,
 }
 
 /// Totals with a recent rate.
@@ -188,6 +200,28 @@ pub struct Status {
     /// The spot checker's counters and recent figures (absent: spot checks off).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub spot_checks: Option<crate::defence::spotcheck::SpotStatus>,
+    /// The workers quarantined now, newest first (at most [`QUARANTINE_ROWS`]).
+    pub quarantines: Vec<QuarantineRow>,
+    /// The teacher's demonstrations on now (`/api/admin/demo`): `{"worker", "delay_ms",
+    /// "fault"}`; empty when off.
+    pub demo: Vec<crate::shard::demo::Setting>,
+}
+
+/// Most rows of [`Status::quarantines`].
+pub const QUARANTINE_ROWS: usize = 100;
+
+/// One quarantined worker, for the host's table.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct QuarantineRow {
+    /// Its worker id.
+    pub worker: u64,
+    /// The first 8 characters of the identity it joined with (never the whole: whoever has
+    /// it can credit work to it).
+    pub identity_short: Option<String>,
+    /// Why.
+    pub reason: String,
+    /// When, milliseconds since the Unix epoch.
+    pub at_ms: u64,
 }
 
 /// The data of the dashboard's `tick` event (docs/protocol.md, "Dashboard stream"): the
@@ -225,6 +259,9 @@ pub struct TickBody {
     /// The spot checker's counters (absent: spot checks off).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub spot_checks: Option<crate::defence::spotcheck::SpotStatus>,
+    /// The teacher's demonstrations on now (absent when none).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub demo: Vec<crate::shard::demo::Setting>,
 }
 
 /// A remote shard's counters from the `status` record it reported (the per-reason maps stay
@@ -288,6 +325,11 @@ impl App {
         let rate = self.samples_per_sec();
         let remote_shards = self.remote.as_ref().map(|r| r.health());
         let (shards, totals) = self.shard_view(shard_counters, totals, remote_shards.as_deref());
+        let reputation = self
+            .defence
+            .reputation
+            .status(crate::registry::RECENT_WORKERS);
+        let quarantines = self.quarantine_rows(&reputation);
         Status {
             run_id: self.spec.run_id.clone(),
             model: self.model.spec().to_string(),
@@ -322,11 +364,89 @@ impl App {
             limits: self.limits.counts(),
             config: self.cfg.resolved.clone(),
             remote_shards,
-            reputation: self
-                .defence
-                .reputation
-                .status(crate::registry::RECENT_WORKERS),
+            reputation,
             spot_checks: self.defence.spot.as_ref().map(|s| s.status()),
+            quarantines,
+            demo: self.demo.list(),
+        }
+    }
+
+    /// The quarantined workers now, newest first (as [`Status::quarantines`]), recomputed only
+    /// when a quarantine began or was lifted.
+    pub fn quarantines(&self) -> Vec<QuarantineRow> {
+        let epoch = self.defence.reputation.epoch();
+        let mut c = self
+            .quarantine_cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        match &*c {
+            Some((e, rows)) if *e == epoch => rows.clone(),
+            _ => {
+                let status = self.defence.reputation.status(QUARANTINE_ROWS);
+                let rows = self.quarantine_rows(&status);
+                *c = Some((epoch, rows.clone()));
+                rows
+            }
+        }
+    }
+
+    /// The quarantined workers in `status` (quarantined ones come first in it), newest first,
+    /// at most [`QUARANTINE_ROWS`].
+    pub fn quarantine_rows(
+        &self,
+        status: &crate::defence::reputation::ReputationStatus,
+    ) -> Vec<QuarantineRow> {
+        // The reputation's times are seconds since it started, a moment before the App did.
+        let start_ms = crate::coordinator::history::unix_ms()
+            .saturating_sub(self.started.elapsed().as_millis() as u64);
+        let mut rows: Vec<QuarantineRow> = status
+            .workers
+            .iter()
+            .filter_map(|(id, r)| {
+                let q = r.quarantined.as_ref()?;
+                Some(QuarantineRow {
+                    worker: id.parse().ok()?,
+                    identity_short: r.identity.as_ref().map(|i| i.chars().take(8).collect()),
+                    reason: q.reason.clone(),
+                    at_ms: start_ms + (q.at_s * 1000.0) as u64,
+                })
+            })
+            .collect();
+        rows.sort_by_key(|r| std::cmp::Reverse((r.at_ms, r.worker)));
+        rows.truncate(QUARANTINE_ROWS);
+        rows
+    }
+
+    /// The counters one point of the figures ring is taken from
+    /// ([`crate::coordinator::history::Figures`]).
+    pub fn figure_totals(&self) -> crate::coordinator::history::Totals {
+        let (_, totals) = self.registry.summary();
+        let mut rejected: std::collections::BTreeMap<String, u64> = Default::default();
+        for (k, v) in totals
+            .rejected_by_reason
+            .iter()
+            .chain(totals.frames_rejected_by_reason.iter())
+        {
+            *rejected.entry((*k).to_string()).or_default() += v;
+        }
+        let l = self.limits.counts();
+        crate::coordinator::history::Totals {
+            t_ms: crate::coordinator::history::unix_ms(),
+            samples: match &self.remote {
+                Some(_) => self.samples(),
+                None => totals.samples,
+            },
+            bytes_up: totals.bytes_up,
+            bytes_down: totals.bytes_down,
+            rejected,
+            limit_refusals: l.connections_refused_total
+                + l.connections_refused_per_ip
+                + l.pushes_limited_per_worker
+                + l.pushes_limited_per_ip
+                + l.joins_limited
+                + l.downloads_limited,
+            volunteers: totals.workers.map_or(0, |w| w.volunteers.connected),
+            quarantined: self.defence.reputation.summary().quarantined as u64,
         }
     }
 
@@ -397,6 +517,7 @@ impl App {
             remote_shards,
             reputation: self.defence.reputation.summary(),
             spot_checks: self.defence.spot.as_ref().map(|s| s.status()),
+            demo: self.demo.list(),
         };
         (body, newest)
     }
@@ -467,6 +588,7 @@ impl App {
             spec: self.spec.clone(),
             registry: self.registry.clone(),
             metrics: self.metrics.clone(),
+            history: Some(self.history_saver()),
         }
     }
 
@@ -474,6 +596,13 @@ impl App {
     pub fn scrape(&self) -> crate::registry::metrics::Scrape {
         let (_, shard_counters, totals) = self.registry.view();
         let health = self.remote.as_ref().map(|r| r.health()).unwrap_or_default();
+        // Copied out first: the evaluations' lock is not held while the rest is read.
+        let newest = self
+            .evals
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .last()
+            .copied();
         let remote = health
             .iter()
             .map(|h| crate::registry::metrics::ShardScrape {
@@ -508,12 +637,8 @@ impl App {
             checkpoint: self.metrics.checkpoint(),
             uptime_s: self.started.elapsed().as_secs_f64(),
             now_unix: crate::registry::metrics::unix_now(),
-            test: self
-                .evals
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .last()
-                .map(|e| (e.accuracy, e.loss)),
+            test: newest.map(|e| (e.accuracy, e.loss)),
+            test_bits_per_token: newest.and_then(|e| e.bits_per_token),
         }
     }
 
@@ -524,6 +649,56 @@ impl App {
         let now = Instant::now();
         r.push((now, samples));
         r.retain(|(t, _)| now.duration_since(*t) <= Duration::from_secs(5));
+    }
+}
+
+impl App {
+    /// Appends `point` to the dashboard's evaluation history (thinned when full).
+    fn keep_eval(&self, point: EvalPoint) {
+        let mut evals = self.evals.lock().unwrap_or_else(|p| p.into_inner());
+        if evals.len() >= EVAL_HISTORY {
+            // Thin out: keep every other point, so the history spans the whole run.
+            let kept: Vec<EvalPoint> = evals.iter().step_by(2).copied().collect();
+            *evals = kept;
+        }
+        evals.push(point);
+    }
+
+    /// The evaluator found nothing moved: when the newest point is
+    /// [`crate::coordinator::history::IDLE_EVERY_MS`] old, the same figures again, now.
+    fn idle_point(&self) {
+        let now = crate::coordinator::history::unix_ms();
+        let raw = self.samples();
+        let recorded = self
+            .experiments
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .record(None, now, raw, None);
+        if !recorded {
+            return;
+        }
+        let last = self
+            .evals
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .last()
+            .copied();
+        if let Some(p) = last {
+            self.keep_eval(EvalPoint {
+                time_s: self.started.elapsed().as_secs_f64(),
+                t_ms: now,
+                ..p
+            });
+        }
+    }
+
+    /// What checkpoints keep of the coordinator: every experiment's history.
+    fn history_saver(&self) -> crate::checkpoint::History {
+        let x = self.experiments.clone();
+        crate::checkpoint::History(Arc::new(move || {
+            let e = x.lock().unwrap_or_else(|p| p.into_inner());
+            serde_json::to_value(&*e).unwrap_or(serde_json::Value::Null)
+        }))
     }
 }
 
@@ -583,6 +758,13 @@ pub async fn evaluator(app: Arc<App>) {
             _ = rate_tick.tick() => app.tick_rate(),
             _ = tokio::time::sleep_until(next_eval) => {
                 next_eval = tokio::time::Instant::now() + app.cfg.eval_every;
+                // The experiment the parameters belong to, read before them.
+                let experiment = app
+                    .experiments
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .current()
+                    .map_or(0, |e| e.id);
                 let (params, versions) = match app.fetch_params().await {
                     Ok(p) => p,
                     Err(e) => {
@@ -591,6 +773,9 @@ pub async fn evaluator(app: Arc<App>) {
                     }
                 };
                 if last_versions.as_ref() == Some(&versions) {
+                    // Nothing moved: at most every 30 s the same figures with a new time, so
+                    // a chart draws the idle time flat (issue 19).
+                    app.idle_point();
                     continue;
                 }
                 let samples = app.samples();
@@ -631,6 +816,7 @@ pub async fn evaluator(app: Arc<App>) {
                 }
                 let point = EvalPoint {
                     time_s,
+                    t_ms: crate::coordinator::history::unix_ms(),
                     step,
                     samples,
                     loss: stats.mean_loss(),
@@ -638,13 +824,16 @@ pub async fn evaluator(app: Arc<App>) {
                     bits_per_token: language.then(|| stats.mean_loss() / std::f64::consts::LN_2),
                 };
                 tracing::info!(step, samples, loss = point.loss, accuracy = point.accuracy, "evaluation");
-                let mut evals = app.evals.lock().unwrap_or_else(|p| p.into_inner());
-                if evals.len() >= EVAL_HISTORY {
-                    // Thin out: keep every other point, so the history spans the whole run.
-                    let kept: Vec<EvalPoint> = evals.iter().step_by(2).copied().collect();
-                    *evals = kept;
-                }
-                evals.push(point);
+                app.experiments
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .record(
+                        Some(experiment),
+                        point.t_ms,
+                        samples,
+                        Some((point.accuracy, point.loss, point.bits_per_token)),
+                    );
+                app.keep_eval(point);
             }
         }
     }

@@ -9,6 +9,8 @@ use serde::Serialize;
 pub struct EvalPoint {
     /// Seconds since the server started.
     pub time_s: f64,
+    /// When, milliseconds since the Unix epoch (issue 19: a wall-clock axis).
+    pub t_ms: u64,
     /// Mean shard version when the parameters were read (= applied steps when in step).
     pub step: u64,
     /// Examples behind all applied pushes at that time.

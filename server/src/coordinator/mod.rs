@@ -11,12 +11,16 @@
 //! - [`remote`]: shards in other processes (`--shard-urls`).
 //! - [`zeno`]: the validation-gradient thread of `--aggregation zeno`.
 //! - [`anchor`]: the norm anchor thread (the server's own per-step gradient norms, issue 21).
+//! - [`history`]: every experiment's evaluation history and the ring of the run's figures;
+//!   [`experiments`]: the teacher's next experiment and the strip of guesses (issue 19).
 
 pub mod admin;
 pub mod anchor;
 pub mod app;
 pub mod dashboard;
 pub mod evals;
+pub mod experiments;
+pub mod history;
 pub mod http;
 pub mod parts;
 pub mod remote;
@@ -144,6 +148,7 @@ pub async fn run(
     let mut saved = restored
         .as_mut()
         .map(|r| std::mem::take(&mut r.exports).into_iter());
+    let saved_history = restored.as_mut().and_then(|r| r.history.take());
     let model = Model::new(spec.model.clone())?;
     let worker_bytes = worker_memory(&model, spec.batch_size);
     if worker_bytes > MAX_WORKER_BYTES {
@@ -266,6 +271,10 @@ pub async fn run(
     for s in &shards {
         s.set_defence(defence.clone())?;
     }
+    let demo = Arc::new(crate::shard::demo::Demo::default());
+    for s in &shards {
+        s.set_demo(demo.clone());
+    }
     let app = Arc::new(App {
         limits: limits::Limits::new(cfg.limits),
         secret,
@@ -291,7 +300,14 @@ pub async fn run(
         checkpoints: checkpoints.clone(),
         admin,
         dashboard: Default::default(),
+        experiments: Default::default(),
+        figures: Default::default(),
+        demo,
+        guesses: Default::default(),
+        quarantine_cache: Default::default(),
     });
+    let first = experiments::first(&app, saved_history);
+    *app.experiments.lock().unwrap_or_else(|p| p.into_inner()) = first;
     if let Some(r) = app.remote.clone() {
         let stop = app.shutdown.clone();
         tokio::spawn(async move { r.monitor(stop).await });
@@ -304,6 +320,7 @@ pub async fn run(
     let stopper = stop_tx.clone();
     let evaluator = tokio::spawn(app::evaluator(app.clone()));
     tokio::spawn(dashboard_task(app.clone()));
+    tokio::spawn(figures_task(app.clone()));
     tokio::spawn(trim::task(app.limits.clone(), app.shutdown.clone()));
     let checkpointer = checkpoints.clone().map(|ck| {
         tokio::spawn(checkpoint::task(
@@ -454,6 +471,34 @@ pub async fn start(addr: SocketAddr, cfg: ServeConfig, data: TrainTest) -> Resul
         stop: Some(stop),
         task,
     })
+}
+
+/// Every [`history::FIGURE_EVERY_S`] seconds until shutdown, one point of the run's figures
+/// ([`history::Figures`]), from the counters the registry and the limits already keep.
+async fn figures_task(app: Arc<App>) {
+    let mut shutdown = app.shutdown.clone();
+    let mut every = tokio::time::interval(Duration::from_secs(history::FIGURE_EVERY_S));
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.changed() => return,
+            _ = every.tick() => {}
+        }
+        let totals = app.figure_totals();
+        let connected = app.registry.summary().1.workers.map_or(0, |w| w.connected);
+        if let Some(e) = app
+            .experiments
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .current_mut()
+        {
+            e.workers_seen = e.workers_seen.max(connected);
+        }
+        app.figures
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .observe(totals);
+    }
 }
 
 /// Builds a dashboard tick every [`dashboard::TICK`] until shutdown (the first at once) and

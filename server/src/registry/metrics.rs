@@ -26,6 +26,7 @@
 //! | `crowdgrad_checkpoint_size_bytes` / `crowdgrad_checkpoint_timestamp_seconds` / `crowdgrad_checkpoint_age_seconds` | gauge | (after the first checkpoint) |
 //! | `crowdgrad_uptime_seconds` | gauge | |
 //! | `crowdgrad_test_accuracy` / `crowdgrad_test_loss` | gauge | (coordinator, after the first evaluation) |
+//! | `crowdgrad_test_bits_per_token` | gauge | (coordinator, language models, after the first evaluation) |
 //! | `crowdgrad_spot_checks_total` | counter | `result`: passed, failed, skipped_version, skipped_unknown, dropped_queue, dropped_quarantined (with `--spot-check`) |
 //! | `crowdgrad_spot_checks_sampled_total` | counter | (with `--spot-check`) |
 //! | `crowdgrad_workers_quarantined` / `crowdgrad_identities_quarantined` | gauge | |
@@ -116,6 +117,9 @@ pub struct Scrape {
     /// run's main curve for Grafana. `None` before the first evaluation and where nothing is
     /// evaluated (a shard process).
     pub test: Option<(f64, f64)>,
+    /// A language model's validation bits per token at the last evaluation (`None` for other
+    /// models and before the first evaluation).
+    pub test_bits_per_token: Option<f64>,
 }
 
 impl Collector for Scrape {
@@ -362,6 +366,14 @@ impl Collector for Scrape {
                 &[(Vec::new(), loss)],
             )?;
         }
+        if let Some(bits) = self.test_bits_per_token {
+            gauge(
+                &mut enc,
+                "crowdgrad_test_bits_per_token",
+                "A language model's validation loss in bits per token at the last evaluation.",
+                &[(Vec::new(), bits)],
+            )?;
+        }
         Ok(())
     }
 }
@@ -456,6 +468,7 @@ mod tests {
             uptime_s: 3.0,
             now_unix: 1010.0,
             test: Some((0.9375, 0.25)),
+            test_bits_per_token: Some(1.5),
         });
         for line in [
             "crowdgrad_pushes_applied_total{shard=\"1\"} 3",
@@ -475,6 +488,7 @@ mod tests {
             "crowdgrad_checkpoint_age_seconds 10.0",
             "crowdgrad_test_accuracy 0.9375",
             "crowdgrad_test_loss 0.25",
+            "crowdgrad_test_bits_per_token 1.5",
             "# EOF",
         ] {
             assert!(

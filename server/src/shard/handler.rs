@@ -86,6 +86,8 @@ pub async fn serve<Si, St>(
     // and a move wakes the waits below.
     let mut quarantine_epoch = u64::MAX;
     let mut quarantines = shard.defence().map(|d| d.reputation.subscribe());
+    // What a demonstration's fault remembers on this connection (crate::shard::demo).
+    let mut rewriter: Option<crate::shard::demo::Rewriter> = None;
     loop {
         if !perform(&mut session, &mut tx, &shard, &registry).await {
             session.handle_close(&mut access);
@@ -211,6 +213,41 @@ pub async fn serve<Si, St>(
                         continue;
                     }
                 }
+                // A teacher's demonstration on this worker (crate::shard::demo): its push is
+                // held, or rewritten as a faulty worker's, before the session sees it.
+                let (bytes, now) = match (shard.demo(), session.worker(), is_push(&bytes)) {
+                    (Some(d), Some(worker), true) => match d.get(worker) {
+                        Some(setting) => {
+                            if let Some(wait) = crate::shard::demo::delay(&setting) {
+                                if !flush(&mut tx).await {
+                                    session.handle_close(&mut access);
+                                    continue;
+                                }
+                                tokio::select! {
+                                    () = tokio::time::sleep(wait) => {}
+                                    _ = shutdown.changed() => {}
+                                }
+                            }
+                            let bytes = match setting.fault {
+                                Some(f) => Bytes::from(
+                                    rewriter
+                                        .get_or_insert_with(|| {
+                                            crate::shard::demo::Rewriter::new(
+                                                worker,
+                                                shard.id() as usize + 1,
+                                                u64::from(shard.id()),
+                                            )
+                                        })
+                                        .rewrite(bytes.to_vec(), f),
+                                ),
+                                None => bytes,
+                            };
+                            (bytes, shard.now())
+                        }
+                        None => (bytes, now),
+                    },
+                    _ => (bytes, now),
+                };
                 session.handle_frame(&mut access, &bytes, now)
             }
             Inbound::Text => session.handle_text(&mut access, now),

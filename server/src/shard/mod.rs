@@ -14,6 +14,7 @@
 //! ~25% less server CPU per step (two thread hand-offs per push fewer), see
 //! docs/benchmarks.md.
 
+pub mod demo;
 pub mod handler;
 pub mod report;
 pub mod socket;
@@ -60,6 +61,8 @@ struct Inner {
     secret: std::sync::OnceLock<Vec<u8>>,
     /// Reputation and spot checks ([`crate::defence::spotcheck`]), set once at start.
     defence: std::sync::OnceLock<crate::defence::spotcheck::Defence>,
+    /// A teacher's demonstrations ([`demo`]), set once at start by the coordinator.
+    demo: std::sync::OnceLock<Arc<demo::Demo>>,
 }
 
 /// Cheap-to-clone handle to one shard (like mini-redis' `Db`).
@@ -152,6 +155,7 @@ impl Shard {
                 bytes_sent: AtomicU64::new(0),
                 secret: std::sync::OnceLock::new(),
                 defence: std::sync::OnceLock::new(),
+                demo: std::sync::OnceLock::new(),
             }),
         })
     }
@@ -293,6 +297,41 @@ impl Shard {
         let mut st = self.state();
         let (trusted, probation) = st.trust_counts(now);
         (st.norm_reference(now), trusted, probation)
+    }
+
+    /// Carry out the demonstrations of `demo` from now on (set once; later calls are
+    /// ignored).
+    pub fn set_demo(&self, demo: Arc<demo::Demo>) {
+        let _ = self.inner.demo.set(demo);
+    }
+
+    /// The demonstrations, once set.
+    pub fn demo(&self) -> Option<&demo::Demo> {
+        self.inner.demo.get().map(|d| &**d)
+    }
+
+    /// Starts over from `values` (the next experiment, issue 19): fresh optimizer state, the
+    /// pending sync round dropped, the version moved on by one so no push computed before is
+    /// taken as fresh; connections, clocks and the replay log stay. Published at once.
+    ///
+    /// # Errors
+    /// When `values` does not have the shard's length; nothing changes.
+    pub fn restart(&self, values: Vec<f32>) -> crate::Result<()> {
+        let inner = &self.inner;
+        let epoch = {
+            let mut st = self.state();
+            st.restart(values)?;
+            if let Some(spot) = inner.defence.get().and_then(|d| d.spot.as_ref()) {
+                spot.record(inner.cfg.id, st.version(), st.values().clone());
+            }
+            inner.current.store(Arc::new(Snapshot {
+                version: st.version(),
+                values: st.values().clone(),
+            }));
+            st.epoch()
+        };
+        inner.epoch_tx.send_replace(epoch);
+        Ok(())
     }
 
     /// Reputation and spot checks, once set.

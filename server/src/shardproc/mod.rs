@@ -465,6 +465,7 @@ async fn metrics(State(p): State<Arc<ShardProc>>) -> Response {
         uptime_s: p.started.elapsed().as_secs_f64(),
         now_unix: crate::registry::metrics::unix_now(),
         test: None,
+        test_bits_per_token: None,
     };
     (
         [(header::CONTENT_TYPE, crate::registry::metrics::CONTENT_TYPE)],

@@ -21,6 +21,8 @@
 //! | `POST /api/admin/checkpoint` | write a checkpoint now; answers what was written |
 //! | `POST /api/admin/set-lr` `{"lr": 0.01}` | every shard's learning rate from its next update |
 //! | `POST /api/admin/set-consistency` `{"consistency": "ssp:2"}` | switches the mode where safe (async ↔ ssp:S, sync:K → sync:K' / async / ssp:S), else 409 with the reason (see [`set_consistency`]) |
+//! | `POST /api/admin/demo` `{"worker": 7, "delay_ms": 2000, "fault": "signflip:10"}` | a teacher's demonstration on one worker ([`crate::shard::demo`]); both null: off |
+//! | `POST /api/admin/experiment` `{"label": "sync", "consistency"?, "lr"?, "aggregation"?}` | the next experiment from fresh weights ([`crate::coordinator::experiments`]) |
 
 use crate::coordinator::admin::{Auth, StopMode};
 use crate::coordinator::app::App;
@@ -49,6 +51,8 @@ pub fn routes() -> Router<Arc<App>> {
         .route("/api/admin/set-lr", post(set_lr))
         .route("/api/admin/set-consistency", post(set_consistency))
         .route("/api/admin/unquarantine", post(unquarantine))
+        .route("/api/admin/demo", post(demo))
+        .route("/api/admin/experiment", post(experiment))
 }
 
 fn reply(status: StatusCode, body: serde_json::Value) -> Response {
@@ -94,6 +98,13 @@ fn check(app: &App, headers: &HeaderMap, peer: SocketAddr) -> Result<(), Respons
 
 fn state_json(app: &App) -> serde_json::Value {
     json!({
+        "demo": app.demo.list(),
+        "experiment": app
+            .experiments
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .current()
+            .map_or(0, |e| e.id),
         "paused": app.admin.paused(),
         "draining": app.admin.draining(),
         "stop": app.admin.stop_mode(),
@@ -353,4 +364,128 @@ async fn set_consistency(
     }
     tracing::info!(%from, to = %mode, "admin: consistency mode switched");
     reply(StatusCode::OK, state_json(&app))
+}
+
+/// A teacher's demonstration ([`crate::shard::demo`]): body `{"worker": ID, "delay_ms": N |
+/// null, "fault": "signflip:10" | null}` (a missing key is null). Both null turns it off for
+/// that worker. 400 for another body, a delay above 10,000 ms or an unknown fault (nothing
+/// changes); 409 with the shards in other processes. Answers the state, whose `demo` lists
+/// what is on.
+async fn demo(
+    State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Err(r) = check(&app, &headers, peer) {
+        return r;
+    }
+    let usage = "body must be JSON like {\"worker\": 7, \"delay_ms\": 2000, \"fault\": \"signflip:10\"} (delay_ms and fault may be null)";
+    let v: serde_json::Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return refuse(StatusCode::BAD_REQUEST, format!("{usage}: {e}")),
+    };
+    let Some(o) = v.as_object() else {
+        return refuse(StatusCode::BAD_REQUEST, usage);
+    };
+    if let Some(k) = o
+        .keys()
+        .find(|k| !["worker", "delay_ms", "fault"].contains(&k.as_str()))
+    {
+        return refuse(
+            StatusCode::BAD_REQUEST,
+            format!("unknown key {k:?}: {usage}"),
+        );
+    }
+    let Some(worker) = o.get("worker").and_then(serde_json::Value::as_u64) else {
+        return refuse(
+            StatusCode::BAD_REQUEST,
+            format!("worker must be a worker id: {usage}"),
+        );
+    };
+    let delay_ms = match o.get("delay_ms") {
+        None | Some(serde_json::Value::Null) => None,
+        Some(d) => match d.as_u64().and_then(|d| u32::try_from(d).ok()) {
+            Some(d) if d <= crate::shard::demo::MAX_DELAY_MS => Some(d),
+            _ => {
+                return refuse(
+                    StatusCode::BAD_REQUEST,
+                    format!(
+                        "delay_ms must be a whole number of milliseconds from 0 to {}",
+                        crate::shard::demo::MAX_DELAY_MS
+                    ),
+                )
+            }
+        },
+    };
+    let fault = match o.get("fault") {
+        None | Some(serde_json::Value::Null) => None,
+        Some(f) => {
+            let Some(text) = f.as_str() else {
+                return refuse(StatusCode::BAD_REQUEST, "fault must be a string or null");
+            };
+            match crowdgrad_core::fault::Fault::parse(text) {
+                // A data fault lives on the worker: the server cannot rewrite it into pushes.
+                Ok(crowdgrad_core::fault::Fault::ShuffledLabels) => {
+                    return refuse(
+                        StatusCode::BAD_REQUEST,
+                        "shuffled_labels is a worker's data, not a rewrite of its pushes",
+                    )
+                }
+                Ok(f) => Some(f),
+                Err(e) => return refuse(StatusCode::BAD_REQUEST, e.to_string()),
+            }
+        }
+    };
+    if app.remote.is_some() {
+        return refuse(
+            StatusCode::CONFLICT,
+            "demonstrations need the shards in this process (not --shard-urls)",
+        );
+    }
+    if (delay_ms.is_some() || fault.is_some()) && !app.registry.knows(worker) {
+        return refuse(StatusCode::NOT_FOUND, format!("no worker {worker}"));
+    }
+    if let Err(m) = app.demo.set(worker, delay_ms, fault) {
+        return refuse(StatusCode::BAD_REQUEST, m);
+    }
+    tracing::info!(worker, ?delay_ms, fault = ?fault.map(|f| f.to_string()), "admin: demonstration set");
+    reply(StatusCode::OK, state_json(&app))
+}
+
+/// The next experiment ([`crate::coordinator::experiments::start_next`]): 200 with
+/// `{"experiment": {"id", "label", "started_ms", "settings", "sim_command"}, "state"}`; 400
+/// for a bad body, 409 for a change that cannot be made live (nothing changes).
+async fn experiment(
+    State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Err(r) = check(&app, &headers, peer) {
+        return r;
+    }
+    let next = match crate::coordinator::experiments::parse(&body) {
+        Ok(n) => n,
+        Err(m) => return refuse(StatusCode::BAD_REQUEST, m),
+    };
+    match crate::coordinator::experiments::start_next(&app, next) {
+        Ok(e) => reply(
+            StatusCode::OK,
+            json!({
+                "experiment": {
+                    "id": e.id,
+                    "label": e.label,
+                    "started_ms": e.started_ms,
+                    "settings": e.settings,
+                    "sim_command": e.sim_command(&app.cfg.data_dir.display().to_string()),
+                },
+                "state": state_json(&app),
+            }),
+        ),
+        Err((code, m)) => refuse(
+            StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+            m,
+        ),
+    }
 }

@@ -2,6 +2,7 @@
 //! partitions, shard WebSockets and the static page.
 
 pub mod admin;
+mod history;
 mod ledger;
 
 use crate::coordinator::app::App;
@@ -37,6 +38,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/api/reads", get(reads))
         .route("/api/sample", get(sample))
         .merge(admin::routes())
+        .merge(history::routes())
         .route("/api/contributors", get(ledger::contributors))
         .route("/ws/shard/{id}", get(ws))
         .route("/metrics", get(metrics))
@@ -254,6 +256,7 @@ async fn workers(State(app): State<Arc<App>>, RawQuery(query): RawQuery) -> Resp
                 "limit": page.limit,
                 "workers": page.workers,
                 "reputation": reputation,
+                "quarantines": app.quarantines(),
             }))
             .into_response()
         }
