@@ -129,7 +129,7 @@ pub struct App {
     pub demo: Arc<crate::shard::demo::Demo>,
     /// The strip of test images with the model's guesses (`/api/guesses`), shared by every
     /// viewer.
-    pub guesses: crate::coordinator::experiments::GuessCache,
+    pub guesses: crate::coordinator::history::GuessCache,
     /// [`App::quarantines`] as of a reputation epoch (recomputed only when it moved).
     pub quarantine_cache: Mutex<Option<(u64, Vec<QuarantineRow>)>>,
 }

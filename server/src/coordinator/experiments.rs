@@ -5,13 +5,13 @@
 //!   with the next seed), the new settings, a new experiment id; the earlier experiments'
 //!   points stay for overlay on the samples axis.
 //! - [`GuessCache`]: `GET /api/guesses`, 16 fixed test images with the current parameters'
-//!   guesses, computed at most every [`GUESS_EVERY`] and shared by every viewer.
+//!   guesses ([`guesses`]), computed at most every
+//!   [`GUESS_EVERY`](super::history::GUESS_EVERY) and shared by every viewer
+//!   ([`GuessCache`](super::history::GuessCache)).
 
 use super::app::App;
 use super::history::{unix_ms, Experiment, Experiments, Settings};
-use axum::body::Bytes;
 use crowdgrad_core::shard::Consistency;
-use std::time::{Duration, Instant};
 
 /// What an experiment of `app` runs with now, its weights drawn from `seed`.
 pub fn settings(app: &App, seed: u64) -> Settings {
@@ -219,41 +219,13 @@ pub fn start_next(app: &App, next: NextExperiment) -> Result<Experiment, Refusal
     Ok(e)
 }
 
-/// How often the guesses are recomputed at most.
-pub const GUESS_EVERY: Duration = Duration::from_secs(3);
 /// Test images in the strip.
 pub const GUESS_IMAGES: usize = 16;
-
-/// `GET /api/guesses`, built at most every [`GUESS_EVERY`] and shared by all viewers.
-#[derive(Debug, Default)]
-pub struct GuessCache {
-    built: tokio::sync::Mutex<Option<(Instant, Bytes)>>,
-}
-
-impl GuessCache {
-    /// The JSON body now: the cached one, or (at most every [`GUESS_EVERY`]) a new one. One
-    /// caller computes while the others wait for it.
-    pub async fn get(&self, app: &std::sync::Arc<App>) -> Bytes {
-        let mut g = self.built.lock().await;
-        if let Some((at, body)) = g.as_ref() {
-            if at.elapsed() < GUESS_EVERY {
-                return body.clone();
-            }
-        }
-        let a = app.clone();
-        let body = tokio::task::spawn_blocking(move || guesses(&a))
-            .await
-            .unwrap_or_default();
-        let body = Bytes::from(serde_json::to_vec(&body).unwrap_or_default());
-        *g = Some((Instant::now(), body.clone()));
-        body
-    }
-}
 
 /// The guesses of the current parameters on [`GUESS_IMAGES`] test images spread over the test
 /// set: `{"version", "images": [{"label", "guess", "confidence", "pixels", "width",
 /// "height"}]}` (pixels: base64 of the grayscale bytes, row by row).
-fn guesses(app: &App) -> serde_json::Value {
+pub fn guesses(app: &App) -> serde_json::Value {
     let (params, versions) = app.params();
     let version = versions.iter().sum::<u64>() / versions.len().max(1) as u64;
     let test = &app.test;

@@ -40,6 +40,35 @@ pub fn unix_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
+/// How often the guesses (`/api/guesses`) are recomputed at most.
+pub const GUESS_EVERY: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// `GET /api/guesses`, built at most every [`GUESS_EVERY`] and shared by all viewers.
+#[derive(Debug, Default)]
+pub struct GuessCache {
+    built: tokio::sync::Mutex<Option<(std::time::Instant, bytes::Bytes)>>,
+}
+
+impl GuessCache {
+    /// The JSON body now: the cached one, or (at most every [`GUESS_EVERY`]) what `build`
+    /// makes, on a blocking thread. One caller builds while the others wait for it.
+    pub async fn get(
+        &self,
+        build: impl FnOnce() -> serde_json::Value + Send + 'static,
+    ) -> bytes::Bytes {
+        let mut g = self.built.lock().await;
+        if let Some((at, body)) = g.as_ref() {
+            if at.elapsed() < GUESS_EVERY {
+                return body.clone();
+            }
+        }
+        let body = tokio::task::spawn_blocking(build).await.unwrap_or_default();
+        let body = bytes::Bytes::from(serde_json::to_vec(&body).unwrap_or_default());
+        *g = Some((std::time::Instant::now(), body.clone()));
+        body
+    }
+}
+
 /// One evaluation point of an experiment (`/api/evals`).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Point {

@@ -140,7 +140,11 @@ async fn guesses(State(app): State<Arc<App>>) -> Response {
             "this run trains a language model: its samples are at /api/sample",
         );
     }
-    let body = app.guesses.get(&app).await;
+    let a = app.clone();
+    let body = app
+        .guesses
+        .get(move || crate::coordinator::experiments::guesses(&a))
+        .await;
     let mut r = body.into_response();
     r.headers_mut().insert(
         header::CONTENT_TYPE,
