@@ -3,7 +3,7 @@
 //!
 //! Each configuration starts a real `crowdgrad serve` (its defaults, `--norm-bound 10`) and
 //! `--workers` real `crowdgrad work` processes (one thread each) for `--seconds`, with
-//! `--norm-clip-spacing 64` (a trusted worker's rare outlier is scaled down to the bound, the
+//! `--norm-clip-spacing 8` (a trusted worker's rare outlier is scaled down to the bound, the
 //! default) and `0` (every push over the bound refused, as before issue 19), each without an
 //! attacker and with one more `crowdgrad work --fault` worker pushing its gradient times 10
 //! (`scale:10`) or times 1e6 (`scale:1e6`). It prints, per run, the honest workers' pushes
@@ -28,11 +28,12 @@ pub struct OutliersArgs {
     /// Seconds each run's workers train (at most 3,600).
     #[arg(long, default_value_t = 60.0)]
     pub seconds: f64,
-    /// Attacks to run besides none, comma-separated `--fault` values of `crowdgrad work`.
+    /// Attacks to run besides none, comma-separated `--fault` values of `crowdgrad work`
+    /// (`""`: none).
     #[arg(long, value_delimiter = ',', default_value = "scale:10,scale:1e6")]
     pub attacks: Vec<String>,
     /// `--norm-clip-spacing` values to compare (0: refuse every push over the bound).
-    #[arg(long, value_delimiter = ',', default_value = "64,0")]
+    #[arg(long, value_delimiter = ',', default_value = "8,0")]
     pub spacings: Vec<u32>,
     /// Data directory of the server.
     #[arg(long, default_value = "data/mnist")]
@@ -186,13 +187,14 @@ pub fn outliers(exe: &Path, args: &OutliersArgs) -> Result<Vec<OutlierRun>> {
             args.workers
         )));
     }
-    for f in &args.attacks {
+    let named: Vec<&String> = args.attacks.iter().filter(|a| !a.is_empty()).collect();
+    for f in &named {
         crowdgrad_core::fault::Fault::parse(f)
             .map_err(|e| Error::Config(format!("--attacks {f}: {e}")))?;
     }
     let mut runs = Vec::new();
     let attacks: Vec<Option<&str>> = std::iter::once(None)
-        .chain(args.attacks.iter().map(|a| Some(a.as_str())))
+        .chain(named.iter().map(|a| Some(a.as_str())))
         .collect();
     for attack in attacks {
         for &spacing in &args.spacings {

@@ -160,7 +160,7 @@ pub struct TrainingArgs {
     /// (counted as `pushes_clipped`), not refused, when its last N accepted pushes kept the
     /// bound: honest mini-batch gradients are heavy-tailed. 0 refuses every push over the
     /// bound.
-    #[arg(long, default_value_t = 64, value_name = "N")]
+    #[arg(long, default_value_t = crowdgrad_core::session::CLIP_SPACING, value_name = "N")]
     pub norm_clip_spacing: u32,
 }
 
