@@ -197,6 +197,26 @@ async fn credit_survives_a_kill_9_and_restart_of_serve() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
+    // A checkpoint written after some credit holds the ledger's position. (The worker can
+    // reach 2,000 samples before the first checkpoint: wait for one, every 1 s.)
+    let newest_saved = || {
+        let newest = std::fs::read_dir(dir.join("checkpoints"))
+            .ok()?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .max()?;
+        crowdgrad::checkpoint::format::Checkpoint::decode(&std::fs::read(&newest).ok()?).ok()
+    };
+    let waited = Instant::now();
+    let saved = loop {
+        match newest_saved() {
+            Some(c) if c.ledger["seq"].as_u64() > Some(0) => break c,
+            _ if waited.elapsed() > Duration::from_secs(30) => {
+                panic!("no checkpoint with the ledger's position in 30 s")
+            }
+            _ => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    };
     // That read flushed the ledger: what it showed is committed.
     first.kill();
     worker.kill();
@@ -206,16 +226,6 @@ async fn credit_survives_a_kill_9_and_restart_of_serve() {
         credited["your_rank"] == 1 && you["recent"].as_f64() > Some(0.0),
         "{credited}"
     );
-    // The checkpoint holds the ledger's position.
-    let newest = std::fs::read_dir(dir.join("checkpoints"))
-        .expect("checkpoints")
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-        .max()
-        .expect("a checkpoint");
-    let saved =
-        crowdgrad::checkpoint::format::Checkpoint::decode(&std::fs::read(&newest).expect("read"))
-            .expect("valid");
     assert!(saved.ledger["seq"].as_u64() > Some(0), "{}", saved.ledger);
     assert!(saved.ledger.get("contributors").is_none());
 
