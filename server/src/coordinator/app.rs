@@ -98,6 +98,9 @@ pub struct App {
     pub rate: Mutex<Vec<(Instant, u64)>>,
     /// Start time.
     pub started: Instant,
+    /// The same moment as unix milliseconds, read once: the base of every `at_ms` derived
+    /// from seconds since the start (so two requests give the same figure).
+    pub started_unix_ms: u64,
     /// Flips to true on shutdown.
     pub shutdown: watch::Receiver<bool>,
     /// WebSocket tasks, awaited on shutdown.
@@ -397,8 +400,7 @@ impl App {
         status: &crate::defence::reputation::ReputationStatus,
     ) -> Vec<QuarantineRow> {
         // The reputation's times are seconds since it started, a moment before the App did.
-        let start_ms = crate::coordinator::history::unix_ms()
-            .saturating_sub(self.started.elapsed().as_millis() as u64);
+        let start_ms = self.started_unix_ms;
         let mut rows: Vec<QuarantineRow> = status
             .workers
             .iter()

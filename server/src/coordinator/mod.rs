@@ -293,6 +293,7 @@ pub async fn run(
         sample: Mutex::new(None),
         rate: Mutex::new(Vec::new()),
         started: Instant::now(),
+        started_unix_ms: crate::coordinator::history::unix_ms(),
         shutdown: stop_rx,
         tracker: TaskTracker::new(),
         metrics: Default::default(),
