@@ -249,6 +249,11 @@ pub struct JoinRequest {
     /// Optional display name.
     #[serde(default)]
     pub name: Option<String>,
+    /// Optional team: volunteers who give the same team are shown together on the
+    /// leaderboard (`GET /api/teams`). The server keeps at most 64 characters of it, control
+    /// characters removed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub team: Option<String>,
     /// Optional stable identity of the volunteer across sessions (8 to 64 characters of
     /// `[A-Za-z0-9_-]`; the browser keeps a random one in localStorage): the key of the
     /// server's contribution ledger. Absent: the session is not credited to anyone.
@@ -269,6 +274,7 @@ impl JoinRequest {
             protocol: PROTOCOL_VERSION,
             client,
             name: None,
+            team: None,
             identity: None,
             threads: None,
         }

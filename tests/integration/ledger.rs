@@ -180,6 +180,8 @@ async fn credit_survives_a_kill_9_and_restart_of_serve() {
             identity,
             "--name",
             "Résumé 名前",
+            "--team",
+            " Team\u{7} Ωmega ",
             "--quiet",
         ],
     );
@@ -222,6 +224,14 @@ async fn credit_survives_a_kill_9_and_restart_of_serve() {
     worker.kill();
     let you = &credited["you"];
     assert_eq!(you["name"], "Résumé 名前");
+    // The team as the join handler cleaned it (control characters out, trimmed), and the
+    // board's team line adds up its one member.
+    assert_eq!(you["team"], "Team Ωmega");
+    let team = &credited["teams"][0];
+    assert!(
+        team["team"] == "Team Ωmega" && team["members"] == 1 && team["samples"] == you["samples"],
+        "{credited}"
+    );
     assert!(
         credited["your_rank"] == 1 && you["recent"].as_f64() > Some(0.0),
         "{credited}"
@@ -240,15 +250,21 @@ async fn credit_survives_a_kill_9_and_restart_of_serve() {
         );
     }
     assert_eq!(after["you"]["name"], you["name"]);
+    assert_eq!(after["you"]["team"], you["team"]);
+    assert!(
+        after["teams"][0]["samples"].as_u64() >= you["samples"].as_u64(),
+        "{after}"
+    );
     // The CSV export keeps its shape.
     let (code, csv) = util::get(format!("{url2}/api/contributors?format=csv")).await;
     assert_eq!(code, 200);
     let csv = String::from_utf8(csv).expect("utf-8");
     assert!(csv.starts_with(
-        "identity,name,client,samples,pushes_accepted,pushes_rejected,compute_seconds,sessions,first_seen_unix,last_seen_unix\n"
+        "identity,name,client,samples,pushes_accepted,pushes_rejected,compute_seconds,sessions,first_seen_unix,last_seen_unix,team\n"
     ));
     assert!(
-        csv.contains(&format!("{identity},\"Résumé 名前\",native,")),
+        csv.contains(&format!("{identity},\"Résumé 名前\",native,"))
+            && csv.contains(",\"Team Ωmega\"\n"),
         "{csv}"
     );
     assert!(Path::new(ck).join("ledger.sqlite").is_file());

@@ -658,8 +658,8 @@ impl Registry {
 
     /// Worker `worker` joined as the volunteer `identity` (checked by the caller): its pushes
     /// and reports count in the ledger from now on.
-    pub fn identify(&self, worker: u64, identity: &str, name: Option<&str>, client: ClientKind) {
-        self.lock().ledger.joined(worker, identity, name, client);
+    pub fn identify(&self, worker: u64, identity: &str, who: ledger::Who<'_>, client: ClientKind) {
+        self.lock().ledger.joined(worker, identity, who, client);
     }
 
     /// Runs `f` on the ledger's in-memory part (read-only).

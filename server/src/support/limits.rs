@@ -282,6 +282,8 @@ pub struct LimitCounts {
     pub joins_limited: u64,
     /// Joins answered 401 (private run, missing or wrong token).
     pub joins_unauthorized: u64,
+    /// Joins answered 403: the identity is quarantined.
+    pub joins_quarantined: u64,
     /// Data downloads answered 429 by `--download-rate`.
     pub downloads_limited: u64,
     /// Admin calls answered 401 (no token, or a wrong one).
@@ -304,6 +306,7 @@ struct Counters {
     pushes_ip: AtomicU64,
     joins: AtomicU64,
     joins_unauthorized: AtomicU64,
+    joins_quarantined: AtomicU64,
     downloads: AtomicU64,
     admin_unauthorized: AtomicU64,
     admin_locked_out: AtomicU64,
@@ -332,6 +335,8 @@ pub enum Count {
     Join,
     /// See [`LimitCounts::joins_unauthorized`].
     JoinUnauthorized,
+    /// See [`LimitCounts::joins_quarantined`].
+    JoinQuarantined,
     /// See [`LimitCounts::downloads_limited`].
     Download,
     /// See [`LimitCounts::admin_unauthorized`].
@@ -420,6 +425,7 @@ impl Limits {
             Count::PushPerIp => &c.pushes_ip,
             Count::Join => &c.joins,
             Count::JoinUnauthorized => &c.joins_unauthorized,
+            Count::JoinQuarantined => &c.joins_quarantined,
             Count::Download => &c.downloads,
             Count::AdminUnauthorized => &c.admin_unauthorized,
             Count::AdminLockedOut => &c.admin_locked_out,
@@ -511,6 +517,7 @@ impl Limits {
             pushes_limited_per_ip: l(&c.pushes_ip),
             joins_limited: l(&c.joins),
             joins_unauthorized: l(&c.joins_unauthorized),
+            joins_quarantined: l(&c.joins_quarantined),
             downloads_limited: l(&c.downloads),
             admin_unauthorized: l(&c.admin_unauthorized),
             admin_locked_out: l(&c.admin_locked_out),

@@ -20,6 +20,9 @@ pub struct WorkArgs {
     /// A display name for the dashboard.
     #[arg(long)]
     pub name: Option<String>,
+    /// A team for the leaderboard (`/api/contributors` adds up each team's samples).
+    #[arg(long)]
+    pub team: Option<String>,
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
@@ -115,6 +118,7 @@ impl WorkArgs {
             opts.duration = Some(Duration::from_secs_f64(s));
         }
         opts.name = self.name;
+        opts.team = self.team;
         opts.progress = !self.quiet && !self.json;
         Ok(opts)
     }

@@ -77,13 +77,14 @@ impl From<Error> for JoinError {
 pub(super) async fn join(
     net: &Net,
     http: &str,
-    name: Option<String>,
+    (name, team): (Option<String>, Option<String>),
     identity: Option<String>,
     threads: Option<Threads>,
 ) -> std::result::Result<JoinResponse, JoinError> {
     let url = format!("{http}/api/join");
     let mut req = JoinRequest::new(ClientKind::Native);
     req.name = name;
+    req.team = team;
     req.identity = identity;
     req.threads = threads;
     let body = serde_json::to_vec(&req).map_err(|e| Error::Http(e.to_string()))?;
@@ -286,7 +287,7 @@ mod tests {
             (StatusCode::OK, None, false, "bad join reply"),
         ] {
             let base = server(status, "quarantined").await;
-            let r = join(&net(token), &base, None, None, None).await;
+            let r = join(&net(token), &base, (None, None), None, None).await;
             match (r, refused) {
                 (Err(JoinError::Refused(why)), true) => assert!(why.contains(hint), "{why}"),
                 (Err(JoinError::Retry(e)), false) => {

@@ -19,6 +19,8 @@ pub struct WorkOptions {
     pub duration: Option<Duration>,
     /// Display name sent on join.
     pub name: Option<String>,
+    /// Team sent on join (the leaderboard adds up its members).
+    pub team: Option<String>,
     /// Show a progress bar.
     pub progress: bool,
     /// Longest wait between reconnection attempts, jitter included (the cap of core's
@@ -81,6 +83,7 @@ impl WorkOptions {
             steps: None,
             duration: None,
             name: None,
+            team: None,
             progress: false,
             max_backoff: Duration::from_secs_f64(backoff::CAP_S),
             step_delay: Duration::ZERO,

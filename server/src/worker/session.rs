@@ -155,7 +155,7 @@ pub(super) async fn session(
         let joined = join(
             net,
             http,
-            opts.name.clone(),
+            (opts.name.clone(), opts.team.clone()),
             opts.identity.clone(),
             threads.cloned(),
         )

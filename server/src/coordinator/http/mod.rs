@@ -117,6 +117,8 @@ async fn join(
             return error(StatusCode::BAD_REQUEST, format!("bad identity: {m}"));
         }
         if let Some(why) = app.defence.reputation.identity_quarantined(id) {
+            app.limits
+                .count(crate::support::limits::Count::JoinQuarantined);
             return error(
                 StatusCode::FORBIDDEN,
                 format!("this identity is quarantined: {why}"),
@@ -137,9 +139,9 @@ async fn join(
             "too many new workers at once for this run's established ones; retry later",
         );
     }
-    let name: Option<String> = req
-        .name
-        .map(|n| n.chars().filter(|c| !c.is_control()).take(64).collect());
+    let clean = crate::registry::ledger::clean_label;
+    let name = req.name.as_deref().and_then(clean);
+    let team = req.team.as_deref().and_then(clean);
     let Some((worker_id, part)) =
         app.registry
             .join_thread(req.client, name.clone(), app.cfg.partitions, req.threads)
@@ -150,8 +152,11 @@ async fn join(
         );
     };
     if let Some(id) = &req.identity {
-        app.registry
-            .identify(worker_id, id, name.as_deref(), req.client);
+        let who = crate::registry::ledger::Who {
+            name: name.as_deref(),
+            team: team.as_deref(),
+        };
+        app.registry.identify(worker_id, id, who, req.client);
         app.defence.reputation.bind(worker_id, id);
     }
     let Ok(range) = app.train.partition(part.index, part.count) else {

@@ -47,7 +47,8 @@ pub const APPLICATION_ID: i32 = 0x4347_4c44;
 
 /// The schema, one SQL script per version: version N is reached by running script N-1 on a
 /// database at version N-1, in one transaction with the new `user_version`.
-pub const MIGRATIONS: &[&str] = &[r#"
+pub const MIGRATIONS: &[&str] = &[
+    r#"
 CREATE TABLE contributors (
     identity TEXT PRIMARY KEY NOT NULL,
     name TEXT,
@@ -74,7 +75,17 @@ CREATE TABLE buckets (bucket INTEGER PRIMARY KEY, n INTEGER NOT NULL);
 CREATE TABLE meta (key TEXT PRIMARY KEY NOT NULL, value INTEGER NOT NULL) WITHOUT ROWID;
 INSERT INTO meta (key, value) VALUES ('seq', 0), ('identities', 0), ('samples', 0);
 CREATE TABLE imports (checkpoint TEXT PRIMARY KEY NOT NULL, identities INTEGER NOT NULL, at REAL NOT NULL);
-"#];
+"#,
+    r#"
+ALTER TABLE contributors ADD COLUMN team TEXT;
+CREATE TABLE teams (
+    team TEXT PRIMARY KEY NOT NULL,
+    members INTEGER NOT NULL,
+    samples INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX teams_by_samples ON teams (samples DESC, team);
+"#,
+];
 
 /// Buckets of [`bucket`]: exact values below 1024, then 64 per power of two.
 pub const BUCKETS: i64 = 1024 + 53 * 64;
@@ -139,7 +150,7 @@ pub struct Db {
 }
 
 /// The columns of a [`Contribution`], in [`row`]'s order.
-const COLUMNS: &str = "identity, name, client, samples, accepted, rejected, compute_s, sessions, first_seen, last_seen";
+const COLUMNS: &str = "identity, name, client, samples, accepted, rejected, compute_s, sessions, first_seen, last_seen, team";
 
 fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Contribution> {
     let n = |i: usize| -> rusqlite::Result<u64> { Ok(r.get::<_, i64>(i)?.max(0) as u64) };
@@ -154,6 +165,7 @@ fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Contribution> {
         sessions: n(7)?,
         first_seen_unix: clean(r.get(8)?),
         last_seen_unix: clean(r.get(9)?),
+        team: r.get(10)?,
         recent: 0.0,
     })
 }
@@ -371,20 +383,21 @@ impl Db {
             .map_err(e)?;
         let (mut identities, mut samples, seq) = totals(&tx).map_err(e)?;
         let mut moves: HashMap<i64, i64> = HashMap::new();
+        let mut teams = TeamMoves::default();
         {
             let mut get = tx
                 .prepare_cached(
-                    "SELECT samples, accepted, rejected, compute_s, sessions, first_seen, last_seen FROM contributors WHERE identity = ?1",
+                    "SELECT samples, accepted, rejected, compute_s, sessions, first_seen, last_seen, team FROM contributors WHERE identity = ?1",
                 )
                 .map_err(e)?;
             let mut insert = tx
                 .prepare_cached(&format!(
-                    "INSERT INTO contributors ({COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)"
+                    "INSERT INTO contributors ({COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)"
                 ))
                 .map_err(e)?;
             let mut update = tx
                 .prepare_cached(
-                    "UPDATE contributors SET name = coalesce(?2, name), client = coalesce(?3, client), samples = ?4, accepted = ?5, rejected = ?6, compute_s = ?7, sessions = ?8, first_seen = ?9, last_seen = ?10 WHERE identity = ?1",
+                    "UPDATE contributors SET name = coalesce(?2, name), client = coalesce(?3, client), samples = ?4, accepted = ?5, rejected = ?6, compute_s = ?7, sessions = ?8, first_seen = ?9, last_seen = ?10, team = coalesce(?11, team) WHERE identity = ?1",
                 )
                 .map_err(e)?;
             let mut hour = tx
@@ -407,6 +420,7 @@ impl Db {
                             r.get::<_, i64>(4)?,
                             r.get::<_, f64>(5)?,
                             r.get::<_, f64>(6)?,
+                            r.get::<_, Option<String>>(7)?,
                         ))
                     })
                     .optional()
@@ -414,9 +428,10 @@ impl Db {
                 let first = d.first_seen.unwrap_or(now);
                 let last = d.last_seen.max(first);
                 let name = d.name.as_deref();
+                let team = d.team.as_deref();
                 let client = d.client.map(client_name);
                 let new_samples = match old {
-                    Some((s, a, r, c, n, f, l)) => {
+                    Some((s, a, r, c, n, f, l, old_team)) => {
                         let ns = add(s, d.samples);
                         update
                             .execute(params![
@@ -430,10 +445,17 @@ impl Db {
                                 add(n, d.sessions),
                                 f.min(first),
                                 l.max(last),
+                                team,
                             ])
                             .map_err(e)?;
                         *moves.entry(bucket(s)).or_default() -= 1;
                         samples = samples.saturating_sub(s.max(0));
+                        if let Some(t) = old_team.as_deref() {
+                            teams.leave(t, s);
+                        }
+                        if let Some(t) = team.or(old_team.as_deref()) {
+                            teams.join(t, ns);
+                        }
                         ns
                     }
                     None => {
@@ -450,9 +472,13 @@ impl Db {
                                 int(d.sessions),
                                 first,
                                 last,
+                                team,
                             ])
                             .map_err(e)?;
                         identities += 1;
+                        if let Some(t) = team {
+                            teams.join(t, ns);
+                        }
                         ns
                     }
                 };
@@ -467,18 +493,21 @@ impl Db {
         // Past the bound, the least recently seen go (not one just written: it is newest).
         let excess = identities - max_identities as i64;
         if excess > 0 {
-            let gone: Vec<(String, i64)> = {
+            let gone: Vec<(String, i64, Option<String>)> = {
                 let mut q = tx
                     .prepare_cached(
-                        "SELECT identity, samples FROM contributors ORDER BY last_seen, identity LIMIT ?1",
+                        "SELECT identity, samples, team FROM contributors ORDER BY last_seen, identity LIMIT ?1",
                     )
                     .map_err(e)?;
                 let rows = q
-                    .query_map([excess], |r| Ok((r.get(0)?, r.get(1)?)))
+                    .query_map([excess], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
                     .map_err(e)?;
                 rows.collect::<rusqlite::Result<_>>().map_err(e)?
             };
-            for (identity, s) in gone {
+            for (identity, s, team) in gone {
+                if let Some(t) = team.as_deref() {
+                    teams.leave(t, s);
+                }
                 tx.execute("DELETE FROM contributors WHERE identity = ?1", [&identity])
                     .map_err(e)?;
                 tx.execute("DELETE FROM hourly WHERE identity = ?1", [&identity])
@@ -506,6 +535,7 @@ impl Db {
         }
         tx.execute("DELETE FROM buckets WHERE n <= 0", [])
             .map_err(e)?;
+        teams.write(&tx).map_err(e)?;
         let seq = seq.saturating_add(1);
         for (k, v) in [
             ("seq", seq),
@@ -548,10 +578,11 @@ impl Db {
         let (mut identities, mut samples, seq) = totals(&tx).map_err(e)?;
         let mut added = 0usize;
         let mut moves: HashMap<i64, i64> = HashMap::new();
+        let mut teams = TeamMoves::default();
         {
             let mut insert = tx
                 .prepare_cached(&format!(
-                    "INSERT OR IGNORE INTO contributors ({COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)"
+                    "INSERT OR IGNORE INTO contributors ({COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)"
                 ))
                 .map_err(e)?;
             for c in rows.iter().take(MAX_IDENTITIES) {
@@ -568,9 +599,13 @@ impl Db {
                         int(c.sessions),
                         clean(c.first_seen_unix),
                         clean(c.last_seen_unix),
+                        c.team,
                     ])
                     .map_err(e)?;
                 if n > 0 {
+                    if let Some(t) = c.team.as_deref() {
+                        teams.join(t, s);
+                    }
                     added += 1;
                     identities += 1;
                     samples = samples.saturating_add(s);
@@ -587,6 +622,7 @@ impl Db {
                 upsert.execute([b, n]).map_err(e)?;
             }
         }
+        teams.write(&tx).map_err(e)?;
         tx.execute(
             "INSERT INTO imports (checkpoint, identities, at) VALUES (?1, ?2, ?3)",
             params![checkpoint, added as i64, super::unix_now()],
@@ -658,6 +694,28 @@ impl Db {
         Ok(v)
     }
 
+    /// The `limit` teams with the most samples (ties by name).
+    ///
+    /// # Errors
+    /// [`Error::Ledger`] when the database cannot be read.
+    pub fn teams(&self, limit: usize) -> Result<Vec<super::TeamRow>> {
+        self.conn
+            .prepare_cached(
+                "SELECT team, members, samples FROM teams ORDER BY samples DESC, team LIMIT ?1",
+            )
+            .and_then(|mut q| {
+                q.query_map([limit as i64], |r| {
+                    Ok(super::TeamRow {
+                        team: r.get(0)?,
+                        members: r.get::<_, i64>(1)?.max(0) as u64,
+                        samples: r.get::<_, i64>(2)?.max(0) as u64,
+                    })
+                })?
+                .collect::<rusqlite::Result<Vec<_>>>()
+            })
+            .map_err(|e| self.fail("reading", e))
+    }
+
     /// The rank of `identity` (1 = most samples; ties by identity), if it is known.
     ///
     /// # Errors
@@ -707,6 +765,7 @@ impl Db {
         let board = (|| {
             let (total, samples) = self.totals()?;
             let contributors = self.top(limit, now)?;
+            let teams = self.teams(super::BOARD_TEAMS)?;
             let (you, your_rank) = match identity {
                 Some(id) => (self.get(id, now)?, self.rank(id)?),
                 None => (None, None),
@@ -717,6 +776,7 @@ impl Db {
                 contributors,
                 your_rank: you.as_ref().and(your_rank).map(|r| r as usize),
                 you,
+                teams,
             })
         })();
         let _ = self.conn.execute_batch("COMMIT");
@@ -768,6 +828,67 @@ impl Db {
                 "checking",
                 format!("{rows} rows, {in_buckets} in buckets, {ids} counted"),
             ));
+        }
+        // Every team's members and samples against its rows (total(): a float sum, which
+        // cannot overflow on saturated counts).
+        let off: Option<String> = self
+            .conn
+            .query_row(
+                "SELECT coalesce(g.team, t.team) FROM
+                   (SELECT team, count(*) AS m, total(samples) AS s FROM contributors
+                    WHERE team IS NOT NULL GROUP BY team) AS g
+                   FULL OUTER JOIN teams AS t ON t.team = g.team
+                 WHERE g.m IS NOT t.members OR abs(g.s - t.samples) > 1e-9 * max(1.0, g.s)
+                    OR g.s IS NULL OR t.samples IS NULL
+                 LIMIT 1",
+                [],
+                |r| r.get(0),
+            )
+            .optional()
+            .map_err(|e| self.fail("checking", e))?;
+        if let Some(team) = off {
+            return Err(self.fail(
+                "checking",
+                format!("team {team:?} does not match its members' rows"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Changes to the `teams` table within one write: members and samples by team, added up and
+/// then written once ([`TeamMoves::write`]).
+#[derive(Debug, Default)]
+struct TeamMoves(HashMap<String, (i64, i64)>);
+
+impl TeamMoves {
+    /// An identity with `samples` is now in `team`.
+    fn join(&mut self, team: &str, samples: i64) {
+        let m = self.0.entry(team.to_string()).or_default();
+        m.0 += 1;
+        m.1 = m.1.saturating_add(samples);
+    }
+
+    /// An identity with `samples` is no longer counted in `team`.
+    fn leave(&mut self, team: &str, samples: i64) {
+        let m = self.0.entry(team.to_string()).or_default();
+        m.0 -= 1;
+        m.1 = m.1.saturating_sub(samples);
+    }
+
+    /// Adds the moves into `teams` and drops the teams left without members.
+    fn write(&self, tx: &rusqlite::Transaction<'_>) -> rusqlite::Result<()> {
+        let mut upsert = tx.prepare_cached(
+            "INSERT INTO teams (team, members, samples) VALUES (?1, ?2, max(?3, 0))
+             ON CONFLICT (team) DO UPDATE SET members = members + excluded.members,
+               samples = max(0, CASE WHEN ?3 > 0 AND samples > 9223372036854775807 - ?3
+                           THEN 9223372036854775807 ELSE samples + ?3 END)",
+        )?;
+        for (t, &(m, s)) in self.0.iter().filter(|(_, &(m, s))| m != 0 || s != 0) {
+            upsert.execute(params![t, m, s])?;
+        }
+        if !self.0.is_empty() {
+            tx.execute("DELETE FROM teams WHERE members <= 0", [])?;
         }
         Ok(())
     }

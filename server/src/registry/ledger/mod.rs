@@ -108,6 +108,52 @@ pub fn check_identity(id: &str) -> std::result::Result<(), String> {
     Ok(())
 }
 
+/// What a join says of the volunteer besides its identity (both optional, both cleaned by
+/// the join handler: [`clean_label`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Who<'a> {
+    /// Display name.
+    pub name: Option<&'a str>,
+    /// Team.
+    pub team: Option<&'a str>,
+}
+
+impl<'a> Who<'a> {
+    /// A display name and no team.
+    pub fn named(name: &'a str) -> Self {
+        Self {
+            name: Some(name),
+            team: None,
+        }
+    }
+}
+
+/// Most characters kept of a display name or a team.
+pub const MAX_LABEL_CHARS: usize = 64;
+
+/// A display name or team as the ledger keeps it: control characters removed, surrounding
+/// white space trimmed, at most [`MAX_LABEL_CHARS`] characters; `None` when nothing is left.
+pub fn clean_label(text: &str) -> Option<String> {
+    let kept: String = text
+        .chars()
+        .filter(|c| !c.is_control())
+        .take(MAX_LABEL_CHARS)
+        .collect();
+    let kept = kept.trim();
+    (!kept.is_empty()).then(|| kept.to_string())
+}
+
+/// A team's line on the leaderboard.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct TeamRow {
+    /// The team's name.
+    pub team: String,
+    /// Identities whose last join gave this team.
+    pub members: u64,
+    /// Their samples, all time.
+    pub samples: u64,
+}
+
 /// What one identity contributed.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Contribution {
@@ -115,6 +161,9 @@ pub struct Contribution {
     pub identity: String,
     /// The last display name it gave.
     pub name: Option<String>,
+    /// The last team it gave.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub team: Option<String>,
     /// The kind of its last session.
     pub client: ClientKind,
     /// Examples behind its applied non-zero pushes (counted once per step). Saturates at
@@ -182,6 +231,8 @@ pub fn hour_of(unix: f64) -> i64 {
 pub struct Delta {
     /// The display name of its last join in the interval, if it gave one.
     pub name: Option<String>,
+    /// The team of its last join in the interval, if it gave one.
+    pub team: Option<String>,
     /// The kind of its last join in the interval.
     pub client: Option<ClientKind>,
     /// Samples credited.
@@ -238,6 +289,9 @@ impl Delta {
     fn merge(&mut self, other: Delta) {
         if other.name.is_some() {
             self.name = other.name;
+        }
+        if other.team.is_some() {
+            self.team = other.team;
         }
         if other.client.is_some() {
             self.client = other.client;
@@ -307,8 +361,8 @@ pub fn unix_now() -> f64 {
 
 impl Ledger {
     /// Worker `worker` joined as `identity` (checked with [`check_identity`] by the caller).
-    pub fn joined(&mut self, worker: u64, identity: &str, name: Option<&str>, client: ClientKind) {
-        self.joined_at(worker, identity, name, client, unix_now());
+    pub fn joined(&mut self, worker: u64, identity: &str, who: Who<'_>, client: ClientKind) {
+        self.joined_at(worker, identity, who, client, unix_now());
     }
 
     /// [`Ledger::joined`] at `now` (Unix seconds).
@@ -316,15 +370,18 @@ impl Ledger {
         &mut self,
         worker: u64,
         identity: &str,
-        name: Option<&str>,
+        who: Who<'_>,
         client: ClientKind,
         now: f64,
     ) {
         if let Some(d) = self.delta(identity) {
             d.sessions = d.sessions.saturating_add(1);
             d.client = Some(client);
-            if let Some(n) = name {
+            if let Some(n) = who.name {
                 d.name = Some(n.to_string());
+            }
+            if let Some(t) = who.team {
+                d.team = Some(t.to_string());
             }
             d.touch(now);
         }
@@ -510,7 +567,7 @@ pub fn import_json(json: &serde_json::Value) -> Result<Vec<Contribution>> {
 }
 
 /// The header line of the CSV export (`GET /api/contributors?format=csv`).
-pub const CSV_HEADER: &str = "identity,name,client,samples,pushes_accepted,pushes_rejected,compute_seconds,sessions,first_seen_unix,last_seen_unix\n";
+pub const CSV_HEADER: &str = "identity,name,client,samples,pushes_accepted,pushes_rejected,compute_seconds,sessions,first_seen_unix,last_seen_unix,team\n";
 
 /// The ledger as CSV: [`CSV_HEADER`], then one line per identity ([`csv_row`]) in the order
 /// given (the export is most samples first). Text cells go through [`csv_cell`] (names are
@@ -530,7 +587,7 @@ pub fn csv_row(c: &Contribution, out: &mut String) {
         ClientKind::Browser => "browser",
     };
     out.push_str(&format!(
-        "{},{},{},{},{},{},{:.3},{},{:.3},{:.3}\n",
+        "{},{},{},{},{},{},{:.3},{},{:.3},{:.3},{}\n",
         csv_cell(&c.identity, false),
         csv_cell(c.name.as_deref().unwrap_or(""), true),
         client,
@@ -540,7 +597,8 @@ pub fn csv_row(c: &Contribution, out: &mut String) {
         c.compute_seconds,
         c.sessions,
         c.first_seen_unix,
-        c.last_seen_unix
+        c.last_seen_unix,
+        csv_cell(c.team.as_deref().unwrap_or(""), true),
     ));
 }
 
@@ -576,7 +634,12 @@ pub struct Board {
     /// Its rank (1 = most samples).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub your_rank: Option<usize>,
+    /// The teams with the most samples (at most [`BOARD_TEAMS`]), most first.
+    pub teams: Vec<TeamRow>,
 }
+
+/// Teams on the leaderboard ([`Board::teams`]).
+pub const BOARD_TEAMS: usize = 10;
 
 #[cfg(test)]
 mod tests {
@@ -618,7 +681,7 @@ mod tests {
         let path = scratch("accumulate");
         let mut db = Db::open(&path).unwrap();
         let mut l = Ledger::default();
-        l.joined(1, "alice-0001", Some("Alice"), ClientKind::Browser);
+        l.joined(1, "alice-0001", Who::named("Alice"), ClientKind::Browser);
         l.pushed(1, &applied(), Some(32), true);
         l.pushed(1, &applied(), None, true);
         l.pushed(
@@ -638,10 +701,10 @@ mod tests {
         drop(db);
         let mut db = Db::open(&path).unwrap();
         let mut l = Ledger::default();
-        l.joined(7, "alice-0001", None, ClientKind::Browser);
+        l.joined(7, "alice-0001", Who::default(), ClientKind::Browser);
         l.pushed(7, &applied(), Some(32), true);
         l.reported(7, 1.0);
-        l.joined(8, "bob-000001", None, ClientKind::Native);
+        l.joined(8, "bob-000001", Who::default(), ClientKind::Native);
         l.pushed(99, &applied(), Some(32), true); // unknown worker: ignored
                                                   // An all-zero push is accepted but earns no samples (issue 21).
         l.pushed(8, &applied(), Some(32), false);
@@ -684,7 +747,7 @@ mod tests {
         let mut db = Db::open(&scratch("reports")).unwrap();
         let mut l = Ledger::default();
         let t0 = 1.7e9;
-        l.joined_at(1, "carol-0001", None, ClientKind::Browser, t0);
+        l.joined_at(1, "carol-0001", Who::default(), ClientKind::Browser, t0);
         let mut compute = |l: &mut Ledger| {
             flush(l, &mut db);
             db.get("carol-0001", t0).unwrap().unwrap().compute_seconds
@@ -719,7 +782,13 @@ mod tests {
         // The last finite one (f64::MAX at 303 s) is bounded too.
         assert_eq!(compute(&mut l), 303.0 + COMPUTE_SLACK_S);
         // Another worker id of the same identity (a rejoin) starts its own bound.
-        l.joined_at(2, "carol-0001", None, ClientKind::Browser, t0 + 400.0);
+        l.joined_at(
+            2,
+            "carol-0001",
+            Who::default(),
+            ClientKind::Browser,
+            t0 + 400.0,
+        );
         l.reported_at(2, 1.0, t0 + 401.0);
         assert_eq!(compute(&mut l), 304.0 + COMPUTE_SLACK_S);
     }
@@ -744,7 +813,7 @@ mod tests {
         ];
         for (w, name) in names.iter().enumerate() {
             let id = format!("{}{w}", &long_id[..MAX_IDENTITY_LEN - 1]);
-            l.joined_at(w as u64, &id, Some(name), ClientKind::Native, t0);
+            l.joined_at(w as u64, &id, Who::named(name), ClientKind::Native, t0);
             for _ in 0..3 {
                 l.pushed_at(w as u64, &applied(), Some(u32::MAX), true, t0);
             }
@@ -763,7 +832,7 @@ mod tests {
             }
         }
         // A first seen at 0, an identity starting with '-', and a row with no pushes.
-        l.joined_at(99, "-0000000", None, ClientKind::Browser, 0.0);
+        l.joined_at(99, "-0000000", Who::default(), ClientKind::Browser, 0.0);
         flush(&mut l, &mut db);
         // Counts at the top: u64::MAX saturates at i64::MAX (SQLite's integer), and more
         // credit on top of it stays there.
@@ -772,6 +841,7 @@ mod tests {
             "maxed-counts-1".into(),
             Delta {
                 name: Some("max".into()),
+                team: Some("max team".into()),
                 client: Some(ClientKind::Browser),
                 samples: u64::MAX,
                 accepted: u64::MAX,
@@ -840,7 +910,7 @@ mod tests {
         let mut db = Db::open(&scratch("import")).unwrap();
         // erin is in the file already, with more than the checkpoint has: she keeps it.
         let mut l = Ledger::default();
-        l.joined(1, "erin-0001", None, ClientKind::Browser);
+        l.joined(1, "erin-0001", Who::default(), ClientKind::Browser);
         l.pushed(1, &applied(), Some(50), true);
         flush(&mut l, &mut db);
         assert_eq!(db.import("run/ckpt-1", &rows).unwrap(), Some(2));
@@ -911,7 +981,12 @@ mod tests {
                     let mut db = Db::open(p).unwrap();
                     let mut l = Ledger::default();
                     for i in 0..2000u64 {
-                        l.joined(i, &format!("corrupt-{i:06}"), Some("n"), ClientKind::Native);
+                        l.joined(
+                            i,
+                            &format!("corrupt-{i:06}"),
+                            Who::named("n"),
+                            ClientKind::Native,
+                        );
                     }
                     flush(&mut l, &mut db);
                     drop(db);
@@ -1033,12 +1108,151 @@ mod tests {
         assert_eq!(db::bucket(i64::MAX), db::BUCKETS - 1);
     }
 
+    /// Teams add up their members' samples; a member who names another team moves with its
+    /// samples, one who names none stays, and an evicted member leaves its team.
+    #[test]
+    fn teams_add_up_their_members_and_follow_moves_and_evictions() {
+        let mut db = Db::open(&scratch("teams")).unwrap();
+        let mut l = Ledger::default();
+        let t0 = unix_now();
+        let team = |name: &'static str, team: &'static str| Who {
+            name: Some(name),
+            team: Some(team),
+        };
+        l.joined_at(1, "team-a-0001", team("a1", "Red"), ClientKind::Native, t0);
+        l.joined_at(2, "team-a-0002", team("a2", "Red"), ClientKind::Browser, t0);
+        l.joined_at(3, "team-b-0001", team("b1", "Blue"), ClientKind::Native, t0);
+        l.joined_at(4, "loner-00001", Who::default(), ClientKind::Native, t0);
+        for (w, n) in [(1, 100), (2, 50), (3, 120), (4, 500)] {
+            l.pushed_at(w, &applied(), Some(n), true, t0 + 1.0);
+        }
+        flush(&mut l, &mut db);
+        let rows = |db: &Db| -> Vec<(String, u64, u64)> {
+            db.teams(10)
+                .unwrap()
+                .into_iter()
+                .map(|t| (t.team, t.members, t.samples))
+                .collect()
+        };
+        assert_eq!(rows(&db), [("Red".into(), 2, 150), ("Blue".into(), 1, 120)]);
+        db.verify().unwrap();
+        // a2 joins again without a team (stays Red) and earns more; a1 moves to Blue.
+        l.joined_at(
+            5,
+            "team-a-0002",
+            Who::named("a2"),
+            ClientKind::Browser,
+            t0 + 2.0,
+        );
+        l.pushed_at(5, &applied(), Some(10), true, t0 + 2.0);
+        l.joined_at(
+            6,
+            "team-a-0001",
+            team("a1", "Blue"),
+            ClientKind::Native,
+            t0 + 3.0,
+        );
+        flush(&mut l, &mut db);
+        assert_eq!(rows(&db), [("Blue".into(), 2, 220), ("Red".into(), 1, 60)]);
+        let a1 = db.get("team-a-0001", t0).unwrap().unwrap();
+        assert_eq!(a1.team.as_deref(), Some("Blue"));
+        db.verify().unwrap();
+        // The board carries the teams; the CSV names each member's.
+        let board = db.board(10, None, t0).unwrap();
+        assert_eq!(board.teams.len(), 2);
+        let csv = db.csv().unwrap();
+        let line = csv.lines().find(|l| l.starts_with("team-a-0002,")).unwrap();
+        assert!(
+            line.starts_with("team-a-0002,\"a2\",browser,") && line.ends_with(",\"Red\""),
+            "{line}"
+        );
+        // Bounded at 3 identities: the least recently seen (b1 and the loner, at t0 + 1)
+        // go, and Blue keeps only a1.
+        let mut fresh = Ledger::default();
+        fresh.joined_at(
+            7,
+            "team-a-0002",
+            Who::default(),
+            ClientKind::Browser,
+            t0 + 9.0,
+        );
+        fresh.joined_at(
+            8,
+            "newcomer-01",
+            team("n", "Green"),
+            ClientKind::Native,
+            t0 + 9.0,
+        );
+        db.apply_limited(&fresh.take(), t0 + 9.0, 3).unwrap();
+        assert_eq!(
+            rows(&db),
+            [
+                ("Blue".into(), 1, 100),
+                ("Red".into(), 1, 60),
+                ("Green".into(), 1, 0)
+            ]
+        );
+        db.verify().unwrap();
+    }
+
+    /// A ledger file made before teams existed (schema version 1) opens, migrates in place
+    /// and keeps its rows; its identities have no team until they give one.
+    #[test]
+    fn a_version_1_ledger_migrates_and_keeps_its_rows() {
+        let path = scratch("v1");
+        {
+            let c = rusqlite::Connection::open(&path).unwrap();
+            c.execute_batch(db::MIGRATIONS[0]).unwrap();
+            c.execute_batch(&format!(
+                "PRAGMA application_id = {}; PRAGMA user_version = 1;
+                 INSERT INTO contributors VALUES ('old-timer-1', 'Old', 'native', 42, 3, 0, 1.5, 2, 1e9, 1e9);
+                 INSERT INTO buckets VALUES (42, 1);
+                 UPDATE meta SET value = 1 WHERE key = 'identities';
+                 UPDATE meta SET value = 42 WHERE key = 'samples';",
+                db::APPLICATION_ID
+            ))
+            .unwrap();
+        }
+        let mut db = Db::open(&path).unwrap();
+        db.verify().unwrap();
+        let old = db.get("old-timer-1", unix_now()).unwrap().unwrap();
+        assert_eq!(
+            (old.samples, old.name.as_deref(), old.team),
+            (42, Some("Old"), None)
+        );
+        let mut l = Ledger::default();
+        let who = Who {
+            name: None,
+            team: Some("Veterans"),
+        };
+        l.joined(1, "old-timer-1", who, ClientKind::Native);
+        l.pushed(1, &applied(), Some(8), true);
+        flush(&mut l, &mut db);
+        assert_eq!(db.teams(10).unwrap()[0].samples, 50);
+        db.verify().unwrap();
+        let version: i64 = rusqlite::Connection::open(&path)
+            .unwrap()
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(version, db::MIGRATIONS.len() as i64);
+    }
+
+    #[test]
+    fn labels_are_cleaned() {
+        assert_eq!(
+            clean_label("  Team\u{7} Rocket \n"),
+            Some("Team Rocket".into())
+        );
+        assert_eq!(clean_label(" \t "), None);
+        assert_eq!(clean_label(&"é".repeat(100)).unwrap().chars().count(), 64);
+    }
+
     /// The in-memory part stays bounded while the writer cannot write: a batch given back
     /// merges with what came after it.
     #[test]
     fn a_batch_given_back_merges_with_newer_credit() {
         let mut l = Ledger::default();
-        l.joined_at(1, "frank-0001", Some("F"), ClientKind::Native, 1e9);
+        l.joined_at(1, "frank-0001", Who::named("F"), ClientKind::Native, 1e9);
         l.pushed_at(1, &applied(), Some(10), true, 1e9);
         let first = l.take();
         l.pushed_at(1, &applied(), Some(5), true, 1e9 + 7200.0);
@@ -1079,17 +1293,28 @@ mod tests {
         l.joined(
             1,
             "-abcdefg1",
-            Some("=cmd|' /C calc'!A0"),
+            Who::named("=cmd|' /C calc'!A0"),
             ClientKind::Native,
         );
-        l.joined(2, "bob-000001", Some("@x,y"), ClientKind::Native);
+        l.joined(
+            2,
+            "bob-000001",
+            Who {
+                name: Some("@x,y"),
+                team: Some("+team"),
+            },
+            ClientKind::Native,
+        );
         flush(&mut l, &mut db);
         let csv = db.csv().unwrap();
         assert!(
             csv.contains("\n'-abcdefg1,\"'=cmd|' /C calc'!A0\",native,"),
             "{csv}"
         );
-        assert!(csv.contains("\nbob-000001,\"'@x,y\",native,"), "{csv}");
+        assert!(
+            csv.contains("\nbob-000001,\"'@x,y\",native,") && csv.contains(",\"'+team\"\n"),
+            "{csv}"
+        );
         for line in csv.lines().skip(1) {
             for cell in line.split(',') {
                 let bare = cell.trim_start_matches('"');
