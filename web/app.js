@@ -591,13 +591,29 @@ async function loadBoard() {
     $('leaderboard').replaceChildren(...b.contributors.map((c, i) => {
       const tr = document.createElement('tr');
       if (c.identity === id) tr.className = 'me';
-      // A team the server does not record is shown on this browser's own row.
-      const team = $('my-team').value.trim();
-      const you = c.identity === id ? ` (you${team && !c.team ? `, team ${team}` : ''})` : '';
+      const you = c.identity === id ? ' (you)' : '';
       const who = `${c.name || `${c.identity.slice(0, 8)}…`}${c.team ? ` · ${c.team}` : ''}${you}`;
-      const cells = [String(i + 1), who, c.client, num(c.samples),
-        `${num(c.pushes_accepted)} / ${num(c.pushes_rejected)}`, `${fixed(c.compute_seconds, 1)} s`];
-      tr.replaceChildren(...cells.map((text, j) => cell(text, j === 0 || j >= 3 ? 'num' : '')));
+      // Four columns fit the volunteer's narrow card: the kind and the pushes go on a
+      // second line of the volunteer's cell (visible text, not a tooltip).
+      const volunteerCell = cell(who, 'person');
+      const more = document.createElement('span');
+      more.className = 'sub';
+      more.textContent = `${c.client} · pushes ${num(c.pushes_accepted)} ok / ${num(c.pushes_rejected)} refused`;
+      volunteerCell.append(more);
+      tr.replaceChildren(cell(String(i + 1), 'num'), volunteerCell, cell(num(c.samples), 'num'),
+        cell(`${fixed(c.compute_seconds, 1)} s`, 'num'));
+      return tr;
+    }));
+    // Teams: the ones the server adds up from their members' last joins.
+    const teams = b.teams || [];
+    $('teams-wrap').hidden = teams.length === 0;
+    const mine = $('my-team').value.trim();
+    $('teams').replaceChildren(...teams.map((t, i) => {
+      const tr = document.createElement('tr');
+      if (mine && t.team === mine) tr.className = 'me';
+      const cells = [String(i + 1), t.team + (mine && t.team === mine ? ' (yours)' : ''),
+        num(t.members), num(t.samples)];
+      tr.replaceChildren(...cells.map((text, j) => cell(text, j === 1 ? 'person' : 'num')));
       return tr;
     }));
   } catch (err) {

@@ -203,9 +203,9 @@ export function evalSummary(points) {
 
 // Each figure: a title, its series [label, value of a point, style], a value format.
 const MULTIPLES = [
-  { id: 'm-rate', title: 'Samples per second', series: [['samples/s', (p) => p.samples_per_s]], fmt: num },
+  { integer: true, id: 'm-rate', title: 'Samples per second', series: [['samples/s', (p) => p.samples_per_s]], fmt: num },
   { integer: true, id: 'm-volunteers', title: 'Volunteers online', series: [['volunteers', (p) => p.volunteers]], fmt: num },
-  { id: 'm-bytes', title: 'Bytes per second, up (solid) and down (dashed)', series: [['up', (p) => p.bytes_up_per_s], ['down', (p) => p.bytes_down_per_s, { dash: [6, 4], stroke: LOSS }]], fmt: (v) => `${bytes(v)}/s`, axis: bytes, axisSize: 64 },
+  { integer: true, id: 'm-bytes', title: 'Bytes per second, up (solid) and down (dashed)', series: [['up', (p) => p.bytes_up_per_s], ['down', (p) => p.bytes_down_per_s, { dash: [6, 4], stroke: LOSS }]], fmt: (v) => `${bytes(v)}/s`, axis: bytes, axisSize: 64 },
   { integer: true, id: 'm-rejected', title: 'Refused pushes by reason, per interval', reasons: true, fmt: num },
   { integer: true, id: 'm-quarantined', title: 'Workers quarantined', series: [['quarantined', (p) => p.quarantined]], fmt: num },
   { integer: true, id: 'm-limits', title: 'Limit refusals, per interval', series: [['refusals', (p) => p.limit_refusals]], fmt: num },
@@ -215,7 +215,9 @@ const REASON_STYLES = [
   { stroke: '#8e3b8e', dash: [12, 3, 3, 3] }, { stroke: '#6b6b6b', dash: [1, 4] },
 ];
 const small = new Map();
-const INTEGER_STEPS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 1e6];
+// Tick steps of whole units (1, 2, 5, 10, ... 5e11): every figure here counts things (samples,
+// volunteers, bytes, refusals), and a tick at 0.5 would print as a rounded 1.
+const INTEGER_STEPS = Array.from({ length: 12 }, (_, e) => [1, 2, 5].map((m) => m * 10 ** e)).flat();
 
 function multipleBox(m) {
   let entry = small.get(m.id);

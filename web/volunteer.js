@@ -570,8 +570,13 @@ function renderHeadline() {
     // little, so the counts are shown only where they agree.
     const counts = mine.d <= run.d ? ` (${num(mine.d)} of ${num(run.d)})` : '';
     el.textContent = `You supplied ${Math.round(100 * share)}% of the run's samples ${span}${counts}.`;
+  } else if (volunteer.running && volunteer.paused) {
+    el.textContent = 'Paused: your tab computes nothing and sends nothing.';
+  } else if (volunteer.running && p && p.samples > 0) {
+    // Training, but not yet 5 s of both figures to compare.
+    el.textContent = `Training: your tab has supplied ${num(p.samples)} samples so far.`;
   } else if (volunteer.running) {
-    el.textContent = volunteer.paused ? 'Paused: your tab computes nothing and sends nothing.' : 'Getting ready: joining the run and fetching data…';
+    el.textContent = 'Getting ready: joining the run and fetching data…';
   } else if (p && p.samples > 0) {
     el.textContent = `This session your tab supplied ${num(p.samples)} samples. Thank you.`;
   } else {

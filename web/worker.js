@@ -25,26 +25,6 @@ async function load() {
   return 'simd128';
 }
 
-// The volunteer's display name and team (from the page, in the script URL) go into the join's
-// body: the Rust worker builds the join without them, so its one POST to /api/join is
-// completed here before it leaves.
-const params = new URL(self.location.href).searchParams;
-const extra = {};
-if (params.get('name')) extra.name = params.get('name');
-if (params.get('team')) extra.team = params.get('team');
-if (Object.keys(extra).length) {
-  const fetchPlain = self.fetch.bind(self);
-  self.fetch = (input, init) => {
-    if (typeof input === 'string' && /\/api\/join$/.test(new URL(input, self.location.href).pathname)
-      && init && typeof init.body === 'string') {
-      try {
-        init.body = JSON.stringify({ ...JSON.parse(init.body), ...extra });
-      } catch { /* not JSON: sent as it was */ }
-    }
-    return fetchPlain(input, init);
-  };
-}
-
 const early = [];
 let worker = null;
 

@@ -27,6 +27,8 @@
 // 7. A phone (coarse pointer) starts with 1 core at 50%, and pauses itself on Save-Data.
 // 8. A private run refused (401): the tab stops with the reason and what to do, no retrying;
 //    its classroom view's QR code carries the join token, its markup and address do not.
+// 9. A quarantined identity: stopped while training (a failed spot check) and at its next
+//    join (403), each time with the reason and what to do, and no retrying.
 // With the server's history endpoints (`/api/history`, `/api/evals`): the run's figures after
 // an idle start are flat (samples/s 0) before training, not a line; the classroom view shows
 // the guesses, a demonstration banner, a live consistency switch and a second experiment
@@ -194,6 +196,7 @@ async function layoutAndTraining(server) {
   await sleep(Math.max(0, 13_000 - (Date.now() - loadedAt)));
   page.watchNetwork = true;
   await page.eval(`(() => { const n = document.getElementById('my-name'); n.value = 'Ada L.'; n.dispatchEvent(new Event('change'));
+    const t = document.getElementById('my-team'); t.value = 'Room 4+B'; t.dispatchEvent(new Event('change'));
     document.getElementById('cores').value = '1'; document.getElementById('contribute').click(); })()`);
   const run = await watchErrors(page, async () => ((await page.progress()) || {}).pushes_accepted >= 200, 60_000);
   const p = await page.progress();
@@ -202,6 +205,13 @@ async function layoutAndTraining(server) {
   check('the workers pager is hidden with one worker', !(await page.shown('workers-pager')));
   const named = (await (await fetch(`${server.base}/api/workers`)).json()).workers.map((w) => w.name);
   check('the display name goes with the join', named.includes('Ada L.'), JSON.stringify(named));
+  const board = await (await fetch(`${server.base}/api/contributors`)).json();
+  const teams = (board.teams || []).map((t) => `${t.team}: ${t.members} member(s), ${t.samples} samples`);
+  check('the team goes with the join, and the leaderboard adds it up', (board.teams || []).some((t) => t.team === 'Room 4+B'
+    && t.members === 1 && t.samples > 0), JSON.stringify(teams));
+  const teamRows = await waitFor('the page\'s teams table', () => page.eval(`(() => { const w = document.getElementById('teams-wrap');
+    return !w.hidden && document.getElementById('teams').textContent.includes('Room 4+B (yours)'); })()`), 10_000).catch(() => false);
+  check('the page shows the teams, yours marked', teamRows);
   const shownRefusals = await page.text('my-refusals');
   const refused = Object.values((p && p.rejected_by_reason) || {}).reduce((a, b) => a + b, 0);
   check('refusals are counted by reason, in the details, not as an error',
@@ -456,6 +466,51 @@ async function privateRefused() {
   await stopChild(server, 'private server');
 }
 
+// A quarantined identity (403 on its next join, or the shards' quarantined error while it
+// trains): the tab stops with the reason and what to do, and does not retry. The teacher's
+// demonstration rewrites the tab's pushes as a sign-flipping worker's on arrival; every push
+// is spot-checked, so the first checked one fails and quarantines the tab's identity.
+async function quarantinedStops() {
+  const port = await freePort();
+  const server = await startServer(port, 'page-quarantine', ['--model', 'softmax', '--admin-token', ADMIN,
+    '--spot-check', '1']);
+  const page = await newPage('quarantine');
+  await page.size(1280, 720);
+  await page.goto(`${server.base}/`);
+  await page.eval("document.getElementById('cores').value = '1'; document.getElementById('contribute').click()");
+  await waitFor('the tab to train', async () => ((await page.progress()) || {}).pushes_accepted > 5, 60_000);
+  const ids = await page.eval('window.crowdgrad.volunteer.progress.worker_ids');
+  const r = await fetch(`${server.base}/api/admin/demo`, { method: 'POST',
+    headers: { Authorization: `Bearer ${ADMIN}`, 'content-type': 'application/json' },
+    body: JSON.stringify({ worker: ids[0], fault: 'signflip' }) });
+  check('the teacher makes the tab a sign-flipping worker', r.ok, `${r.status} ${await r.text()}`);
+  const stoppedText = () => page.eval(`(() => {
+    const v = window.crowdgrad.volunteer; const e = document.getElementById('my-error');
+    return !v.running && !e.hidden ? e.textContent : null; })()`);
+  const stopped = await waitFor('the quarantined tab to stop', stoppedText, 30_000, 250).catch(() => null);
+  const st = await getStatus(server.base);
+  const quarantined = (st.quarantines || []).length;
+  check('a quarantine during training stops the tab with the reason and what to do',
+    !!stopped && /quarantined/.test(stopped) && /unquarantine/.test(stopped) && page.workers.size === 0,
+    `${stopped}; ${quarantined} quarantines in the status`);
+  // The next Contribute: its join gets 403, and the tab stops again without retrying.
+  const refused = async () => (await getStatus(server.base)).limits.joins_quarantined;
+  const before = await refused();
+  await page.click('contribute');
+  const again = await waitFor('the 403 to stop the tab', async () => {
+    const t = await stoppedText();
+    return t && /quarantined/.test(t) ? t : null;
+  }, 20_000, 250).catch(() => null);
+  await sleep(3_000);
+  const after = await refused();
+  check('a quarantined identity\'s next join (403) stops the tab with the reason, no retrying',
+    !!again && after >= before + 1 && after <= before + 2 && page.workers.size === 0,
+    `${again}; joins refused 403: ${before} → ${after}`);
+  await page.shot('quarantined-1280', 1280);
+  await page.b.close();
+  await stopChild(server, 'quarantine server');
+}
+
 // ------------------------------------------------------------------ the soak
 
 async function soak() {
@@ -498,6 +553,7 @@ async function main() {
   await phoneSavingData(server);
   await stopChild(server, 'server');
   await privateRefused();
+  await quarantinedStops();
 }
 
 main().then(() => {

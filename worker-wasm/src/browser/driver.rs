@@ -37,6 +37,8 @@ fn join_request(sh: &Shared) -> JoinRequest {
     let mut req = JoinRequest::new(ClientKind::Browser);
     req.threads.clone_from(&sh.setup.threads);
     req.identity.clone_from(&sh.setup.identity);
+    req.name.clone_from(&sh.setup.name);
+    req.team.clone_from(&sh.setup.team);
     req
 }
 

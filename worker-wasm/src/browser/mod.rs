@@ -54,10 +54,15 @@ pub(crate) struct Setup {
     /// cannot read it), sent with every join so the server's ledger credits it across
     /// sessions and reloads; `None`: not credited.
     pub(crate) identity: Option<String>,
+    /// The volunteer's display name and team, sent with the join (the server trims them to
+    /// 64 characters).
+    pub(crate) name: Option<String>,
+    /// See [`Setup::name`].
+    pub(crate) team: Option<String>,
 }
 
 impl Setup {
-    /// Parses `?thread=I&threads=K&volunteer=KEY[&identity=ID][&loopback=1&model=M&batch=B&shards=S]`
+    /// Parses `?thread=I&threads=K&volunteer=KEY[&identity=ID][&name=N][&team=T][&loopback=1&model=M&batch=B&shards=S]`
     /// (each part optional; `thread`, `threads` and `volunteer` come together; an identity is
     /// 8 to 64 characters of `[A-Za-z0-9_-]`, as the server's ledger requires).
     ///
@@ -71,7 +76,9 @@ impl Setup {
             .filter(|p| !p.is_empty())
         {
             let (k, v) = part.split_once('=').unwrap_or((part, ""));
-            let v = js_sys::decode_uri_component(v)
+            // The page builds the query with URLSearchParams: a space is `+` there (a `+`
+            // itself is `%2B`).
+            let v = js_sys::decode_uri_component(&v.replace('+', " "))
                 .ok()
                 .and_then(|v| v.as_string())
                 .ok_or_else(|| Error::Config(format!("worker URL: bad value of {k}")))?;
@@ -140,10 +147,23 @@ impl Setup {
                 ))
             }
         };
+        // Names and teams: any text, at most 256 bytes in the URL (the server keeps 64
+        // characters).
+        let label = |k: &str| -> crate::error::Result<Option<String>> {
+            match get.get(k).map(|v| v.trim()) {
+                None | Some("") => Ok(None),
+                Some(v) if v.len() <= 256 => Ok(Some(v.to_owned())),
+                Some(_) => Err(Error::Config(format!(
+                    "worker URL: {k} is longer than 256 bytes"
+                ))),
+            }
+        };
         Ok(Self {
             threads,
             loopback,
             identity,
+            name: label("name")?,
+            team: label("team")?,
         })
     }
 }
