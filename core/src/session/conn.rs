@@ -563,6 +563,15 @@ impl ShardSession {
                     }
                 }
                 let worker = hello.worker_id;
+                let open = shard.with(|s| s.sockets_of(worker));
+                if open >= super::state::MAX_SOCKETS_PER_WORKER {
+                    let m = format!(
+                        "worker {worker} already has {open} connections to this shard (at most {})",
+                        super::state::MAX_SOCKETS_PER_WORKER
+                    );
+                    self.fail(shard, request_id, ErrorCode::Busy, m.clone(), None, now);
+                    return self.close(shard, format!("busy: {m}"));
+                }
                 self.worker = Some(worker);
                 self.pull_encoding = Encoding::negotiate(
                     &hello.pull_encodings,
@@ -1285,6 +1294,41 @@ mod tests {
             ]
         );
         assert_eq!(**sh.values(), vec![-1.0, 1.0]);
+    }
+
+    /// One worker holds at most two sessions on a shard: a third Hello is answered `busy`
+    /// and closed, and a place freed by a close is taken again. The SSP clock keeps the
+    /// worker while one of its sessions stays.
+    #[test]
+    fn one_worker_holds_at_most_two_sessions_per_shard() {
+        let mut sh = state(Consistency::Ssp { bound: 2 }, 2);
+        let mut a = ShardSession::new(*sh.config());
+        let mut b = ShardSession::new(*sh.config());
+        let mut c = ShardSession::new(*sh.config());
+        a.handle_frame(&mut sh, &hello(1, 7), 0.0);
+        b.handle_frame(&mut sh, &hello(1, 7), 0.0);
+        c.handle_frame(&mut sh, &hello(1, 7), 0.0);
+        assert_eq!(sent(&mut a), ["welcome 1"]);
+        assert_eq!(sent(&mut b), ["welcome 1"]);
+        assert_eq!(sent(&mut c), ["error 1 busy", "close"]);
+        assert_eq!((sh.sockets_of(7), sh.connected()), (2, 2));
+        // Another worker is not held back by worker 7's sessions.
+        let mut other = ShardSession::new(*sh.config());
+        other.handle_frame(&mut sh, &hello(1, 8), 0.0);
+        assert_eq!(sent(&mut other), ["welcome 1"]);
+        a.handle_close(&mut sh);
+        assert_eq!(sh.sockets_of(7), 1);
+        assert!(
+            sh.clock().clock(7).is_some(),
+            "one session of 7 is still open"
+        );
+        let mut d = ShardSession::new(*sh.config());
+        d.handle_frame(&mut sh, &hello(1, 7), 0.0);
+        assert_eq!(sent(&mut d), ["welcome 1"]);
+        b.handle_close(&mut sh);
+        d.handle_close(&mut sh);
+        assert_eq!(sh.sockets_of(7), 0);
+        assert!(sh.clock().clock(7).is_none());
     }
 
     #[test]

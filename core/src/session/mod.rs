@@ -76,4 +76,4 @@ pub use guard::{
     TRUST_PUSHES, TRUST_SECONDS,
 };
 pub use setup::{fallbacks, ShardConfig, ShardSetup, MAX_ROUND_BYTES};
-pub use state::{Admission, SampledPush, ShardAccess, ShardState};
+pub use state::{Admission, SampledPush, ShardAccess, ShardState, MAX_SOCKETS_PER_WORKER};

@@ -18,6 +18,11 @@ const SSP_RECHECK: f64 = 1.0;
 /// Slack after a heartbeat expiry before re-checking, seconds.
 const SSP_SLACK: f64 = 0.001;
 
+/// Most sessions one worker (one credential) may hold open on one shard at once: its
+/// connection, and one more while a reconnect overlaps the old socket's close. A Hello past it
+/// is answered `busy` and closed, so one credential cannot hold many sockets.
+pub const MAX_SOCKETS_PER_WORKER: u32 = 2;
+
 /// The state every connection of one shard shares.
 #[derive(Debug)]
 pub struct ShardState {
@@ -26,6 +31,8 @@ pub struct ShardState {
     clock: SspClock,
     /// Workers past Hello and not yet gone.
     connected: usize,
+    /// Open sessions past Hello, by worker (at most [`MAX_SOCKETS_PER_WORKER`] each).
+    sockets: std::collections::HashMap<u64, u32>,
     /// Updates applied, by how many gradients each merged.
     updates: BTreeMap<usize, u64>,
     /// Bumped by every change a waiting pull may be waiting for (a version, a clock).
@@ -104,6 +111,7 @@ impl ShardState {
             cfg,
             core,
             connected: 0,
+            sockets: std::collections::HashMap::new(),
             updates: BTreeMap::new(),
             epoch: 0,
             norms: Vec::new(),
@@ -291,14 +299,27 @@ impl ShardState {
 
     pub(super) fn join(&mut self, worker: u64, now: f64) {
         self.connected += 1;
+        *self.sockets.entry(worker).or_default() += 1;
         self.clock.join(worker, now);
         self.epoch += 1;
+    }
+
+    /// Sessions of `worker` open on this shard (past Hello).
+    pub fn sockets_of(&self, worker: u64) -> u32 {
+        self.sockets.get(&worker).copied().unwrap_or(0)
     }
 
     /// Rule 2 of the sync flush decisions (module doc).
     pub(super) fn leave(&mut self, worker: u64) {
         self.connected = self.connected.saturating_sub(1);
-        self.clock.leave(worker);
+        // The clock forgets the worker with its last session here, not with any one of them.
+        match self.sockets.get_mut(&worker) {
+            Some(n) if *n > 1 => *n -= 1,
+            _ => {
+                self.sockets.remove(&worker);
+                self.clock.leave(worker);
+            }
+        }
         self.epoch += 1;
         if matches!(self.cfg.setup.consistency, Consistency::Sync { .. })
             && self.core.pending() > 0

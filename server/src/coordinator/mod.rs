@@ -220,6 +220,8 @@ pub async fn run(
     for s in &shards {
         // Every Hello must carry the credential its join handed out (crate::support::credential).
         s.require_credential(secret.as_bytes().to_vec());
+        // The registry holds every join here: a credential expires with its session.
+        s.credentials_expire_with_joins();
     }
     let (admin, generated) = admin::Admin::new(cfg.admin_token.clone(), cfg.training.optimizer.lr)
         .map_err(|e| Error::io("admin token", e))?;

@@ -540,6 +540,25 @@ impl Registry {
         self.lock().workers.contains_key(&id)
     }
 
+    /// Whether `id`'s session is open now ([`Registry::session_open_at`]).
+    pub fn session_open(&self, id: u64) -> bool {
+        self.session_open_at(id, Instant::now())
+    }
+
+    /// Whether `id`'s session is open at `now`: it is registered and either connected to a
+    /// shard or seen (or joined) less than 10 minutes before. Past that its credential has
+    /// expired with the session, even while the registry still keeps its row.
+    pub fn session_open_at(&self, id: u64, now: Instant) -> bool {
+        let g = self.lock();
+        g.workers.get(&id).is_some_and(|w| {
+            let seen = w.last_seen.or(w.joined);
+            w.shards_connected > 0
+                || seen.is_some_and(|t| {
+                    now.saturating_duration_since(t).as_secs_f64() < FORGET_AFTER_S
+                })
+        })
+    }
+
     /// The data partition `id` trains on, while registered (for spot checks).
     pub fn partition(&self, id: u64) -> Option<Part> {
         self.lock().workers.get(&id).map(|w| Part {
@@ -978,6 +997,27 @@ mod tests {
             totals.samples, 32,
             "samples count once per step, on shard 0"
         );
+    }
+
+    /// A credential's session: open while connected, and for 10 minutes after the worker was
+    /// last seen; then it has expired, though the registry still keeps the row.
+    #[test]
+    fn a_session_stays_open_while_connected_and_ends_10_minutes_after_it_was_last_seen() {
+        let r = Registry::new(2, 10);
+        let (id, _) = r.join(ClientKind::Native, None, 1).unwrap();
+        let later = |s: f64| Instant::now() + std::time::Duration::from_secs_f64(s);
+        assert!(r.session_open(id));
+        assert!(!r.session_open_at(id, later(FORGET_AFTER_S + 1.0)));
+        r.connection(id, true);
+        assert!(
+            r.session_open_at(id, later(FORGET_AFTER_S + 1.0)),
+            "connected"
+        );
+        r.connection(id, false);
+        assert!(r.session_open_at(id, later(FORGET_AFTER_S - 5.0)));
+        assert!(!r.session_open_at(id, later(FORGET_AFTER_S + 5.0)));
+        assert!(r.knows(id), "the row is still there");
+        assert!(!r.session_open(id + 1), "never joined");
     }
 
     #[test]

@@ -59,6 +59,10 @@ struct Inner {
     /// run secret) instead of by the registry: how a shard process admits workers that joined
     /// at the coordinator.
     secret: std::sync::OnceLock<Vec<u8>>,
+    /// Set when this process's registry holds every join (`serve`'s own shards): a
+    /// credential is then good only while its worker is registered, so it expires with the
+    /// session (a worker forgotten after 10 minutes away must join again).
+    joins_here: std::sync::OnceLock<()>,
     /// Reputation and spot checks ([`crate::defence::spotcheck`]), set once at start.
     defence: std::sync::OnceLock<crate::defence::spotcheck::Defence>,
     /// A teacher's demonstrations ([`demo`]), set once at start by the coordinator.
@@ -154,6 +158,7 @@ impl Shard {
                 bytes_received: AtomicU64::new(0),
                 bytes_sent: AtomicU64::new(0),
                 secret: std::sync::OnceLock::new(),
+                joins_here: std::sync::OnceLock::new(),
                 defence: std::sync::OnceLock::new(),
                 demo: std::sync::OnceLock::new(),
             }),
@@ -258,6 +263,12 @@ impl Shard {
     /// ignored).
     pub fn require_credential(&self, secret: Vec<u8>) {
         let _ = self.inner.secret.set(secret);
+    }
+
+    /// This process's registry holds every join (the coordinator's own shards): from now on
+    /// a credential admits only while its worker is registered (set once).
+    pub fn credentials_expire_with_joins(&self) {
+        let _ = self.inner.joins_here.set(());
     }
 
     /// Report to `defence` from now on: refuse quarantined workers, spot-check sampled
@@ -439,7 +450,14 @@ impl ShardAccess for Access<'_> {
             (None, _) if self.registry.knows(worker) => Admission::Admitted,
             (None, _) => Admission::Unknown,
             (Some(secret), Some(c)) if crate::support::credential::verify(secret, worker, c) => {
-                Admission::Admitted
+                if self.shard.inner.joins_here.get().is_some()
+                    && !self.registry.session_open(worker)
+                {
+                    // Its session ended (left and forgotten): the credential expired with it.
+                    Admission::Unknown
+                } else {
+                    Admission::Admitted
+                }
             }
             // Missing or not this worker's credential: nobody speaks as another worker. (A
             // shard process whose registry knows nobody calls a bad one unknown.)
