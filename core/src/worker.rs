@@ -288,6 +288,9 @@ pub struct Worker {
     stats: WorkerStats,
 }
 
+/// How close to [`Worker::poll_timeout`] a wake-up counts as on time, seconds.
+const HOLD_SLACK: f64 = 1e-6;
+
 /// How often a worker sends a `Report`, seconds.
 const REPORT_EVERY: f64 = 1.0;
 
@@ -732,7 +735,9 @@ impl Worker {
         if self.pulls_sent.is_none() {
             let due = crate::shard::pull_due(self.last_pulls, self.pace());
             if let (Some(now), Some(due)) = (self.now, due) {
-                if now < due {
+                // Within a microsecond counts as due: a driver converting the time it was
+                // given back and forth (ns, ms) must not find it held again forever.
+                if now + HOLD_SLACK < due {
                     self.held = Some(due);
                     return;
                 }
@@ -2180,7 +2185,8 @@ mod tests {
         w.handle_timeout(10.2);
         assert!(drain(&mut w).is_empty());
         assert_eq!(w.poll_timeout(), Some(10.25));
-        w.handle_timeout(10.25);
+        // A wake-up a rounding error early (a driver's ns or ms clock) counts as on time.
+        w.handle_timeout(10.25 - 1e-9);
         let p = pulls(&drain(&mut w));
         assert_eq!(p.len(), 2, "both shards pulled once the pace passed");
         assert_eq!(w.poll_timeout(), None);
