@@ -108,6 +108,10 @@ pub struct WorkerStats {
     /// Encodings negotiated with shard 0: pulls, pushes (names).
     #[serde(default)]
     pub encodings: Option<(String, String)>,
+    /// The pace the worker honours now, seconds (the largest its shards sent; 0 = none):
+    /// the least time between two batches of its pulls (issue 18, [`crate::shard::pace`]).
+    #[serde(default)]
+    pub pace_s: f64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -139,6 +143,10 @@ struct ShardSlot {
     /// Connections lost so far (kept across reconnects): a round pushes only to shards still
     /// on the connection it read from.
     generation: u64,
+    /// Negotiated in the Welcome: this shard's `Params` carry its pace.
+    paces: bool,
+    /// The pace its last `Params` carried, seconds (0 = none).
+    pace: f64,
 }
 
 impl ShardSlot {
@@ -154,6 +162,8 @@ impl ShardSlot {
             push_encoding: Encoding::F32,
             have: false,
             generation: 0,
+            paces: false,
+            pace: 0.0,
         }
     }
 
@@ -262,6 +272,10 @@ pub struct Worker {
     started: Option<f64>,
     /// When the outstanding batch of pulls went out.
     pulls_sent: Option<f64>,
+    /// When the last batch of pulls went out (the pace counts from it).
+    last_pulls: Option<f64>,
+    /// The next batch of pulls waits for the pace until then ([`Worker::poll_timeout`]).
+    held: Option<f64>,
     last_report: Option<f64>,
     /// The counters carried over from earlier sessions ([`Worker::carry_stats`]): a `Report`
     /// says what this session measured, so it subtracts them.
@@ -273,6 +287,9 @@ pub struct Worker {
     round_batch: u64,
     stats: WorkerStats,
 }
+
+/// How close to [`Worker::poll_timeout`] a wake-up counts as on time, seconds.
+const HOLD_SLACK: f64 = 1e-6;
 
 /// How often a worker sends a `Report`, seconds.
 const REPORT_EVERY: f64 = 1.0;
@@ -366,6 +383,8 @@ impl Worker {
             now: None,
             started: None,
             pulls_sent: None,
+            last_pulls: None,
+            held: None,
             last_report: None,
             carried: Carried::default(),
             reports: false,
@@ -435,6 +454,26 @@ impl Worker {
         self.maybe_report();
     }
 
+    /// When the worker wants [`Worker::handle_timeout`] at the latest: `Some` while its next
+    /// batch of pulls waits for the shards' pace (issue 18), `None` otherwise. On the clock of
+    /// [`Worker::set_time`].
+    pub fn poll_timeout(&self) -> Option<f64> {
+        self.held
+    }
+
+    /// The time [`Worker::poll_timeout`] gave has come (or any later time): the time is
+    /// `now`, and pulls held for the pace go out if it has passed (drain
+    /// [`Worker::poll_transmit`] next).
+    pub fn handle_timeout(&mut self, now: f64) {
+        self.set_time(now);
+        self.queue_pulls();
+    }
+
+    /// The pace this worker honours, seconds: the largest its shards sent (0 = none).
+    pub fn pace(&self) -> f64 {
+        self.shards.iter().map(|s| s.pace).fold(0.0, f64::max)
+    }
+
     /// The last [`Worker::step`] took `seconds` of compute.
     pub fn observe_compute(&mut self, seconds: f64) {
         if seconds.is_finite() && seconds >= 0.0 {
@@ -468,6 +507,7 @@ impl Worker {
                 pull_encodings: offered.clone(),
                 push_encodings: offered,
                 credential: self.join.credential.clone(),
+                pacing: true,
             },
         });
         if let Some(s) = self.shards.get_mut(shard) {
@@ -533,6 +573,7 @@ impl Worker {
                 slot.version = welcome.version;
                 slot.pull_encoding = welcome.pull_encoding;
                 slot.push_encoding = welcome.push_encoding;
+                slot.paces = welcome.paces;
                 self.spot_checks[shard] = welcome.spot_checks;
                 if shard == 0 {
                     self.reports = welcome.reports;
@@ -548,6 +589,7 @@ impl Worker {
             Message::Params {
                 request_id,
                 version,
+                pace_ms,
                 values,
                 ..
             } => {
@@ -558,10 +600,17 @@ impl Worker {
                     )));
                 }
                 values.copy_into(self.slicer.slice_mut(&mut self.next, shard))?;
+                // `aux` means the pace only where the Welcome said so.
+                slot.pace = if slot.paces {
+                    crate::shard::pace::pace_from_ms(pace_ms)
+                } else {
+                    0.0
+                };
                 slot.pull = None;
                 slot.fresh = true;
                 slot.have = true;
                 slot.version = version;
+                self.stats.pace_s = self.pace();
                 if self.shards.iter().all(|s| s.fresh) {
                     if let (Some(now), Some(sent)) = (self.now, self.pulls_sent.take()) {
                         self.controller.exchange(now - sent);
@@ -644,9 +693,15 @@ impl Worker {
             && self.shards.iter().any(|s| s.phase == Phase::Ready)
     }
 
-    /// `H` for the next round: the policy's choice, never more than the steps left.
+    /// `H` for the next round: the policy's choice (under `auto`, raised so a round's compute
+    /// covers the shards' pace, [`crate::shard::paced_steps`]), never more than the steps
+    /// left.
     fn next_h(&self) -> u32 {
-        let h = self.controller.choose(self.join.run.local.steps);
+        let policy = self.join.run.local.steps;
+        let mut h = self.controller.choose(policy);
+        if let crate::local::LocalSteps::Auto { max } = policy {
+            h = crate::shard::paced_steps(h, self.pace(), self.controller.compute_s(), max);
+        }
         let left = self.steps_left().min(u64::from(u32::MAX)) as u32;
         h.min(left).max(1)
     }
@@ -671,6 +726,24 @@ impl Worker {
         if self.round.is_some() && self.steps_after_round() == 0 {
             return;
         }
+        let wanted = |s: &ShardSlot| s.phase == Phase::Ready && !s.fresh && s.pull.is_none();
+        if !self.shards.iter().any(wanted) {
+            return;
+        }
+        // A new batch of pulls waits until the pace has passed since the last one (a pull
+        // re-sent to a reconnected shard within a batch does not).
+        if self.pulls_sent.is_none() {
+            let due = crate::shard::pull_due(self.last_pulls, self.pace());
+            if let (Some(now), Some(due)) = (self.now, due) {
+                // Within a microsecond counts as due: a driver converting the time it was
+                // given back and forth (ns, ms) must not find it held again forever.
+                if now + HOLD_SLACK < due {
+                    self.held = Some(due);
+                    return;
+                }
+            }
+        }
+        self.held = None;
         for shard in 0..self.shards.len() {
             let s = &self.shards[shard];
             if s.phase == Phase::Ready && !s.fresh && s.pull.is_none() {
@@ -683,6 +756,7 @@ impl Worker {
                 });
                 if self.pulls_sent.is_none() {
                     self.pulls_sent = self.now;
+                    self.last_pulls = self.now;
                 }
                 self.emit(shard, frame);
             }
@@ -715,6 +789,9 @@ impl Worker {
             }
         }
         std::mem::swap(&mut self.params, &mut self.next);
+        // Every pull of the last batch is answered (or its shard is down): the next pull
+        // starts a new batch, which the pace counts from.
+        self.pulls_sent = None;
         let versions: Vec<u64> = self.shards.iter().map(|s| s.version).collect();
         let read = self
             .shards
@@ -1092,6 +1169,7 @@ mod tests {
                 push_encoding: Default::default(),
                 reports: false,
                 spot_checks: false,
+                paces: false,
             },
         })
     }
@@ -1176,6 +1254,7 @@ mod tests {
                 pull_encodings: vec![Encoding::INT8, Encoding::Bf16, Encoding::F32],
                 push_encodings: vec![Encoding::INT8, Encoding::Bf16, Encoding::F32],
                 credential: None,
+                pacing: true,
             }
         );
         // A connection to a shard the run does not have is ignored.
@@ -1304,6 +1383,7 @@ mod tests {
             pseudo_gradients: false,
             guard: PushGuard::default(),
             aggregation: crate::robust::Aggregation::Mean,
+            pacing: crate::shard::Pacing::OFF,
         };
         let mut state = setup.state(0, range, vec![0.0; range.len()]).unwrap();
         let mut session = ShardSession::new(ShardConfig {
@@ -1473,6 +1553,7 @@ mod tests {
                 push_encoding: Default::default(),
                 reports: false,
                 spot_checks: false,
+                paces: false,
             },
         });
         assert!(matches!(w.receive(0, &bad_range), Err(Error::Protocol(_))));
@@ -1488,6 +1569,7 @@ mod tests {
                 push_encoding: Default::default(),
                 reports: false,
                 spot_checks: false,
+                paces: false,
             },
         });
         assert!(matches!(
@@ -1755,6 +1837,7 @@ mod tests {
                 push_encoding: Default::default(),
                 reports: true,
                 spot_checks: false,
+                paces: false,
             },
         });
         w.set_time(0.0);
@@ -1847,6 +1930,7 @@ mod tests {
                     push_encoding: Default::default(),
                     reports: false,
                     spot_checks: shard == 0,
+                    paces: false,
                 },
             });
             w.receive(shard, &f).unwrap();
@@ -2003,6 +2087,7 @@ mod tests {
                 push_encoding: Encoding::INT8,
                 reports: true,
                 spot_checks: false,
+                paces: false,
             },
         });
         w.set_time(0.0);
@@ -2032,5 +2117,161 @@ mod tests {
             .filter(|(s, f)| *s == 0 && f[3] == 9)
             .count();
         assert_eq!(reports, 1);
+    }
+
+    /// Welcomes `w` on every shard, saying whether the shard `paces`; returns the pulls.
+    fn paced_handshake(w: &mut Worker, paces: bool) -> Vec<(usize, u32, u64)> {
+        for shard in 0..w.shard_count() {
+            w.connected(shard);
+        }
+        drain(w);
+        for shard in 0..w.shard_count() {
+            let f = wire::encode(&Message::Welcome {
+                request_id: 1,
+                shard: shard as u32,
+                welcome: Welcome {
+                    protocol: PROTOCOL_VERSION,
+                    range: range(w, shard),
+                    version: 0,
+                    pull_encoding: Default::default(),
+                    push_encoding: Default::default(),
+                    reports: false,
+                    spot_checks: false,
+                    paces,
+                },
+            });
+            w.receive(shard, &f).unwrap();
+        }
+        pulls(&drain(w))
+    }
+
+    /// Answers `pulls` with Params carrying `pace_ms` per shard.
+    fn answer_paced(w: &mut Worker, pulls: &[(usize, u32, u64)], pace_ms: &[u32]) {
+        for &(shard, id, _) in pulls {
+            let values = vec![0.5; range(w, shard).len()];
+            let f = wire::encode_params_paced(
+                Encoding::F32,
+                id,
+                shard as u32,
+                1,
+                pace_ms[shard],
+                &values,
+            )
+            .unwrap();
+            w.receive(shard, &f).unwrap();
+        }
+    }
+
+    /// Issue 18: with a fixed H the worker holds its next batch of pulls until the largest
+    /// pace of its shards has passed since the last batch, and says when to wake it.
+    #[test]
+    fn issue_18_a_paced_worker_holds_its_next_pull_for_the_pace() {
+        let mut w = worker("async", 2, None);
+        w.set_time(10.0);
+        let p = paced_handshake(&mut w, true);
+        assert_eq!(p.len(), 2);
+        // Shard 1's pace (250 ms) is the larger: it is the one honoured.
+        answer_paced(&mut w, &p, &[100, 250]);
+        assert_eq!(w.pace(), 0.25);
+        assert_eq!(w.stats().pace_s, 0.25);
+        w.set_time(10.01);
+        w.step().unwrap();
+        let sent = drain(&mut w);
+        assert_eq!(sent.len(), 2, "the pushes go out: {sent:?}");
+        assert!(pulls(&sent).is_empty(), "the pulls wait: {sent:?}");
+        assert!(!w.ready());
+        assert_eq!(w.poll_timeout(), Some(10.25));
+        // Woken early (another event): still held.
+        w.handle_timeout(10.2);
+        assert!(drain(&mut w).is_empty());
+        assert_eq!(w.poll_timeout(), Some(10.25));
+        // A wake-up a rounding error early (a driver's ns or ms clock) counts as on time.
+        w.handle_timeout(10.25 - 1e-9);
+        let p = pulls(&drain(&mut w));
+        assert_eq!(p.len(), 2, "both shards pulled once the pace passed");
+        assert_eq!(w.poll_timeout(), None);
+        // A pace of 0 (the budget was lifted) releases the next pull at once.
+        answer_paced(&mut w, &p, &[0, 0]);
+        w.set_time(10.26);
+        w.step().unwrap();
+        assert_eq!(pulls(&drain(&mut w)).len(), 2);
+        assert_eq!(w.poll_timeout(), None);
+    }
+
+    /// Issue 18: a shard that did not say `paces` in its Welcome is not honoured, whatever
+    /// its `aux` holds (version-1 shards leave it 0; a third party might not).
+    #[test]
+    fn issue_18_aux_means_nothing_without_the_welcome_saying_paces() {
+        let mut w = worker("async", 1, None);
+        w.set_time(0.0);
+        let p = paced_handshake(&mut w, false);
+        answer_paced(&mut w, &p, &[5_000]);
+        assert_eq!(w.pace(), 0.0);
+        w.set_time(0.001);
+        w.step().unwrap();
+        assert_eq!(
+            pulls(&drain(&mut w)).len(),
+            1,
+            "pulled right after the push"
+        );
+        assert_eq!(w.poll_timeout(), None);
+    }
+
+    /// Issue 18: under `auto` a paced worker lengthens its rounds to cover the pace
+    /// (H = max(H_auto, ceil(pace / t_c)) within the run's bound), so its pulls need no hold.
+    #[test]
+    fn issue_18_auto_lengthens_rounds_to_the_pace() {
+        let local = LocalConfig {
+            steps: LocalSteps::Auto { max: 1000 },
+            ..LocalConfig::default()
+        };
+        let mut w = local_worker(local, 1, None);
+        w.set_time(0.0);
+        let p = paced_handshake(&mut w, true);
+        w.set_time(0.001);
+        answer_paced(&mut w, &p, &[0]);
+        // Round 1: nothing measured yet, H = 1.
+        assert_eq!(w.stats().local_steps, 1);
+        w.set_time(0.002);
+        w.step().unwrap();
+        w.observe_compute(0.002);
+        let p = pulls(&drain(&mut w));
+        // The exchange takes 1 ms: the controller alone picks ceil(0.001·0.85/(0.15·0.002)) = 3.
+        w.set_time(0.003);
+        answer_paced(&mut w, &p, &[0]);
+        assert_eq!(w.stats().local_steps, 3);
+        for _ in 0..3 {
+            w.step().unwrap();
+            w.observe_compute(0.002);
+        }
+        let p = pulls(&drain(&mut w));
+        assert_eq!(p.len(), 1);
+        // Now the shard paces at 300 ms: 150 steps of 2 ms cover it.
+        w.set_time(0.010);
+        answer_paced(&mut w, &p, &[300]);
+        assert_eq!(w.stats().local_steps, 150);
+        // Within the run's bound.
+        let local = LocalConfig {
+            steps: LocalSteps::Auto { max: 40 },
+            ..LocalConfig::default()
+        };
+        let mut w = local_worker(local, 1, None);
+        w.set_time(0.0);
+        let p = paced_handshake(&mut w, true);
+        answer_paced(&mut w, &p, &[0]);
+        w.step().unwrap();
+        w.observe_compute(0.002);
+        let p = pulls(&drain(&mut w));
+        w.set_time(0.001);
+        answer_paced(&mut w, &p, &[300]);
+        assert_eq!(w.stats().local_steps, 40);
+        // And the bound's round (80 ms of compute) is shorter than the pace: the pull waits
+        // for 300 ms after the last batch, which went out at 0.
+        for _ in 0..40 {
+            w.step().unwrap();
+        }
+        w.set_time(0.081);
+        assert!(pulls(&drain(&mut w)).is_empty());
+        assert_eq!(w.poll_timeout(), Some(0.3));
     }
 }

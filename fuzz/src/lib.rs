@@ -73,15 +73,17 @@ pub fn frame(data: &[u8]) {
                 request_id: a,
                 shard: b,
                 version: c,
+                pace_ms: d,
                 values: e,
             },
             Message::Params {
                 request_id: a2,
                 shard: b2,
                 version: c2,
+                pace_ms: d2,
                 values: e2,
             },
-        ) => assert_eq!((a, b, c, e), (a2, b2, c2, e2)),
+        ) => assert_eq!((a, b, c, d, e), (a2, b2, c2, d2, e2)),
         (Message::Pull { .. }, _) | (Message::Ack { .. }, _) => assert_eq!(msg, back),
         _ => {}
     }
@@ -320,6 +322,7 @@ pub fn setup_of(b: u8) -> ShardSetup {
         reports: b & 0x20 != 0,
         pseudo_gradients: b & 0x80 != 0,
         aggregation: crowdgrad_core::robust::Aggregation::Mean,
+        pacing: crowdgrad_core::shard::Pacing::OFF,
         guard: PushGuard {
             max_samples: 256,
             batch: 32,

@@ -36,6 +36,7 @@ fn apply(c: &mut Criterion) {
             pseudo_gradients: false,
             guard: crowdgrad_core::session::PushGuard::default(),
             aggregation: crowdgrad_core::robust::Aggregation::Mean,
+            pacing: crowdgrad_core::shard::Pacing::OFF,
         };
         let shard = Shard::start(0, KeyRange { start: 0, end: N }, vec![0.1; N], opts)
             .expect("a valid setup");

@@ -43,6 +43,7 @@ fn describe(frame: &[u8]) -> String {
             request_id,
             shard,
             version,
+            pace_ms,
             values,
         }) => {
             // FNV-1a over the payload: the values must agree byte for byte.
@@ -52,7 +53,7 @@ fn describe(frame: &[u8]) -> String {
                 .fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
                     (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
                 });
-            format!("params id={request_id} shard={shard} v={version} hash={h:016x}")
+            format!("params id={request_id} shard={shard} v={version} pace={pace_ms} hash={h:016x}")
         }
         Ok(Frame::Ack {
             request_id,
@@ -215,7 +216,7 @@ fn through_sim(cfg: &ServeConfig, server: &Played, script: Script) -> Played {
         .map(|(i, r)| {
             let state = cfg
                 .training
-                .shard_setup(true)
+                .shard_setup(true, initial.len())
                 .state(i as u32, *r, initial[r.start..r.end].to_vec())
                 .expect("state");
             let mut d = ShardDriver::new(state);

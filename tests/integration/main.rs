@@ -18,6 +18,7 @@ mod ledger;
 mod limits;
 mod link;
 mod ops;
+mod pace;
 mod protocol;
 mod remote;
 mod robust;

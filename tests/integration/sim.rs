@@ -187,6 +187,7 @@ fn one_worker_without_delay_equals_applying_its_gradients_through_shardcore() {
                 push_encoding: Default::default(),
                 reports: false,
                 spot_checks: false,
+                paces: false,
             },
         });
         w.receive(i, &welcome).expect("welcome");

@@ -154,6 +154,7 @@ impl Loopback {
                         ..PushGuard::default()
                     },
                     aggregation: crowdgrad_core::robust::Aggregation::Mean,
+                    pacing: crowdgrad_core::shard::Pacing::OFF,
                 };
                 let state = setup.state(i as u32, *r, init[r.start..r.end].to_vec())?;
                 Ok((state, ShardSession::new(setup.config(i as u32, *r))))

@@ -160,6 +160,11 @@ pub struct ShardSession {
     accepted_bound: f64,
     /// When the last Report this connection took arrived, and its `compute_s`.
     last_report: Option<(f64, f64)>,
+    /// Bytes of one `Params` frame on this connection (counted in the shard's demand while
+    /// the worker is joined).
+    frame_bytes: u64,
+    /// Negotiated in the handshake: `Params` carry the shard's pace (issue 18).
+    paces: bool,
 }
 
 /// Least time between two Reports a session takes, seconds. Workers send one a second; one
@@ -216,6 +221,8 @@ impl ShardSession {
             last_bound: 0.0,
             accepted_bound: 0.0,
             last_report: None,
+            frame_bytes: 0,
+            paces: false,
         }
     }
 
@@ -354,7 +361,8 @@ impl ShardSession {
 
     fn leave(&mut self, shard: &mut impl ShardAccess) {
         if let Some(worker) = self.worker.take() {
-            shard.with(|s| s.leave(worker));
+            let bytes = self.frame_bytes;
+            shard.with(|s| s.leave(worker, bytes));
             self.actions
                 .push_back(Action::Record(Record::Left { worker }));
         }
@@ -460,11 +468,17 @@ impl ShardSession {
         }
         self.waiting = None;
         let (version, values) = shard.snapshot();
-        let frame = wire::encode_params_as(
+        let pace_ms = if self.paces {
+            crate::shard::pace_ms(shard.pace())
+        } else {
+            0
+        };
+        let frame = wire::encode_params_paced(
             self.pull_encoding,
             request_id,
             self.cfg.id,
             version,
+            pace_ms,
             &values,
         )
         // Parameters are finite (every update is validated), so this does not happen;
@@ -581,8 +595,14 @@ impl ShardSession {
                     &hello.push_encodings,
                     &fallbacks(self.cfg.setup.push_encoding),
                 );
+                self.frame_bytes = crate::shard::pace::params_frame_bytes(
+                    self.pull_encoding,
+                    self.cfg.range.len(),
+                );
+                self.paces = hello.pacing && self.cfg.setup.pacing.is_on();
+                let bytes = self.frame_bytes;
                 let version = shard.with(|s| {
-                    s.join(worker, now);
+                    s.join(worker, now, bytes);
                     s.version()
                 });
                 self.actions
@@ -598,6 +618,7 @@ impl ShardSession {
                         push_encoding: self.push_encoding,
                         reports: self.cfg.setup.reports && self.cfg.id == 0,
                         spot_checks: shard.spot_checks(),
+                        paces: self.paces,
                     },
                 }));
             }
@@ -1385,5 +1406,78 @@ mod tests {
             ["welcome 1", "error 5 shutting_down", "bye", "close"]
         );
         assert_eq!(sh.connected(), 0);
+    }
+
+    /// Issue 18: a shard with a budget tells workers that asked its pace in every Params
+    /// `aux`: the sum of its sessions' Params frames over its share of the budget, which
+    /// follows workers joining and leaving; a worker that did not ask sees 0 and no `paces`.
+    #[test]
+    fn issue_18_params_carry_the_pace_to_workers_that_asked() {
+        let mut setup = setup(Consistency::Async);
+        setup.pull_encoding = Encoding::Bf16;
+        // 40 of the model's 100 values: a 4,000 B/s share of 10,000 B/s.
+        setup.pacing = crate::shard::Pacing {
+            budget: crate::shard::EgressBudget::bytes_per_second(10_000.0).unwrap(),
+            model_len: 100,
+        };
+        let range = crate::partition::KeyRange { start: 4, end: 44 };
+        let mut sh = setup.state(1, range, vec![0.0; 40]).unwrap();
+        let paced_hello = |rid: u32, worker: u64| {
+            wire::encode(&Message::Hello {
+                request_id: rid,
+                shard: 1,
+                hello: Hello {
+                    worker_id: worker,
+                    pull_encodings: vec![Encoding::Bf16],
+                    pacing: true,
+                    ..Default::default()
+                },
+            })
+        };
+        let welcome = |s: &mut ShardSession| {
+            let mut out = None;
+            while let Some(a) = s.poll_action() {
+                if let Action::Send(f) = a {
+                    if let Ok(Message::Welcome { welcome, .. }) = wire::decode(&f, usize::MAX) {
+                        out = Some(welcome);
+                    }
+                }
+            }
+            out.unwrap()
+        };
+        let pace_of = |s: &mut ShardSession, sh: &mut ShardState, rid: u32| {
+            s.handle_frame(sh, &pull(rid, 0), 1.0);
+            let mut out = None;
+            while let Some(a) = s.poll_action() {
+                if let Action::Send(f) = a {
+                    if let Ok(Message::Params { pace_ms, .. }) = wire::decode(&f, usize::MAX) {
+                        out = Some(pace_ms);
+                    }
+                }
+            }
+            out.unwrap()
+        };
+        let mut a = ShardSession::new(*sh.config());
+        a.handle_frame(&mut sh, &paced_hello(1, 7), 0.0);
+        assert!(welcome(&mut a).paces);
+        // One bf16 frame of 40 values: 32 + 80 bytes; 112 / 4000 s = 28 ms.
+        assert_eq!(sh.demand(), 112);
+        assert_eq!(pace_of(&mut a, &mut sh, 2), 28);
+        // An old worker (f32, no pacing) adds its 32 + 160 bytes but is told nothing.
+        let mut b = ShardSession::new(*sh.config());
+        b.handle_frame(&mut sh, &hello(1, 8), 0.0);
+        assert!(!welcome(&mut b).paces);
+        assert_eq!(sh.demand(), 112 + 192);
+        assert_eq!(pace_of(&mut b, &mut sh, 2), 0);
+        assert_eq!(pace_of(&mut a, &mut sh, 3), 76, "(112 + 192) / 4000 s");
+        b.handle_close(&mut sh);
+        assert_eq!(sh.demand(), 112);
+        assert_eq!(pace_of(&mut a, &mut sh, 4), 28);
+        // Without a budget nobody is paced, even a worker that asks.
+        let mut off = state(Consistency::Async, 40);
+        let mut c = ShardSession::new(*off.config());
+        c.handle_frame(&mut off, &paced_hello(1, 9), 0.0);
+        assert!(!welcome(&mut c).paces);
+        assert_eq!(pace_of(&mut c, &mut off, 2), 0);
     }
 }

@@ -77,6 +77,9 @@ pub struct ShardSetup {
     /// How pushes are combined: the plain mean, a robust `sync:K` round rule, or the async
     /// consensus filter ([`crate::robust`], issue 10).
     pub aggregation: crate::robust::Aggregation,
+    /// The run's egress budget and the model length its shares are cut from (issue 18,
+    /// [`crate::shard::pace`]): sessions whose worker asked are told the shard's pace.
+    pub pacing: crate::shard::Pacing,
 }
 
 impl ShardSetup {

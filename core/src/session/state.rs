@@ -33,6 +33,9 @@ pub struct ShardState {
     connected: usize,
     /// Open sessions past Hello, by worker (at most [`MAX_SOCKETS_PER_WORKER`] each).
     sockets: std::collections::HashMap<u64, u32>,
+    /// The bytes of one `Params` frame for each of those sessions, summed: what one pull by
+    /// every connected worker sends (the pace rule's `S`, [`crate::shard::pace`]).
+    demand: u64,
     /// Updates applied, by how many gradients each merged.
     updates: BTreeMap<usize, u64>,
     /// Bumped by every change a waiting pull may be waiting for (a version, a clock).
@@ -112,6 +115,7 @@ impl ShardState {
             core,
             connected: 0,
             sockets: std::collections::HashMap::new(),
+            demand: 0,
             updates: BTreeMap::new(),
             epoch: 0,
             norms: Vec::new(),
@@ -297,9 +301,26 @@ impl ShardState {
         }
     }
 
-    pub(super) fn join(&mut self, worker: u64, now: f64) {
+    /// The bytes of one `Params` frame to every connected session, summed (the pace rule's
+    /// `S`).
+    pub fn demand(&self) -> u64 {
+        self.demand
+    }
+
+    /// The shard's pace now, seconds: [`demand`](Self::demand) over the shard's share of the
+    /// run's egress budget; 0 without one ([`crate::shard::Pacing::pace_s`]).
+    pub fn pace_s(&self) -> f64 {
+        self.cfg
+            .setup
+            .pacing
+            .pace_s(self.cfg.range.len(), self.demand)
+    }
+
+    /// A worker said Hello; one `Params` frame to it is `frame_bytes` bytes.
+    pub(super) fn join(&mut self, worker: u64, now: f64, frame_bytes: u64) {
         self.connected += 1;
         *self.sockets.entry(worker).or_default() += 1;
+        self.demand = self.demand.saturating_add(frame_bytes);
         self.clock.join(worker, now);
         self.epoch += 1;
     }
@@ -310,8 +331,9 @@ impl ShardState {
     }
 
     /// Rule 2 of the sync flush decisions (module doc).
-    pub(super) fn leave(&mut self, worker: u64) {
+    pub(super) fn leave(&mut self, worker: u64, frame_bytes: u64) {
         self.connected = self.connected.saturating_sub(1);
+        self.demand = self.demand.saturating_sub(frame_bytes);
         // The clock forgets the worker with its last session here, not with any one of them.
         match self.sockets.get_mut(&worker) {
             Some(n) if *n > 1 => *n -= 1,
@@ -599,6 +621,12 @@ pub trait ShardAccess {
     /// without it: async pulls ask on every pull.
     fn mode(&mut self) -> Consistency {
         self.with(|s| ShardState::consistency(s))
+    }
+    /// The shard's pace now, seconds ([`ShardState::pace_s`]). Drivers whose
+    /// [`ShardAccess::with`] takes a lock should answer without it: paced pulls ask on every
+    /// pull.
+    fn pace(&mut self) -> f64 {
+        self.with(|s| s.pace_s())
     }
 }
 

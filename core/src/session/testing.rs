@@ -36,6 +36,7 @@ pub(super) fn setup(consistency: Consistency) -> ShardSetup {
         pseudo_gradients: false,
         guard: PushGuard::default(),
         aggregation: crate::robust::Aggregation::Mean,
+        pacing: crate::shard::Pacing::OFF,
     }
 }
 

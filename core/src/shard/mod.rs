@@ -51,11 +51,15 @@
 //! - `policy.rs`: [`Consistency`], [`StalenessPolicy`], [`LrScale`] and their grammar.
 //! - `apply.rs`: [`ShardCore`] (the one apply path), [`Outcome`], [`ShardExport`].
 //! - `clock.rs`: [`SspClock`].
+//! - `pace.rs`: the egress budget and the pace rule (issue 18): [`EgressBudget`], [`Pacing`],
+//!   [`pace_s`], [`paced_steps`], [`pull_due`].
 
 mod apply;
 mod clock;
+pub mod pace;
 mod policy;
 
 pub use apply::{Outcome, ShardCore, ShardExport, ANONYMOUS, DC_HISTORY};
 pub use clock::SspClock;
+pub use pace::{pace_ms, pace_s, paced_steps, pull_due, EgressBudget, Pacing};
 pub use policy::{Consistency, LrScale, StalenessPolicy, STALENESS_WINDOW};

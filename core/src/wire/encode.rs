@@ -136,6 +136,32 @@ pub fn encode_params_as(
     )
 }
 
+/// [`encode_params_as`] with the shard's pace in the header's `aux`, in milliseconds (to a
+/// connection whose Welcome had `paces`; docs/protocol.md, "Pacing").
+///
+/// # Errors
+/// As [`encode_params_as`].
+pub fn encode_params_paced(
+    encoding: Encoding,
+    request_id: u32,
+    shard: u32,
+    version: u64,
+    pace_ms: u32,
+    values: &[f32],
+) -> Result<Vec<u8>> {
+    encode_data(
+        Kind::Params,
+        encoding,
+        request_id,
+        shard,
+        pace_ms,
+        version,
+        values,
+        None,
+        &[],
+    )
+}
+
 /// Encodes a `Push` frame in `encoding`, with error feedback when given.
 ///
 /// # Errors
@@ -241,12 +267,13 @@ pub fn encode(msg: &Message<'_>) -> Vec<u8> {
             request_id,
             shard,
             version,
+            pace_ms,
             values,
         } => frame(
             Header {
                 encoding: values.encoding(),
                 count: values.len() as u32,
-                ..header(Kind::Params, *request_id, *shard, 0, *version)
+                ..header(Kind::Params, *request_id, *shard, *pace_ms, *version)
             },
             &[],
             values.bytes(),
@@ -323,6 +350,7 @@ mod tests {
                     push_encoding: Default::default(),
                     reports: false,
                     spot_checks: false,
+                    paces: false,
                 },
             },
             Message::Pull {
@@ -334,6 +362,7 @@ mod tests {
                 request_id: 9,
                 shard: 0,
                 version: 42,
+                pace_ms: 250,
                 values: Payload::f32(payload),
             },
             Message::Push {

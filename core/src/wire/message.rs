@@ -158,6 +158,10 @@ pub enum Message<'a> {
         shard: u32,
         /// Number of updates applied to the shard when it was read.
         version: u64,
+        /// The shard's pace in milliseconds (header `aux`; 0 = none): the least interval
+        /// between this worker's batches of pulls the shard asks for (issue 18). Nonzero only
+        /// on a connection whose Welcome had `paces`.
+        pace_ms: u32,
         /// The values of the shard's key range.
         values: Payload<'a>,
     },
@@ -261,6 +265,7 @@ pub fn decode(bytes: &[u8], limit: usize) -> Result<Message<'_>> {
             request_id,
             shard,
             version: h.version,
+            pace_ms: h.aux,
             values: payload,
         },
         Kind::Push => {

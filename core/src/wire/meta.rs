@@ -47,6 +47,11 @@ pub struct Hello {
     /// The session credential from the join reply, proving the worker id is this worker's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub credential: Option<String>,
+    /// The worker honours a shard's pace (issue 18, docs/protocol.md "Pacing"): it reads the
+    /// pace from each `Params` header's `aux` and waits that long between batches of pulls
+    /// (absent: false; the shard then leaves `aux` 0).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pacing: bool,
 }
 
 impl Default for Hello {
@@ -59,6 +64,7 @@ impl Default for Hello {
             pull_encodings: Vec::new(),
             push_encodings: Vec::new(),
             credential: None,
+            pacing: false,
         }
     }
 }
@@ -85,6 +91,11 @@ pub struct Welcome {
     /// [`PushTag`] meta saying where its batches came from (absent: false; send none then).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub spot_checks: bool,
+    /// The shard paces this connection (its Hello had `pacing` and the run has an egress
+    /// budget): every `Params` header's `aux` carries the shard's pace in milliseconds (absent:
+    /// false; `aux` is then 0 and means nothing).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub paces: bool,
 }
 
 /// Meta of a `Push` to a shard whose Welcome had `spot_checks`: what the server needs to

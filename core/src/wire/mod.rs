@@ -11,7 +11,8 @@
 //!                        see crate::codec), 0 for every other kind
 //!      4    4 request_id echoed by the reply
 //!      8    4 shard      shard the frame is for / from
-//!     12    4 aux        per kind: Push = samples, Ack = staleness, Error = error code
+//!     12    4 aux        per kind: Push = samples, Ack = staleness, Error = error code,
+//!                        Params = the shard's pace in ms (0 = none; only if negotiated)
 //!     16    8 version    per kind: Pull = min version, Params = shard version, Push = base
 //!                        version, Ack = new version
 //!     24    4 meta_len   bytes of JSON meta after the header
@@ -37,8 +38,8 @@ mod message;
 mod meta;
 
 pub use encode::{
-    encode, encode_error, encode_params, encode_params_as, encode_push, encode_push_as,
-    encode_push_tagged,
+    encode, encode_error, encode_params, encode_params_as, encode_params_paced, encode_push,
+    encode_push_as, encode_push_tagged,
 };
 pub use header::{
     id_after, next_request_id, Header, Kind, HEADER_LEN, MAGIC, MAX_META_LEN, PROTOCOL_VERSION,

@@ -91,7 +91,7 @@ pub async fn writes(model: &str, dir: &std::path::Path, repeat: usize) -> Result
     let spec = spec(model)?;
     let mut opts = crate::config::ServeConfig::defaults("data/mnist")
         .training
-        .shard_setup(true);
+        .shard_setup(true, spec.model.param_len());
     opts.optimizer = spec.optimizer;
     opts.consistency = spec.consistency;
     let model_ = crowdgrad_core::model::Model::new(spec.model.clone())?;

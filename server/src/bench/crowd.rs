@@ -344,6 +344,10 @@ struct Link {
     push: Encoding,
     reports: bool,
     len: usize,
+    /// The Welcome said `paces`: each Params' `aux` is the shard's pace in ms (issue 18).
+    paces: bool,
+    /// The pace the last Params carried, seconds.
+    pace: f64,
     _open: Open<'static>,
 }
 
@@ -400,6 +404,7 @@ async fn open_shard(
             pull_encodings: offered.clone(),
             push_encodings: offered,
             credential: joined.credential.clone(),
+            pacing: true,
         },
     });
     ws.send(Message::Binary(hello.into()))
@@ -414,6 +419,8 @@ async fn open_shard(
             push: welcome.push_encoding,
             reports: welcome.reports,
             len: welcome.range.len(),
+            paces: welcome.paces,
+            pace: 0.0,
             _open: open,
         }),
         _ => Err(Error::WebSocket(frame_reason(&reply))),
@@ -443,6 +450,11 @@ async fn round(
             ctx.sample(&ctx.pull_ms, t);
             ctx.pulls.fetch_add(1, Ordering::Relaxed);
             link.version = h.version;
+            link.pace = if link.paces {
+                crowdgrad_core::shard::pace::pace_from_ms(h.aux)
+            } else {
+                0.0
+            };
         }
         _ => return Err(Error::WebSocket(frame_reason(&reply))),
     }
@@ -580,6 +592,7 @@ async fn volunteer(
     let mut last_report: Option<Instant> = None;
     'rounds: while next < leave {
         tokio::time::sleep_until(next).await;
+        let began = tokio::time::Instant::now();
         next += ctx.round;
         let report = (links.first().is_some_and(|l| l.reports)
             && last_report.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)))
@@ -608,6 +621,12 @@ async fn volunteer(
                 ctx.refuse(format!("training socket: {e}"));
                 break 'rounds;
             }
+        }
+        // As a worker honours the shards' pace (issue 18): its next pulls no sooner than the
+        // largest pace after this round's went out.
+        let pace = links.iter().map(|l| l.pace).fold(0.0, f64::max);
+        if let Some(due) = crowdgrad_core::shard::pull_due(Some(0.0), pace) {
+            next = next.max(began + Duration::from_secs_f64(due));
         }
     }
     tokio::time::sleep_until(leave).await;

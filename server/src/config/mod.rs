@@ -20,7 +20,7 @@ use crowdgrad_core::optim::{OptimizerConfig, Rule};
 use crowdgrad_core::robust::Aggregation;
 use crowdgrad_core::schedule::{Decay, Schedule, DEFAULT_MIN_RATIO};
 use crowdgrad_core::session::ShardSetup;
-use crowdgrad_core::shard::{Consistency, StalenessPolicy};
+use crowdgrad_core::shard::{Consistency, EgressBudget, Pacing, StalenessPolicy};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -162,6 +162,18 @@ pub struct TrainingArgs {
     /// bound.
     #[arg(long, default_value_t = crowdgrad_core::session::CLIP_SPACING, value_name = "N")]
     pub norm_clip_spacing: u32,
+    /// The server paces the crowd (docs/operations.md, "Egress budget"): the bytes per second
+    /// of parameters all shards together may send workers, e.g. `400mbit`, `50MB` (bytes),
+    /// a plain number (bytes), or `off`. Each shard takes a share by its range length and
+    /// tells workers that ask a pace, its sessions' Params bytes over its share: they pull no
+    /// more often, and under --local-steps auto lengthen their rounds to it. Default in
+    /// `serve` and `shard`: 400mbit, 40% of a 1 Gbit/s link, leaving room for pushes coming
+    /// in, the dashboard, joins and checkpoints; in `sim`: off, as the simulator has no server
+    /// link.
+    // The default differs per command: each sets it with `mut_arg`; `check` falls back to
+    // the serve default (crowdgrad_core::shard::pace::DEFAULT_EGRESS_BUDGET).
+    #[arg(long, value_name = "RATE")]
+    pub egress_budget: Option<String>,
 }
 
 /// How workers exchange with shards: local steps, overlap and the negotiated encodings' upper
@@ -180,6 +192,8 @@ pub struct Exchange {
     pub norm_bound: f32,
     /// `--norm-clip-spacing`.
     pub norm_clip_spacing: u32,
+    /// `--egress-budget`: what the shards pace workers to.
+    pub egress_budget: EgressBudget,
 }
 
 impl Default for Exchange {
@@ -192,6 +206,7 @@ impl Default for Exchange {
             max_push_value: 1e4,
             norm_bound: 10.0,
             norm_clip_spacing: crowdgrad_core::session::CLIP_SPACING,
+            egress_budget: EgressBudget::OFF,
         }
     }
 }
@@ -310,6 +325,12 @@ impl TrainingArgs {
             max_push_value: self.max_push_value,
             norm_bound: self.norm_bound,
             norm_clip_spacing: self.norm_clip_spacing,
+            egress_budget: EgressBudget::parse(
+                self.egress_budget
+                    .as_deref()
+                    .unwrap_or(crowdgrad_core::shard::pace::DEFAULT_EGRESS_BUDGET),
+            )
+            .map_err(|e| Error::Config(format!("--egress-budget: {e}")))?,
         };
         if !(self.max_push_value.is_finite() && self.max_push_value > 0.0) {
             return Err(Error::Config(format!(
@@ -445,8 +466,10 @@ impl TrainingArgs {
 impl Training {
     /// The one description of this run's shards, for every driver: `serve`'s in-process
     /// shards, `crowdgrad shard` and the simulator. `reports`: whether the shards ask workers
-    /// for `Report` frames (the real servers do; the simulator counts for itself).
-    pub fn shard_setup(&self, reports: bool) -> ShardSetup {
+    /// for `Report` frames (the real servers do; the simulator counts for itself);
+    /// `model_len`: values in the whole parameter vector, which the egress budget is shared
+    /// over.
+    pub fn shard_setup(&self, reports: bool, model_len: usize) -> ShardSetup {
         ShardSetup {
             optimizer: self.optimizer,
             staleness: self.staleness,
@@ -459,6 +482,10 @@ impl Training {
             pseudo_gradients: self.exchange.local.steps.pseudo_gradients(),
             guard: self.exchange.guard(self.batch_size),
             aggregation: self.aggregation,
+            pacing: Pacing {
+                budget: self.exchange.egress_budget,
+                model_len,
+            },
         }
     }
 }
@@ -472,6 +499,7 @@ pub const SERVE_SHARDS: usize = 2;
 /// Flags of `crowdgrad serve`.
 #[derive(Debug, Clone, Args)]
 #[command(mut_arg("shards", |a| a.default_value("2")))] // SERVE_SHARDS
+#[command(mut_arg("egress_budget", |a| a.default_value("400mbit")))] // DEFAULT_EGRESS_BUDGET
 pub struct ServeArgs {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:8080")]

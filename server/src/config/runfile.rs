@@ -115,6 +115,7 @@ pub const KEYS: &[Key] = &[
     key("limits.push_rate", "push_rate", Kind::Float),
     key("limits.push_rate_per_ip", "push_rate_per_ip", Kind::Float),
     key("limits.join_rate", "join_rate", Kind::Int),
+    key("limits.egress_budget", "egress_budget", Kind::Str),
     key("limits.download_rate", "download_rate", Kind::Int),
     key("limits.idle_timeout", "idle_timeout", Kind::Float),
     key("limits.hello_timeout", "hello_timeout", Kind::Float),

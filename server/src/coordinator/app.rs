@@ -174,6 +174,9 @@ pub struct Status {
     pub lr_now: f32,
     /// Seconds since start.
     pub uptime_s: f64,
+    /// The run's egress budget for parameters sent to workers, bytes per second (`null`:
+    /// off; `--egress-budget`, issue 18). Each shard's share and pace are in `shards`.
+    pub egress_budget: Option<f64>,
     /// Per shard.
     pub shards: Vec<ShardStatus>,
     /// The newest workers (at most [`crate::registry::RECENT_WORKERS`]); `/api/workers` pages all.
@@ -353,6 +356,7 @@ impl App {
                 }
             },
             uptime_s: self.started.elapsed().as_secs_f64(),
+            egress_budget: self.cfg.training.exchange.egress_budget.get(),
             shards,
             workers_connected: totals.workers.map_or(0, |w| w.connected as usize),
             workers,
@@ -476,6 +480,12 @@ impl App {
                     range,
                     version: h.version.unwrap_or(0),
                     updates_by_merged: Default::default(),
+                    egress_budget: h.status.as_ref().and_then(|s| s["egress_budget"].as_f64()),
+                    pace_s: h
+                        .status
+                        .as_ref()
+                        .and_then(|s| s["pace_s"].as_f64())
+                        .unwrap_or(0.0),
                     counters: remote_counters(h.status.as_ref()),
                 })
                 .collect();
@@ -614,6 +624,12 @@ impl App {
                 apply: None,
                 bytes_received: 0,
                 bytes_sent: 0,
+                egress_budget: h.status.as_ref().and_then(|s| s["egress_budget"].as_f64()),
+                pace_s: h
+                    .status
+                    .as_ref()
+                    .and_then(|s| s["pace_s"].as_f64())
+                    .unwrap_or(0.0),
             });
         crate::registry::metrics::Scrape {
             shards: self
@@ -629,6 +645,8 @@ impl App {
                         apply: Some(s.apply_seconds()),
                         bytes_received,
                         bytes_sent,
+                        egress_budget: s.egress_budget(),
+                        pace_s: s.pace_s(),
                     }
                 })
                 .chain(remote)

@@ -189,7 +189,7 @@ pub async fn run(
         if remote.is_some() {
             break;
         }
-        let setup = cfg.training.shard_setup(true);
+        let setup = cfg.training.shard_setup(true, initial.len());
         shards.push(match saved.as_mut().and_then(Iterator::next) {
             Some(export) => Shard::restore(i as u32, *r, export, setup)?,
             // Refused here, before anything is served, when the setup cannot run at this size.

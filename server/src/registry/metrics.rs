@@ -20,6 +20,8 @@
 //! | `crowdgrad_push_staleness` | histogram (le 0..15, +Inf) | `shard` |
 //! | `crowdgrad_apply_seconds` | histogram | `shard` |
 //! | `crowdgrad_shard_version` | gauge | `shard` |
+//! | `crowdgrad_egress_budget_bytes_per_second` | gauge | `shard` (its share of `--egress-budget`; absent when off) |
+//! | `crowdgrad_pace_seconds` | gauge | `shard` (the pace it tells workers, issue 18; 0 = none) |
 //! | `crowdgrad_bytes_received_total` / `crowdgrad_bytes_sent_total` | counter | `shard` |
 //! | `crowdgrad_workers_connected` / `crowdgrad_workers_registered` | gauge | `kind` |
 //! | `crowdgrad_remote_shard_up` | gauge | `shard` (coordinator with `--shard-urls`) |
@@ -94,6 +96,10 @@ pub struct ShardScrape {
     pub bytes_received: u64,
     /// Frame bytes sent to workers (down).
     pub bytes_sent: u64,
+    /// Its share of the egress budget, bytes per second (`None`: no budget; issue 18).
+    pub egress_budget: Option<f64>,
+    /// Its pace now, seconds (0: none).
+    pub pace_s: f64,
 }
 
 /// Everything one scrape shows, read from the live sources.
@@ -240,6 +246,26 @@ impl Collector for Scrape {
             "crowdgrad_samples_per_second",
             "Examples per second over the last 5 s.",
             &[(Vec::new(), self.samples_per_sec)],
+        )?;
+        gauge(
+            &mut enc,
+            "crowdgrad_egress_budget_bytes_per_second",
+            "The shard's share of the egress budget for parameters sent to workers (--egress-budget; absent: off).",
+            &self
+                .shards
+                .iter()
+                .filter_map(|s| Some((shard(s.id), s.egress_budget?)))
+                .collect::<Vec<_>>(),
+        )?;
+        gauge(
+            &mut enc,
+            "crowdgrad_pace_seconds",
+            "The shard's pace: its Params bytes to every connected worker over its budget share, the least interval between one worker's pulls it asks for (0: none).",
+            &self
+                .shards
+                .iter()
+                .map(|s| (shard(s.id), s.pace_s))
+                .collect::<Vec<_>>(),
         )?;
         gauge(
             &mut enc,
@@ -459,6 +485,8 @@ mod tests {
                     apply: Some(apply.clone()),
                     bytes_received: 100,
                     bytes_sent: 200,
+                    egress_budget: Some(25e6),
+                    pace_s: 0.004 * (i + 1) as f64,
                 })
                 .collect(),
             totals,
@@ -483,6 +511,8 @@ mod tests {
             "crowdgrad_workers_connected{kind=\"native\"} 0.0",
             "crowdgrad_samples_total 96",
             "crowdgrad_bytes_sent_total{shard=\"1\"} 200",
+            "crowdgrad_egress_budget_bytes_per_second{shard=\"0\"} 25000000.0",
+            "crowdgrad_pace_seconds{shard=\"1\"} 0.008",
             "crowdgrad_remote_shard_up{shard=\"1\"} 0.0",
             "crowdgrad_checkpoint_size_bytes 4096.0",
             "crowdgrad_checkpoint_age_seconds 10.0",

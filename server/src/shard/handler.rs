@@ -445,6 +445,7 @@ mod tests {
             aggregation: crowdgrad_core::robust::Aggregation::Mean,
             pull_encoding: crowdgrad_core::codec::Encoding::F32,
             push_encoding: crowdgrad_core::codec::Encoding::F32,
+            pacing: crowdgrad_core::shard::Pacing::OFF,
         };
         let shard = Shard::start(1, KeyRange { start: 4, end: 6 }, vec![0.0; 2], opts)
             .expect("a valid setup");

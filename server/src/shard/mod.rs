@@ -55,6 +55,10 @@ struct Inner {
     /// Frame bytes received from / sent to workers, for `/metrics`.
     bytes_received: AtomicU64,
     bytes_sent: AtomicU64,
+    /// The state's [`ShardState::demand`] (the bytes of one Params frame to every connected
+    /// session), copied after every change so paced pulls and the status read it without the
+    /// mutex.
+    demand: AtomicU64,
     /// When set, a Hello is admitted by its credential (`crate::support::credential::verify` under this
     /// run secret) instead of by the registry: how a shard process admits workers that joined
     /// at the coordinator.
@@ -157,6 +161,7 @@ impl Shard {
                 apply_seconds: crate::registry::metrics::apply_histogram(),
                 bytes_received: AtomicU64::new(0),
                 bytes_sent: AtomicU64::new(0),
+                demand: AtomicU64::new(0),
                 secret: std::sync::OnceLock::new(),
                 joins_here: std::sync::OnceLock::new(),
                 defence: std::sync::OnceLock::new(),
@@ -369,6 +374,20 @@ impl Shard {
         }
     }
 
+    /// The shard's pace now, seconds (0 without an egress budget): its sessions' Params bytes
+    /// over its share of the budget (issue 18, [`crowdgrad_core::shard::pace`]). Lock-free.
+    pub fn pace_s(&self) -> f64 {
+        let cfg = &self.inner.cfg;
+        let demand = self.inner.demand.load(Ordering::Relaxed);
+        cfg.setup.pacing.pace_s(cfg.range.len(), demand)
+    }
+
+    /// This shard's share of the run's egress budget, bytes per second (`None`: no budget).
+    pub fn egress_budget(&self) -> Option<f64> {
+        let cfg = &self.inner.cfg;
+        cfg.setup.pacing.shard_budget(cfg.range.len())
+    }
+
     /// Frame bytes received from and sent to workers so far.
     pub fn bytes(&self) -> (u64, u64) {
         (
@@ -411,6 +430,10 @@ impl ShardAccess for Access<'_> {
         (s.version, s.values.clone())
     }
 
+    fn pace(&mut self) -> f64 {
+        self.shard.pace_s()
+    }
+
     fn with<R>(&mut self, f: impl FnOnce(&mut ShardState) -> R) -> R {
         let inner = &self.shard.inner;
         let (r, epoch) = {
@@ -430,6 +453,7 @@ impl ShardAccess for Access<'_> {
                     values: st.values().clone(),
                 }));
             }
+            inner.demand.store(st.demand(), Ordering::Relaxed);
             (r, (st.epoch() != e0).then(|| st.epoch()))
         };
         if let Some(e) = epoch {

@@ -17,6 +17,11 @@ pub struct ShardStatus {
     pub version: u64,
     /// Updates by the number of gradients they merged (sync: K, or fewer when flushed early).
     pub updates_by_merged: std::collections::BTreeMap<usize, u64>,
+    /// Its share of the run's egress budget, bytes per second (`null`: no budget; issue 18).
+    pub egress_budget: Option<f64>,
+    /// Its pace now, seconds: the bytes of one Params frame to every connected worker over
+    /// that share, the least interval between one worker's pulls it asks for (0: none).
+    pub pace_s: f64,
     /// Counters.
     #[serde(flatten)]
     pub counters: Counters,
@@ -32,6 +37,8 @@ impl ShardStatus {
             range: s.range(),
             version,
             updates_by_merged,
+            egress_budget: s.egress_budget(),
+            pace_s: s.pace_s(),
             counters,
         }
     }

@@ -53,6 +53,7 @@ pub use crate::support::credential::MIN_SECRET;
     .visible_alias("of")
     .required(true)
     .help("Number of shards in the run (`--of` or `--shards`); the coordinator's --shard-urls lists as many")))]
+#[command(mut_arg("egress_budget", |a| a.default_value("400mbit")))] // DEFAULT_EGRESS_BUDGET
 pub struct ShardArgs {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:9000")]
@@ -268,7 +269,7 @@ pub async fn run(
         }
         None => (None, None),
     };
-    let opts = t.shard_setup(true);
+    let opts = t.shard_setup(true, spec.model.param_len());
     let shard = match restored {
         Some((name, c)) => {
             tracing::info!(checkpoint = %name, version = c.meta.version, "shard continues from its checkpoint");
@@ -457,6 +458,8 @@ async fn metrics(State(p): State<Arc<ShardProc>>) -> Response {
             apply: Some(s.apply_seconds()),
             bytes_received,
             bytes_sent,
+            egress_budget: s.egress_budget(),
+            pace_s: s.pace_s(),
         }],
         totals,
         samples_per_sec: 0.0,

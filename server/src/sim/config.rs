@@ -17,6 +17,7 @@ use std::path::PathBuf;
 #[command(
     mut_arg("consistency", |a| a.visible_alias("mode")),
     mut_arg("shards", |a| a.default_value("1")), // SIM_SHARDS
+    mut_arg("egress_budget", |a| a.default_value("off")),
 )]
 pub struct SimArgs {
     /// The data: a directory holding the four IDX files (raw or .gz) or the four .npy files,

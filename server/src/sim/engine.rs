@@ -74,6 +74,9 @@ enum Event {
     Return { participant: usize, token: u64 },
     /// A shard session's timer (a waiting pull's deadline).
     ShardTimer { shard: usize, conn: u64 },
+    /// A worker's timer ([`Worker::poll_timeout`]: its next pulls waited for the shards'
+    /// pace, issue 18), armed for time `at`.
+    WorkerTimer { participant: usize, at: Time },
 }
 
 #[derive(Debug)]
@@ -134,6 +137,8 @@ struct Session {
     compute_dur: Time,
     paused: Option<Paused>,
     steps_before: u64,
+    /// When the worker's timer is armed for (a [`Event::WorkerTimer`] is scheduled).
+    hold: Option<Time>,
 }
 
 #[derive(Debug)]
@@ -228,7 +233,7 @@ impl<'a> Engine<'a> {
             .iter()
             .enumerate()
             .map(|(i, r)| {
-                let setup = training.shard_setup(false);
+                let setup = training.shard_setup(false, initial.len());
                 let state = setup.state(i as u32, *r, initial[r.start..r.end].to_vec())?;
                 Ok(SimShard {
                     driver: ShardDriver::new(state),
@@ -505,6 +510,11 @@ impl<'a> Engine<'a> {
             Event::Return { participant, token } => {
                 if !self.stopping && self.people[participant].return_token == token {
                     self.come_back(participant)?;
+                }
+            }
+            Event::WorkerTimer { participant, at } => {
+                if !self.stopping {
+                    self.worker_timer(participant, at);
                 }
             }
             Event::ShardTimer { shard, conn } => {

@@ -457,16 +457,27 @@ pub(super) async fn drive(
             || tokio::time::Instant::now() + Duration::from_secs(86_400),
             Into::into,
         );
-        // Waiting for replies: one must come within the reply deadline.
+        // The next pulls may wait for the shards' pace (issue 18): wake the worker then.
+        let held = worker.poll_timeout().map(|t| {
+            let now = clock.elapsed().as_secs_f64();
+            Duration::from_secs_f64((t - now).clamp(0.0, 86_400.0))
+        });
+        // Waiting for replies: one must come within the reply deadline (counted after the
+        // hold: nothing is asked for during it).
         let reply = net.timeouts.reply;
+        let patience = reply + held.unwrap_or_default();
         let ev = tokio::select! {
             ev = ev_rx.recv() => ev,
             Some((i, g, r)) = reconnects.next(), if !reconnects.is_empty() => {
                 reconnected!(i, g, r);
                 continue;
             }
+            _ = tokio::time::sleep(held.unwrap_or_default()), if held.is_some() => {
+                worker.handle_timeout(clock.elapsed().as_secs_f64());
+                continue;
+            }
             _ = tokio::time::sleep_until(until) => break End::Done,
-            _ = tokio::time::sleep(reply) => {
+            _ = tokio::time::sleep(patience) => {
                 break End::Lost(format!("no reply from the shards within {reply:?}"))
             }
             _ = &mut shutdown => break End::Done,

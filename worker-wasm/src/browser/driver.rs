@@ -546,18 +546,31 @@ impl Driver {
                 continue;
             }
 
-            // 4. Nothing to do until a frame or a command arrives.
+            // 4. Nothing to do until a frame, a command, or the end of the shards' pace
+            //    (issue 18: the next pulls wait for it) arrives.
             let now = self.scope().now();
-            if now - last_frame > STALL_MS {
+            let held = worker.poll_timeout().map(|t| t * 1e3);
+            if held.is_some_and(|t| now >= t) {
+                worker.handle_timeout(now / 1e3);
+                link.flush(worker)?;
+                // Nothing was asked for during the hold: the stall clock starts again now.
+                last_frame = now;
+                continue;
+            }
+            if held.is_none() && now - last_frame > STALL_MS {
                 return Err(Error::Stalled(format!(
                     "no frame from the shards for {} s",
                     (STALL_MS / 1000.0) as u32
                 )));
             }
             self.report(Some(worker), false);
-            let wait = next_retry.map_or(REPORT_EVERY_MS, |t| {
-                (t - self.scope().now()).clamp(1.0, REPORT_EVERY_MS)
-            });
+            let wait = next_retry
+                .into_iter()
+                .chain(held)
+                .fold(None, |a: Option<f64>, t| Some(a.map_or(t, |a| a.min(t))))
+                .map_or(REPORT_EVERY_MS, |t| {
+                    (t - self.scope().now()).clamp(1.0, REPORT_EVERY_MS)
+                });
             self.sh.wake.wait(&self.sh.scope, wait).await;
         }
     }

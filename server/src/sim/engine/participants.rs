@@ -87,6 +87,7 @@ impl Engine<'_> {
             compute: None,
             compute_dur: 0,
             paused: None,
+            hold: None,
         }));
         self.flush_outbox(p);
         Ok(())
@@ -99,6 +100,13 @@ impl Engine<'_> {
             }
             self.deliver(p, shard, wire);
         }
+        // Pulls held for the pace while it was paused go out now if it has passed.
+        let now = secs(self.now);
+        if let Some(s) = self.people[p].session.as_mut() {
+            s.hold = None;
+            s.worker.handle_timeout(now);
+        }
+        self.flush_outbox(p);
         if let Some(left) = paused.remaining {
             let t = self.token();
             let at = self.now + left;
@@ -215,6 +223,14 @@ impl Engine<'_> {
                 return;
             };
             let Some(out) = s.worker.poll_transmit() else {
+                // Nothing more to send: the next pulls may wait for the pace (issue 18).
+                if let Some(t) = s.worker.poll_timeout() {
+                    let at = ns(t).max(self.now);
+                    if s.hold != Some(at) {
+                        s.hold = Some(at);
+                        self.schedule(at, Event::WorkerTimer { participant: p, at });
+                    }
+                }
                 return;
             };
             let frame = if person.faulty {
@@ -228,6 +244,25 @@ impl Engine<'_> {
             };
             self.send_up(p, out.shard, Wire::Frame(frame));
         }
+    }
+
+    /// The worker's timer armed for `at` fired: its held pulls go out (a paused worker's wait
+    /// until it resumes).
+    pub(super) fn worker_timer(&mut self, p: usize, at: Time) {
+        let now = secs(self.now);
+        let Some(s) = self.people[p].session.as_mut() else {
+            return;
+        };
+        if s.hold != Some(at) {
+            return;
+        }
+        s.hold = None;
+        if s.paused.is_some() {
+            return;
+        }
+        s.worker.handle_timeout(now);
+        self.flush_outbox(p);
+        self.maybe_compute(p);
     }
 
     pub(super) fn maybe_compute(&mut self, p: usize) {
