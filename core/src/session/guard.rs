@@ -170,7 +170,7 @@ pub const MAX_PUSHERS: usize = 4096;
 /// The default [`PushGuard::clip_spacing`]: accepted pushes a trusted worker needs within the
 /// bound since its last push scaled down to it before another one is scaled rather than
 /// refused (module docs).
-pub const CLIP_SPACING: u32 = 8;
+pub const CLIP_SPACING: u32 = 1;
 
 /// One worker's recent per-step norms on one shard, and what it has earned.
 #[derive(Debug, Clone)]
