@@ -53,7 +53,7 @@ pub use crate::support::credential::MIN_SECRET;
     .visible_alias("of")
     .required(true)
     .help("Number of shards in the run (`--of` or `--shards`); the coordinator's --shard-urls lists as many")))]
-#[command(mut_arg("egress_budget", |a| a.default_value("400mbit")))] // DEFAULT_EGRESS_BUDGET
+#[command(mut_arg("egress_budget", |a| a.default_value("off")))] // DEFAULT_EGRESS_BUDGET
 pub struct ShardArgs {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:9000")]
