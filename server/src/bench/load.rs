@@ -33,9 +33,26 @@ impl Server {
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            .stderr(Stdio::piped())
             .spawn()
             .map_err(|e| Error::io("starting the server", e))?;
+        // Its stderr is drained all along; the last lines are kept to say why it exited.
+        let tail = std::sync::Arc::new(std::sync::Mutex::new(std::collections::VecDeque::new()));
+        if let Some(err) = child.stderr.take() {
+            let tail = tail.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(err)
+                    .lines()
+                    .map_while(std::result::Result::ok)
+                {
+                    let mut t = tail.lock().unwrap_or_else(|p| p.into_inner());
+                    if t.len() == 8 {
+                        t.pop_front();
+                    }
+                    t.push_back(line);
+                }
+            });
+        }
         let out = child
             .stdout
             .take()
@@ -59,9 +76,30 @@ impl Server {
                 .parse()
                 .map_err(|_| Error::Process("addr".into()))?,
         };
-        server.url = rx
-            .recv_timeout(Duration::from_secs(60))
-            .map_err(|_| Error::Process("the server did not start within 60 s".into()))?;
+        server.url = match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(url) => url,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                return Err(Error::Process(
+                    "the server did not start within 60 s".into(),
+                ))
+            }
+            // Its stdout closed before the address: it exited (a bad flag, a port in use).
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                let status = server.child.wait().map(|s| s.to_string());
+                std::thread::sleep(Duration::from_millis(100));
+                let said: Vec<String> = tail
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .iter()
+                    .cloned()
+                    .collect();
+                return Err(Error::Process(format!(
+                    "the server exited before listening ({}): {}",
+                    status.unwrap_or_else(|e| e.to_string()),
+                    said.join(" | ")
+                )));
+            }
+        };
         server.addr = server
             .url
             .trim_start_matches("http://")
