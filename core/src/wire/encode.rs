@@ -123,17 +123,7 @@ pub fn encode_params_as(
     version: u64,
     values: &[f32],
 ) -> Result<Vec<u8>> {
-    encode_data(
-        Kind::Params,
-        encoding,
-        request_id,
-        shard,
-        0,
-        version,
-        values,
-        None,
-        &[],
-    )
+    encode_params_paced(encoding, request_id, shard, version, 0, values)
 }
 
 /// [`encode_params_as`] with the shard's pace in the header's `aux`, in milliseconds (to a

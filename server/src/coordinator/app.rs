@@ -272,6 +272,12 @@ pub struct TickBody {
 
 /// A remote shard's counters from the `status` record it reported (the per-reason maps stay
 /// with the shard process's own `/metrics`).
+/// A remote shard's egress budget (its share, bytes/s) and pace (seconds) from its status.
+fn remote_pacing(status: Option<&serde_json::Value>) -> (Option<f64>, f64) {
+    let get = |k: &str| status.and_then(|s| s[k].as_f64());
+    (get("egress_budget"), get("pace_s").unwrap_or(0.0))
+}
+
 fn remote_counters(status: Option<&serde_json::Value>) -> Counters {
     let mut c = Counters::default();
     let Some(v) = status else { return c };
@@ -480,12 +486,8 @@ impl App {
                     range,
                     version: h.version.unwrap_or(0),
                     updates_by_merged: Default::default(),
-                    egress_budget: h.status.as_ref().and_then(|s| s["egress_budget"].as_f64()),
-                    pace_s: h
-                        .status
-                        .as_ref()
-                        .and_then(|s| s["pace_s"].as_f64())
-                        .unwrap_or(0.0),
+                    egress_budget: remote_pacing(h.status.as_ref()).0,
+                    pace_s: remote_pacing(h.status.as_ref()).1,
                     counters: remote_counters(h.status.as_ref()),
                 })
                 .collect();
@@ -624,12 +626,8 @@ impl App {
                 apply: None,
                 bytes_received: 0,
                 bytes_sent: 0,
-                egress_budget: h.status.as_ref().and_then(|s| s["egress_budget"].as_f64()),
-                pace_s: h
-                    .status
-                    .as_ref()
-                    .and_then(|s| s["pace_s"].as_f64())
-                    .unwrap_or(0.0),
+                egress_budget: remote_pacing(h.status.as_ref()).0,
+                pace_s: remote_pacing(h.status.as_ref()).1,
             });
         crate::registry::metrics::Scrape {
             shards: self
