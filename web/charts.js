@@ -205,7 +205,7 @@ export function evalSummary(points) {
 const MULTIPLES = [
   { integer: true, id: 'm-rate', title: 'Samples per second', series: [['samples/s', (p) => p.samples_per_s]], fmt: num },
   { integer: true, id: 'm-volunteers', title: 'Volunteers online', series: [['volunteers', (p) => p.volunteers]], fmt: num },
-  { integer: true, id: 'm-bytes', title: 'Bytes per second, up (solid) and down (dashed)', series: [['up', (p) => p.bytes_up_per_s], ['down', (p) => p.bytes_down_per_s, { dash: [6, 4], stroke: LOSS }]], fmt: (v) => `${bytes(v)}/s`, axis: bytes, axisSize: 64 },
+  { integer: true, id: 'm-bytes', title: 'Bytes per second, up (solid) and down (dashed)', series: [['up', (p) => p.bytes_up_per_s], ['down', (p) => p.bytes_down_per_s, { dash: [6, 4], stroke: LOSS }]], fmt: (v) => `${bytes(v)}/s`, axis: bytes, axisSize: 78 },
   { integer: true, id: 'm-rejected', title: 'Refused pushes by reason, per interval', reasons: true, fmt: num },
   { integer: true, id: 'm-quarantined', title: 'Workers quarantined', series: [['quarantined', (p) => p.quarantined]], fmt: num },
   { integer: true, id: 'm-limits', title: 'Limit refusals, per interval', series: [['refusals', (p) => p.limit_refusals]], fmt: num },
