@@ -537,7 +537,9 @@ impl Driver {
                 self.sh.progress.borrow_mut().step_ms_last = Some(dt);
                 self.rate.record(t1, worker.stats().samples);
                 self.report(Some(worker), false);
-                let rest = control.throttle.rest_ms(dt, idle);
+                // The CPU limit counts sending the push and the report as computing too.
+                let busy = self.scope().now() - t0;
+                let rest = control.throttle.rest_ms(busy, idle);
                 if rest > 0.0 {
                     self.scope().sleep(rest).await;
                 }
