@@ -1407,7 +1407,7 @@ mod tests {
                 session.handle_frame(&mut state, &o.frame, now);
                 while let Some(a) = session.poll_action() {
                     match a {
-                        Action::Send(f) => w.receive(0, &f).unwrap(),
+                        Action::Send(f) => w.receive(0, &f.to_vec()).unwrap(),
                         Action::Close(why) => panic!("closed: {why}"),
                         Action::Record(_) => {}
                     }

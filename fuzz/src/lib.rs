@@ -488,7 +488,7 @@ fn drain(s: &mut ShardSession) -> bool {
         match a {
             Action::Send(f) => {
                 assert!(!closed, "a frame after Close");
-                wire::decode(&f, usize::MAX).expect("the shard's frames decode");
+                wire::decode(&f.into_vec(), usize::MAX).expect("the shard's frames decode");
             }
             Action::Close(_) => closed = true,
             Action::Record(Record::Pushed {

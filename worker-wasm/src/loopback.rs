@@ -203,7 +203,7 @@ impl Loopback {
             session.handle_frame(state, &out.frame, self.now);
             while let Some(a) = session.poll_action() {
                 match a {
-                    Action::Send(frame) => self.replies.push_back((s, frame)),
+                    Action::Send(frame) => self.replies.push_back((s, frame.into_vec())),
                     Action::Close(why) => refused = Some(why),
                     Action::Record(_) => {}
                 }

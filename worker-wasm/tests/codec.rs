@@ -332,7 +332,7 @@ fn a_worker_with_local_steps_negotiates_bf16_pulls_and_int8_pushes() {
             session.handle_frame(state, &out.frame, now);
             while let Some(a) = session.poll_action() {
                 match a {
-                    Action::Send(f) => replies.push((out.shard, f)),
+                    Action::Send(f) => replies.push((out.shard, f.into_vec())),
                     Action::Close(why) => panic!("shard {} closed: {why}", out.shard),
                     Action::Record(_) => {}
                 }

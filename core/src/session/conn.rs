@@ -84,11 +84,76 @@ pub enum Record {
     },
 }
 
+/// One binary message for the driver to send: bytes of its own (`head`), followed, for a
+/// `Params` frame, by the encoded values shared with every other pull of the same version and
+/// encoding ([`wire::ParamsBody`], issue 18). A driver that can write a message in pieces sends
+/// the shared body without copying it (the server sends it in WebSocket fragments); others
+/// take [`Outgoing::into_vec`].
+#[derive(Debug, Clone)]
+pub struct Outgoing {
+    head: Vec<u8>,
+    body: Option<std::sync::Arc<[u8]>>,
+}
+
+impl Outgoing {
+    /// A message of `head` and then the shared `body`.
+    pub fn shared(head: Vec<u8>, body: std::sync::Arc<[u8]>) -> Self {
+        Self {
+            head,
+            body: Some(body),
+        }
+    }
+
+    /// The message's length in bytes.
+    pub fn len(&self) -> usize {
+        self.head.len() + self.body.as_ref().map_or(0, |b| b.len())
+    }
+
+    /// Whether the message is empty (never, for a frame).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bytes of its own, and the shared body after them, if any.
+    pub fn into_parts(self) -> (Vec<u8>, Option<std::sync::Arc<[u8]>>) {
+        (self.head, self.body)
+    }
+
+    /// The whole message as one buffer (copies a shared body).
+    pub fn into_vec(self) -> Vec<u8> {
+        match self.body {
+            None => self.head,
+            Some(b) => {
+                let mut v = self.head;
+                v.extend_from_slice(&b);
+                v
+            }
+        }
+    }
+
+    /// The whole message as one buffer, leaving `self` as it is.
+    pub fn to_vec(&self) -> Vec<u8> {
+        self.clone().into_vec()
+    }
+}
+
+impl From<Vec<u8>> for Outgoing {
+    fn from(head: Vec<u8>) -> Self {
+        Self { head, body: None }
+    }
+}
+
+impl PartialEq for Outgoing {
+    fn eq(&self, other: &Self) -> bool {
+        self.len() == other.len() && self.to_vec() == other.to_vec()
+    }
+}
+
 /// What a session asks its driver to do, in order.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Action {
     /// Send one binary message.
-    Send(Vec<u8>),
+    Send(Outgoing),
     /// Close the connection with this reason (after everything sent before).
     Close(String),
     /// Record this.
@@ -323,7 +388,7 @@ impl ShardSession {
                 reason: "server shutting down".into(),
             },
         });
-        self.actions.push_back(Action::Send(bye));
+        self.actions.push_back(Action::Send(bye.into()));
         self.close(shard, "server shutting down".into());
     }
 
@@ -369,7 +434,7 @@ impl ShardSession {
     }
 
     fn send(&mut self, frame: Vec<u8>) {
-        self.actions.push_back(Action::Send(frame));
+        self.actions.push_back(Action::Send(frame.into()));
     }
 
     /// Records the rejection, sends the error frame, and closes if the code is fatal.
@@ -467,25 +532,16 @@ impl ShardSession {
             return false;
         }
         self.waiting = None;
-        let (version, values) = shard.snapshot();
+        let body = shard.params_body(self.pull_encoding);
+        let version = body.version;
         let pace_ms = if self.paces {
             crate::shard::pace_ms(shard.pace())
         } else {
             0
         };
-        let frame = wire::encode_params_paced(
-            self.pull_encoding,
-            request_id,
-            self.cfg.id,
-            version,
-            pace_ms,
-            &values,
-        )
-        // Parameters are finite (every update is validated), so this does not happen;
-        // if it did, f32 says exactly what the shard holds.
-        .unwrap_or_else(|_| wire::encode_params(request_id, self.cfg.id, version, &values));
+        let frame = Outgoing::shared(body.header(request_id, self.cfg.id, pace_ms), body.bytes);
         let bytes = frame.len();
-        self.send(frame);
+        self.actions.push_back(Action::Send(frame));
         self.actions.push_back(Action::Record(Record::Pulled {
             worker,
             bytes,
@@ -1096,7 +1152,7 @@ mod tests {
                             request_id,
                             shard,
                             error,
-                        }) = wire::decode(&f, usize::MAX)
+                        }) = wire::decode(&f.to_vec(), usize::MAX)
                         {
                             errors.push((request_id, shard, error.code));
                         }
@@ -1438,7 +1494,9 @@ mod tests {
             let mut out = None;
             while let Some(a) = s.poll_action() {
                 if let Action::Send(f) = a {
-                    if let Ok(Message::Welcome { welcome, .. }) = wire::decode(&f, usize::MAX) {
+                    if let Ok(Message::Welcome { welcome, .. }) =
+                        wire::decode(&f.to_vec(), usize::MAX)
+                    {
                         out = Some(welcome);
                     }
                 }
@@ -1450,7 +1508,9 @@ mod tests {
             let mut out = None;
             while let Some(a) = s.poll_action() {
                 if let Action::Send(f) = a {
-                    if let Ok(Message::Params { pace_ms, .. }) = wire::decode(&f, usize::MAX) {
+                    if let Ok(Message::Params { pace_ms, .. }) =
+                        wire::decode(&f.to_vec(), usize::MAX)
+                    {
                         out = Some(pace_ms);
                     }
                 }

@@ -642,7 +642,7 @@ mod tests {
         let mut out = String::new();
         while let Some(a) = s.poll_action() {
             if let crate::session::Action::Send(f) = a {
-                out = match wire::decode(&f, usize::MAX).unwrap() {
+                out = match wire::decode(&f.to_vec(), usize::MAX).unwrap() {
                     Message::Ack { .. } => "ack".into(),
                     Message::Error { error, .. } => {
                         format!("{}: {}", error.code.name(), error.message)

@@ -69,7 +69,7 @@ mod state;
 #[cfg(test)]
 mod testing;
 
-pub use conn::{header_request_id, Action, Record, ShardSession, MAX_DEFERRED};
+pub use conn::{header_request_id, Action, Outgoing, Record, ShardSession, MAX_DEFERRED};
 pub use guard::{
     PushGuard, ANCHOR_MAX_AGE, ANCHOR_SPAN, CLIP_SPACING, LOCKOUT, MAX_PUSHERS, NORM_HISTORY,
     NORM_MAX_AGE, NORM_WARMUP, NORM_WINDOW, PROBATION, REFUSED_HISTORY, REPLAY_DIGESTS,

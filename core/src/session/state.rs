@@ -579,6 +579,15 @@ pub trait ShardAccess {
     /// The last published values and their version. Must not wait for an update in progress
     /// (the server serves it from an `ArcSwap`): this is what keeps async pulls lock-free.
     fn snapshot(&self) -> (u64, Arc<Vec<f32>>);
+    /// The last published values as the body of a `Params` frame in `encoding`. A driver that
+    /// serves many connections keeps one per version and encoding and hands every pull the
+    /// same bytes (the server does: `Snapshot` in server/src/shard/mod.rs); this default
+    /// encodes [`ShardAccess::snapshot`] at every call. Must not wait for an update in
+    /// progress, like [`ShardAccess::snapshot`].
+    fn params_body(&mut self, encoding: crate::codec::Encoding) -> wire::ParamsBody {
+        let (version, values) = self.snapshot();
+        wire::ParamsBody::encode_or_f32(encoding, version, &values)
+    }
     /// Runs `f` with exclusive access to the shared state; the driver publishes a new snapshot
     /// afterwards when the version moved, and wakes the other sessions when the epoch moved.
     fn with<R>(&mut self, f: impl FnOnce(&mut ShardState) -> R) -> R;

@@ -66,7 +66,7 @@ pub(super) fn sent(s: &mut ShardSession) -> Vec<String> {
     let mut out = Vec::new();
     while let Some(a) = s.poll_action() {
         match a {
-            Action::Send(f) => out.push(match wire::decode(&f, usize::MAX).unwrap() {
+            Action::Send(f) => out.push(match wire::decode(&f.to_vec(), usize::MAX).unwrap() {
                 Message::Welcome { request_id, .. } => format!("welcome {request_id}"),
                 Message::Params {
                     request_id,

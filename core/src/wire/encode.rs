@@ -69,6 +69,91 @@ pub fn encode_push(
     )
 }
 
+/// The header's value count for `len` values in `encoding`, if a frame can carry them.
+fn wire_count(encoding: Encoding, len: usize) -> Result<u32> {
+    // Frames carry no block size: on the wire int8 blocks are always DEFAULT_INT8_BLOCK values
+    // (docs/protocol.md section 8). Another block size would make a frame no receiver decodes.
+    if let Encoding::Int8Block { block } = encoding {
+        if block != codec::DEFAULT_INT8_BLOCK {
+            return Err(Error::Malformed(format!(
+                "int8 blocks of {block} cannot be sent: frames carry blocks of {}",
+                codec::DEFAULT_INT8_BLOCK
+            )));
+        }
+    }
+    u32::try_from(len).map_err(|_| Error::Malformed("payload of more than 2^32 values".into()))
+}
+
+/// The payload of a `Params` frame: one shard version's values in one encoding, encoded once
+/// and shared (reference-counted) by every pull of that version in that encoding. The frame
+/// is [`ParamsBody::header`] (what differs per pull: the request id and the pace) followed by
+/// [`ParamsBody::bytes`], byte for byte what [`encode_params_paced`] writes. Issue 18: the
+/// server quantised and copied the whole parameters once per pull and per connection.
+#[derive(Debug, Clone)]
+pub struct ParamsBody {
+    /// The shard version the values are of.
+    pub version: u64,
+    /// The encoding of [`ParamsBody::bytes`]: the one asked for, or f32 when it could not
+    /// encode the values (see [`ParamsBody::encode_or_f32`]).
+    pub encoding: Encoding,
+    /// How many values.
+    pub count: u32,
+    /// The encoded values.
+    pub bytes: std::sync::Arc<[u8]>,
+}
+
+impl ParamsBody {
+    /// Encodes `values` of shard version `version` in `encoding`.
+    ///
+    /// # Errors
+    /// [`Error::NotFinite`] when a value cannot be encoded; [`Error::Malformed`] for an int8
+    /// block size frames cannot carry or more than 2^32 values.
+    pub fn encode(encoding: Encoding, version: u64, values: &[f32]) -> Result<Self> {
+        let count = wire_count(encoding, values.len())?;
+        let mut out = Vec::with_capacity(encoding.encoded_len(values.len()));
+        encoding.encode(values, &mut out)?;
+        Ok(Self {
+            version,
+            encoding,
+            count,
+            bytes: out.into(),
+        })
+    }
+
+    /// [`ParamsBody::encode`], falling back to f32 (what the shard holds, exactly) when
+    /// `encoding` cannot encode the values. A shard's parameters are finite (every update is
+    /// validated), so the fallback is for the impossible case, not a path in use.
+    pub fn encode_or_f32(encoding: Encoding, version: u64, values: &[f32]) -> Self {
+        Self::encode(encoding, version, values).unwrap_or_else(|_| Self {
+            version,
+            encoding: Encoding::F32,
+            count: u32::try_from(values.len()).unwrap_or(u32::MAX),
+            bytes: f32_bytes(values).into_owned().into(),
+        })
+    }
+
+    /// The [`HEADER_LEN`] bytes that start the `Params` frame carrying this body, answering
+    /// `request_id` on `shard`, with the shard's pace in `aux` (0: none).
+    pub fn header(&self, request_id: u32, shard: u32, pace_ms: u32) -> Vec<u8> {
+        let h = Header {
+            encoding: self.encoding,
+            count: self.count,
+            ..header(Kind::Params, request_id, shard, pace_ms, self.version)
+        };
+        let mut out = Vec::with_capacity(HEADER_LEN);
+        h.write(&mut out);
+        out
+    }
+
+    /// The bytes of the whole frame (one copy of the body): for drivers that send frames as
+    /// one buffer.
+    pub fn frame(&self, request_id: u32, shard: u32, pace_ms: u32) -> Vec<u8> {
+        let mut out = self.header(request_id, shard, pace_ms);
+        out.extend_from_slice(&self.bytes);
+        out
+    }
+}
+
 /// Encodes a data frame of `kind` whose payload is `values` in `encoding`, appending the
 /// payload straight after the header (no intermediate copy). With `feedback`, the values are
 /// first corrected by the residual of earlier lossy pushes and the new residual is kept
@@ -85,20 +170,9 @@ fn encode_data(
     feedback: Option<&mut ErrorFeedback>,
     meta: &[u8],
 ) -> Result<Vec<u8>> {
-    // Frames carry no block size: on the wire int8 blocks are always DEFAULT_INT8_BLOCK values
-    // (docs/protocol.md section 8). Another block size would make a frame no receiver decodes.
-    if let Encoding::Int8Block { block } = encoding {
-        if block != codec::DEFAULT_INT8_BLOCK {
-            return Err(Error::Malformed(format!(
-                "int8 blocks of {block} cannot be sent: frames carry blocks of {}",
-                codec::DEFAULT_INT8_BLOCK
-            )));
-        }
-    }
     let h = Header {
         encoding,
-        count: u32::try_from(values.len())
-            .map_err(|_| Error::Malformed("payload of more than 2^32 values".into()))?,
+        count: wire_count(encoding, values.len())?,
         meta_len: meta.len() as u32,
         ..header(kind, request_id, shard, aux, version)
     };
@@ -316,6 +390,31 @@ mod tests {
     use crate::wire::*;
 
     const LIMIT: usize = 1 << 20;
+
+    #[test]
+    fn a_shared_params_body_makes_the_same_frame_as_encoding_it_per_pull() {
+        let values: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+        for enc in [
+            Encoding::F32,
+            Encoding::Bf16,
+            Encoding::Int8Block {
+                block: codec::DEFAULT_INT8_BLOCK,
+            },
+        ] {
+            let body = ParamsBody::encode(enc, 42, &values).unwrap();
+            let whole = encode_params_paced(enc, 9, 1, 42, 250, &values).unwrap();
+            assert_eq!(body.frame(9, 1, 250), whole, "{enc:?}");
+            let head = body.header(9, 1, 250);
+            assert_eq!(head.len(), HEADER_LEN);
+            assert_eq!([&head[..], &body.bytes[..]].concat(), whole);
+        }
+        // A value the encoding refuses: f32, exactly what the shard holds.
+        let bad = [1.0, f32::NAN];
+        let body = ParamsBody::encode_or_f32(Encoding::Bf16, 3, &bad);
+        assert_eq!(body.encoding, Encoding::F32);
+        assert_eq!(body.frame(1, 0, 0), encode_params(1, 0, 3, &bad));
+        assert!(ParamsBody::encode(Encoding::Int8Block { block: 7 }, 0, &values).is_err());
+    }
 
     fn all_messages(payload: &[u8]) -> Vec<Message<'_>> {
         vec![

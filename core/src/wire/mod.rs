@@ -39,7 +39,7 @@ mod meta;
 
 pub use encode::{
     encode, encode_error, encode_params, encode_params_as, encode_params_paced, encode_push,
-    encode_push_as, encode_push_tagged,
+    encode_push_as, encode_push_tagged, ParamsBody,
 };
 pub use header::{
     id_after, next_request_id, Header, Kind, HEADER_LEN, MAGIC, MAX_META_LEN, PROTOCOL_VERSION,

@@ -18,7 +18,7 @@ use crate::registry::Registry;
 use crate::shard::Shard;
 use crate::support::limits::{Count, IpKey, LimitConfig, Limits, PushLimit};
 use bytes::Bytes;
-use crowdgrad_core::session::{header_request_id, Action, Record, ShardSession};
+use crowdgrad_core::session::{header_request_id, Action, Outgoing, Record, ShardSession};
 use crowdgrad_core::shard::Outcome;
 use crowdgrad_core::wire::{self, Bye, ErrorCode, Message, MAGIC};
 use futures_util::{FutureExt, Sink, SinkExt, Stream, StreamExt};
@@ -54,8 +54,8 @@ pub enum Inbound {
 /// What the handler writes.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Outbound {
-    /// A binary message.
-    Frame(Vec<u8>),
+    /// A binary message (a `Params` frame's body shared with other pulls: [`Outgoing`]).
+    Frame(Outgoing),
     /// Close the socket with this reason.
     Close(String),
 }
@@ -207,7 +207,7 @@ pub async fn serve<Si, St>(
                             message: m,
                         };
                         registry.pushed(shard.id(), Some(worker), &outcome, 0, false);
-                        if tx.send(Outbound::Frame(frame)).await.is_err() {
+                        if tx.send(Outbound::Frame(frame.into())).await.is_err() {
                             session.handle_close(&mut access);
                         }
                         continue;
@@ -313,7 +313,7 @@ async fn timed_out<Si: Sink<Outbound> + Unpin>(
     }
     // A peer that does not read must not hold the task: give the goodbye a second.
     let _ = tokio::time::timeout(Duration::from_secs(1), async {
-        if tx.send(Outbound::Frame(frame)).await.is_ok() {
+        if tx.send(Outbound::Frame(frame.into())).await.is_ok() {
             let _ = tx.send(Outbound::Close(reason)).await;
         }
     })
@@ -493,7 +493,7 @@ mod tests {
             let Some(Outbound::Frame(f)) = out_rx.next().await else {
                 panic!("closed early")
             };
-            replies.push(f);
+            replies.push(f.into_vec());
         }
         assert!(matches!(
             wire::decode(&replies[0], 1 << 20).unwrap(),
@@ -527,7 +527,7 @@ mod tests {
             panic!()
         };
         assert!(
-            matches!(wire::decode(&e, 1 << 20).unwrap(), Message::Error { request_id: 10, error, .. } if error.code == ErrorCode::WrongShard)
+            matches!(wire::decode(&e.into_vec(), 1 << 20).unwrap(), Message::Error { request_id: 10, error, .. } if error.code == ErrorCode::WrongShard)
         );
         assert!(matches!(out_rx.next().await, Some(Outbound::Close(_))));
         task.await.unwrap();

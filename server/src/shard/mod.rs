@@ -22,12 +22,14 @@ pub mod upgrade;
 
 use crate::registry::Registry;
 use arc_swap::ArcSwap;
+use crowdgrad_core::codec::{Encoding, DEFAULT_INT8_BLOCK};
 use crowdgrad_core::partition::KeyRange;
 use crowdgrad_core::session::{Admission, ShardAccess, ShardConfig, ShardSetup, ShardState};
 use crowdgrad_core::shard::{Consistency, ShardCore, ShardExport};
+use crowdgrad_core::wire::ParamsBody;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
@@ -38,6 +40,39 @@ pub struct Snapshot {
     pub version: u64,
     /// The values of the shard's key range.
     pub values: Arc<Vec<f32>>,
+    /// The values as `Params` bodies, one per wire encoding, each encoded by the first pull
+    /// that asks for it and shared by every later pull of this version (issue 18: a frame
+    /// was quantised and copied per pull and per connection). Dropped with the snapshot.
+    params: Arc<[OnceLock<ParamsBody>; 3]>,
+}
+
+impl Snapshot {
+    /// The snapshot of `values` at `version`, nothing encoded yet.
+    pub fn new(version: u64, values: Arc<Vec<f32>>) -> Self {
+        Self {
+            version,
+            values,
+            params: Arc::new(Default::default()),
+        }
+    }
+
+    /// The values as the body of a `Params` frame in `encoding`: encoded once per snapshot and
+    /// encoding, then shared. Concurrent first pulls of one encoding wait for the one that
+    /// encodes (a copy's worth of time) rather than each encoding it.
+    pub fn params_body(&self, encoding: Encoding) -> ParamsBody {
+        let slot = match encoding {
+            Encoding::F32 => 0,
+            Encoding::Bf16 => 1,
+            Encoding::Int8Block { block } if block == DEFAULT_INT8_BLOCK => 2,
+            // Not a wire encoding (frames carry blocks of the default size): not kept.
+            Encoding::Int8Block { .. } => {
+                return ParamsBody::encode_or_f32(encoding, self.version, &self.values)
+            }
+        };
+        self.params[slot]
+            .get_or_init(|| ParamsBody::encode_or_f32(encoding, self.version, &self.values))
+            .clone()
+    }
 }
 
 struct Inner {
@@ -154,7 +189,7 @@ impl Shard {
             inner: Arc::new(Inner {
                 cfg,
                 mode: ArcSwap::from_pointee(cfg.setup.consistency),
-                current: ArcSwap::from_pointee(Snapshot { version, values }),
+                current: ArcSwap::from_pointee(Snapshot::new(version, values)),
                 state: Mutex::new(state),
                 epoch_tx: watch::channel(0).0,
                 started: Instant::now(),
@@ -208,10 +243,9 @@ impl Shard {
                 if let Some(spot) = inner.defence.get().and_then(|d| d.spot.as_ref()) {
                     spot.record(inner.cfg.id, st.version(), st.values().clone());
                 }
-                inner.current.store(Arc::new(Snapshot {
-                    version: st.version(),
-                    values: st.values().clone(),
-                }));
+                inner
+                    .current
+                    .store(Arc::new(Snapshot::new(st.version(), st.values().clone())));
             }
             st.epoch()
         };
@@ -340,10 +374,9 @@ impl Shard {
             if let Some(spot) = inner.defence.get().and_then(|d| d.spot.as_ref()) {
                 spot.record(inner.cfg.id, st.version(), st.values().clone());
             }
-            inner.current.store(Arc::new(Snapshot {
-                version: st.version(),
-                values: st.values().clone(),
-            }));
+            inner
+                .current
+                .store(Arc::new(Snapshot::new(st.version(), st.values().clone())));
             st.epoch()
         };
         inner.epoch_tx.send_replace(epoch);
@@ -430,6 +463,10 @@ impl ShardAccess for Access<'_> {
         (s.version, s.values.clone())
     }
 
+    fn params_body(&mut self, encoding: Encoding) -> ParamsBody {
+        self.shard.inner.current.load().params_body(encoding)
+    }
+
     fn pace(&mut self) -> f64 {
         self.shard.pace_s()
     }
@@ -448,10 +485,9 @@ impl ShardAccess for Access<'_> {
                 if let Some(spot) = inner.defence.get().and_then(|d| d.spot.as_ref()) {
                     spot.record(inner.cfg.id, st.version(), st.values().clone());
                 }
-                inner.current.store(Arc::new(Snapshot {
-                    version: st.version(),
-                    values: st.values().clone(),
-                }));
+                inner
+                    .current
+                    .store(Arc::new(Snapshot::new(st.version(), st.values().clone())));
             }
             inner.demand.store(st.demand(), Ordering::Relaxed);
             (r, (st.epoch() != e0).then(|| st.epoch()))
@@ -544,4 +580,39 @@ pub struct Read {
     pub clock: Option<u64>,
     /// The slowest active SSP clock.
     pub min_clock: Option<u64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crowdgrad_core::wire;
+
+    #[test]
+    fn a_snapshot_encodes_its_params_once_per_encoding_and_shares_them() {
+        let values: Vec<f32> = (0..5000).map(|i| (i as f32).cos()).collect();
+        let snap = Snapshot::new(7, Arc::new(values.clone()));
+        let int8 = Encoding::Int8Block {
+            block: DEFAULT_INT8_BLOCK,
+        };
+        for enc in [Encoding::F32, Encoding::Bf16, int8] {
+            let a = snap.params_body(enc);
+            let b = snap.clone().params_body(enc);
+            assert!(Arc::ptr_eq(&a.bytes, &b.bytes), "{enc:?} encoded twice");
+            assert_eq!(
+                a.frame(3, 1, 0),
+                wire::encode_params_as(enc, 3, 1, 7, &values).unwrap()
+            );
+        }
+        let (f, h) = (
+            snap.params_body(Encoding::F32),
+            snap.params_body(Encoding::Bf16),
+        );
+        assert!(!Arc::ptr_eq(&f.bytes, &h.bytes));
+        // The next version starts with nothing encoded.
+        let next = Snapshot::new(8, Arc::new(values));
+        assert!(!Arc::ptr_eq(
+            &next.params_body(Encoding::F32).bytes,
+            &f.bytes
+        ));
+    }
 }

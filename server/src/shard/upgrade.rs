@@ -19,6 +19,7 @@ use axum::extract::FromRequestParts;
 use axum::http::{header, request::Parts, HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
+use crowdgrad_core::session::Outgoing;
 use hyper_util::rt::TokioIo;
 use std::future::Future;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
@@ -135,16 +136,32 @@ impl ShardUpgrade {
 }
 
 /// `frame` as the WebSocket messages that send it: one binary message, in frames of at most
-/// [`FRAGMENT`] payload bytes (slices of one buffer, not copies).
-pub fn binary(frame: Vec<u8>) -> Vec<Message> {
+/// [`FRAGMENT`] payload bytes. The fragments are slices of the frame's buffers, not copies: a
+/// `Params` frame's shared body ([`Outgoing`], encoded once per version and encoding) goes out
+/// as slices of the one body every connection sends; only a fragment that straddles the
+/// frame's own head and the body is put together (at most one fragment's bytes).
+pub fn binary(frame: Outgoing) -> Vec<Message> {
     if frame.len() <= FRAGMENT {
-        return vec![Message::Binary(frame.into())];
+        return vec![Message::Binary(frame.into_vec().into())];
     }
-    let all = Bytes::from(frame);
-    let n = all.len().div_ceil(FRAGMENT);
+    let total = frame.len();
+    let (head, body) = frame.into_parts();
+    let head = Bytes::from(head);
+    let body = body.map_or_else(Bytes::new, Bytes::from_owner);
+    let n = total.div_ceil(FRAGMENT);
     (0..n)
         .map(|i| {
-            let chunk = all.slice(i * FRAGMENT..((i + 1) * FRAGMENT).min(all.len()));
+            let (a, b) = (i * FRAGMENT, ((i + 1) * FRAGMENT).min(total));
+            let chunk = if b <= head.len() {
+                head.slice(a..b)
+            } else if a >= head.len() {
+                body.slice(a - head.len()..b - head.len())
+            } else {
+                let mut v = Vec::with_capacity(b - a);
+                v.extend_from_slice(&head[a..]);
+                v.extend_from_slice(&body[..b - head.len()]);
+                Bytes::from(v)
+            };
             let op = if i == 0 {
                 OpCode::Data(Data::Binary)
             } else {
@@ -159,22 +176,45 @@ pub fn binary(frame: Vec<u8>) -> Vec<Message> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn large_frames_go_out_in_fragments_that_add_up_to_the_frame() {
-        assert!(matches!(&binary(vec![7; 10])[..], [Message::Binary(b)] if b.len() == 10));
-        let frame: Vec<u8> = (0..(2 * FRAGMENT + 5)).map(|i| i as u8).collect();
-        let msgs = binary(frame.clone());
-        assert_eq!(msgs.len(), 3);
+    fn joined(msgs: &[Message]) -> Vec<u8> {
         let mut joined = Vec::new();
         for (i, m) in msgs.iter().enumerate() {
             let Message::Frame(f) = m else {
                 panic!("a raw frame")
             };
-            assert_eq!(f.header().is_final, i == 2);
+            assert_eq!(f.header().is_final, i + 1 == msgs.len());
             let op = if i == 0 { Data::Binary } else { Data::Continue };
             assert_eq!(f.header().opcode, OpCode::Data(op));
+            assert!(f.payload().len() <= FRAGMENT);
             joined.extend_from_slice(f.payload());
         }
-        assert_eq!(joined, frame);
+        joined
+    }
+
+    #[test]
+    fn large_frames_go_out_in_fragments_that_add_up_to_the_frame() {
+        assert!(matches!(&binary(vec![7; 10].into())[..], [Message::Binary(b)] if b.len() == 10));
+        let frame: Vec<u8> = (0..(2 * FRAGMENT + 5)).map(|i| i as u8).collect();
+        let msgs = binary(frame.clone().into());
+        assert_eq!(msgs.len(), 3);
+        assert_eq!(joined(&msgs), frame);
+    }
+
+    #[test]
+    fn a_shared_body_goes_out_as_slices_of_itself() {
+        let frame: Vec<u8> = (0..(3 * FRAGMENT + 77)).map(|i| (i * 7) as u8).collect();
+        let body: std::sync::Arc<[u8]> = frame[32..].into();
+        let msgs = binary(Outgoing::shared(frame[..32].to_vec(), body.clone()));
+        assert_eq!(msgs.len(), 4);
+        assert_eq!(joined(&msgs), frame);
+        // Every fragment after the first points into the shared body: nothing copied.
+        let range = body.as_ptr_range();
+        for m in &msgs[1..] {
+            let Message::Frame(f) = m else { panic!() };
+            assert!(range.contains(&f.payload().as_ptr()));
+        }
+        // Small shared frames go whole.
+        let small = binary(Outgoing::shared(vec![1, 2], vec![3u8, 4].into()));
+        assert!(matches!(&small[..], [Message::Binary(b)] if b[..] == [1, 2, 3, 4]));
     }
 }

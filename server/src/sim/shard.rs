@@ -188,7 +188,10 @@ impl ShardDriver {
         };
         while let Some(a) = c.session.poll_action() {
             out.push(match a {
-                Action::Send(bytes) => Output::Frame { conn, bytes },
+                Action::Send(frame) => Output::Frame {
+                    conn,
+                    bytes: frame.into_vec(),
+                },
                 Action::Close(_) => Output::Close { conn },
                 Action::Record(record) => Output::Record { conn, record },
             });
