@@ -17,6 +17,7 @@ mod http;
 mod ledger;
 mod limits;
 mod link;
+mod lm;
 mod ops;
 mod pace;
 mod protocol;
