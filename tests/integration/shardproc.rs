@@ -91,6 +91,8 @@ async fn a_shard_process_refuses_connections_over_its_caps() {
     let served = serve(shard_config(&[
         "--max-connections",
         "5",
+        "--max-unauthenticated",
+        "5",
         "--max-connections-per-ip",
         "3",
     ]))

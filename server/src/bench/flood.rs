@@ -193,12 +193,14 @@ async fn attack(
 }
 
 /// `--flag value` pairs that switch every limit off.
-const LIMITS_OFF: [&str; 10] = [
+const LIMITS_OFF: [&str; 12] = [
     "--push-rate",
     "0",
     "--push-rate-per-ip",
     "0",
     "--max-connections-per-ip",
+    "0",
+    "--max-connections-per-prefix",
     "0",
     "--join-rate",
     "0",

@@ -325,10 +325,11 @@ pub async fn run(
     );
     // The same hardened accept loop as `serve` (crate::net): every TCP connection counted
     // against --max-connections and the per-IP cap before a byte is read, header deadline.
-    let caps = crate::net::Caps {
-        limits: proc.limits.clone(),
-        connections: proc.connections.clone(),
-    };
+    let caps = crate::net::Caps::new(
+        proc.limits.clone(),
+        proc.connections.clone(),
+        cfg.max_connections,
+    );
     crate::net::serve(listener, router, caps, None, async move {
         shutdown.await;
         tracing::info!("shard shutting down: closing worker connections");
