@@ -356,6 +356,10 @@ async fn perform<Si: Sink<Outbound> + Unpin>(
                 if let Some(d) = shard.defence() {
                     note(&d.reputation, &r);
                 }
+                if let Record::Left { worker } = r {
+                    // A shard process's credential expiry clock (crate::shard::expiry).
+                    shard.left(worker);
+                }
                 record(registry, id, r)
             }
         }
