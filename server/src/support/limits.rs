@@ -397,6 +397,104 @@ pub struct LimitCounts {
     pub admin_locked_out: u64,
 }
 
+impl prometheus_client::collector::Collector for LimitCounts {
+    fn encode(
+        &self,
+        mut enc: prometheus_client::encoding::DescriptorEncoder,
+    ) -> std::result::Result<(), std::fmt::Error> {
+        self.encode_into(&mut enc)
+    }
+}
+
+impl LimitCounts {
+    /// Writes the counts as metrics: `crowdgrad_connections_open`,
+    /// `crowdgrad_connections_unauthenticated` (gauges), `crowdgrad_connections_accepted`,
+    /// `crowdgrad_connections_authenticated` and `crowdgrad_limit_refusals{limit}` (counters).
+    fn encode_into(
+        &self,
+        enc: &mut prometheus_client::encoding::DescriptorEncoder,
+    ) -> std::result::Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::counter::ConstCounter;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        use prometheus_client::metrics::MetricType;
+        for (name, help, v) in [
+            (
+                "crowdgrad_connections_open",
+                "TCP connections open now.",
+                self.connections_open,
+            ),
+            (
+                "crowdgrad_connections_unauthenticated",
+                "Open TCP connections not (yet) authenticated.",
+                self.connections_unauthenticated,
+            ),
+        ] {
+            let m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            ConstGauge::new(i64::try_from(v).unwrap_or(i64::MAX)).encode(m)?;
+        }
+        for (name, help, v) in [
+            (
+                "crowdgrad_connections_accepted",
+                "TCP connections accepted.",
+                self.connections_accepted,
+            ),
+            (
+                "crowdgrad_connections_authenticated",
+                "Worker sockets whose Hello was admitted (they left the unauthenticated budget).",
+                self.connections_authenticated,
+            ),
+        ] {
+            let m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+            ConstCounter::new(v).encode(m)?;
+        }
+        let mut m = enc.encode_descriptor(
+            "crowdgrad_limit_refusals",
+            "What the connection, rate and timeout limits refused or closed, by limit.",
+            None,
+            MetricType::Counter,
+        )?;
+        for (limit, n) in [
+            ("max_connections", self.connections_refused_total),
+            ("per_ip", self.connections_refused_per_ip),
+            ("per_prefix", self.connections_refused_per_prefix),
+            ("unauthenticated", self.connections_refused_unauthenticated),
+            ("tls_handshake", self.tls_handshakes_failed),
+            ("silent", self.silent_closed),
+            ("hello_timeout", self.hello_timeouts),
+            ("idle_timeout", self.idle_timeouts),
+            ("push_per_worker", self.pushes_limited_per_worker),
+            ("push_per_ip", self.pushes_limited_per_ip),
+            ("join_rate", self.joins_limited),
+            ("join_unauthorized", self.joins_unauthorized),
+            ("join_quarantined", self.joins_quarantined),
+            ("download_rate", self.downloads_limited),
+            ("admin_unauthorized", self.admin_unauthorized),
+            ("admin_locked_out", self.admin_locked_out),
+        ] {
+            ConstCounter::new(n).encode(m.encode_family(&vec![("limit", limit)])?)?;
+        }
+        Ok(())
+    }
+}
+
+/// Another collector's metrics followed by the limits' ([`LimitCounts`]), for one `/metrics`
+/// extra.
+#[derive(Debug)]
+pub struct WithLimits<C>(pub C, pub LimitCounts);
+
+impl<C: prometheus_client::collector::Collector> prometheus_client::collector::Collector
+    for WithLimits<C>
+{
+    fn encode(
+        &self,
+        mut enc: prometheus_client::encoding::DescriptorEncoder,
+    ) -> std::result::Result<(), std::fmt::Error> {
+        self.1.encode_into(&mut enc)?;
+        self.0.encode(enc)
+    }
+}
+
 #[derive(Debug, Default)]
 struct Counters {
     open: AtomicU64,
