@@ -397,7 +397,16 @@ pub fn cli_flood(args: &FloodArgs) -> Result<()> {
             .as_object()
             .map(|m| {
                 m.iter()
-                    .filter(|(k, v)| k.as_str() != "connections_open" && v.as_u64() > Some(0))
+                    .filter(|(k, v)| {
+                        // Gauges and counts of what was let in, not refusals.
+                        !matches!(
+                            k.as_str(),
+                            "connections_open"
+                                | "connections_accepted"
+                                | "connections_unauthenticated"
+                                | "connections_authenticated"
+                        ) && v.as_u64() > Some(0)
+                    })
                     .map(|(k, v)| format!("{k} {v}"))
                     .collect::<Vec<_>>()
                     .join(", ")
