@@ -118,6 +118,7 @@ async fn every_tcp_connection_counts_in_total_and_per_ip() {
     // The total: with the per-IP limit off, the fifth connection is refused with 503.
     let mut cfg = config();
     cfg.max_connections = 4;
+    cfg.limits.max_unauthenticated = Some(4);
     cfg.limits.max_connections_per_ip = 0;
     let running = server(cfg).await;
     let addr = running.addr;

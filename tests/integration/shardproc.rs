@@ -1,7 +1,9 @@
 //! Issue 17: a `crowdgrad shard` process is served through the same hardened listener as
 //! `serve` (`crowdgrad::net`), so it refuses connections over its caps before reading a byte,
 //! drops a request whose headers never finish, and rate-limits pushes. And a configuration
-//! that cannot run is refused before anything is served, never a panic.
+//! that cannot run is refused before anything is served, never a panic. Issue 21: a
+//! credential expires on a shard process too, `--credential-expiry` after its worker's last
+//! socket there closed.
 
 use crate::util;
 use clap::Parser;
@@ -90,6 +92,8 @@ async fn first_words(from: [u8; 4], to: SocketAddr, wait: Duration) -> String {
 async fn a_shard_process_refuses_connections_over_its_caps() {
     let served = serve(shard_config(&[
         "--max-connections",
+        "5",
+        "--max-unauthenticated",
         "5",
         "--max-connections-per-ip",
         "3",
@@ -206,4 +210,83 @@ async fn issue17_a_round_over_the_memory_bound_is_refused_at_start_not_a_panic()
         .expect_err("refused");
     let e = e.to_string();
     assert!(e.contains("sync:128") && e.contains("--consistency"), "{e}");
+}
+
+/// Opens a socket to `addr`'s shard 0 and sends `worker`'s Hello with its credential: the
+/// socket, and the error code if the Hello was refused.
+async fn hello_as(addr: SocketAddr, worker: u64) -> (Ws, Option<ErrorCode>) {
+    let url = format!("ws://{addr}/ws/shard/0");
+    let (mut ws, _) = tokio_tungstenite::connect_async(url.as_str())
+        .await
+        .expect("connect");
+    let hello = util::hello(worker)
+        .credential(Some(RunSecret::shared(SECRET).issue(worker)))
+        .frame();
+    ws.send(Message::Binary(hello.into())).await.expect("send");
+    let code = match wire::decode(&next(&mut ws).await, usize::MAX).expect("decodes") {
+        Frame::Welcome { .. } => None,
+        Frame::Error { error, .. } => Some(error.code),
+        other => panic!("expected Welcome or Error, got {other:?}"),
+    };
+    (ws, code)
+}
+
+/// Closes `ws` and waits until the server ended it (so the shard has seen the close).
+async fn close(mut ws: Ws) {
+    let _ = ws.close(None).await;
+    let drain = async { while ws.next().await.is_some() {} };
+    tokio::time::timeout(Duration::from_secs(10), drain)
+        .await
+        .expect("the server closes within 10 s");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_credential_expires_on_a_shard_process_once_its_worker_is_away() {
+    let expiry = Duration::from_secs(3);
+    let served = serve(shard_config(&["--credential-expiry", "3"])).await;
+    let addr = served.addr;
+    // Connected longer than the expiry: a second socket of the same worker is still admitted.
+    let (first, code) = hello_as(addr, 5).await;
+    assert_eq!(code, None, "a credential this shard never saw is admitted");
+    tokio::time::sleep(expiry + Duration::from_millis(500)).await;
+    let (second, code) = hello_as(addr, 5).await;
+    assert_eq!(
+        code, None,
+        "a connected worker's credential does not expire"
+    );
+    close(first).await;
+    close(second).await;
+    // Away longer than the expiry (counted from the server's side of the close, which the
+    // waits above saw end): refused `unknown_worker`, so the worker joins again.
+    tokio::time::sleep(expiry + Duration::from_millis(500)).await;
+    let (ws, code) = hello_as(addr, 5).await;
+    assert_eq!(code, Some(ErrorCode::UnknownWorker));
+    drop(ws);
+    let (ws, code) = hello_as(addr, 5).await;
+    assert_eq!(code, Some(ErrorCode::UnknownWorker), "and stays refused");
+    drop(ws);
+    // Another worker (a fresh join's new id) is admitted.
+    let (ws, code) = hello_as(addr, 6).await;
+    assert_eq!(code, None);
+    close(ws).await;
+    // A worker back within the expiry is admitted again.
+    let (ws, code) = hello_as(addr, 6).await;
+    assert_eq!(code, None, "back at once");
+    close(ws).await;
+    // Bad values are refused at start.
+    for bad in ["0", "-1", "nan", "1e12"] {
+        let e = Flags::try_parse_from([
+            "shard",
+            "--index",
+            "0",
+            "--of",
+            "1",
+            "--run-secret",
+            SECRET,
+            "--credential-expiry",
+            bad,
+        ])
+        .map(|f| f.shard.check());
+        assert!(!matches!(e, Ok(Ok(_))), "--credential-expiry {bad}");
+    }
 }

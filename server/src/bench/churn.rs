@@ -287,6 +287,8 @@ pub fn churn(exe: &Path, args: &ChurnArgs) -> Result<Churn> {
     let mut serve: Vec<String> = [
         "--max-connections-per-ip",
         "0",
+        "--max-connections-per-prefix",
+        "0",
         "--join-rate",
         "0",
         "--eval-every",

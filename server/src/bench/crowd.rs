@@ -815,6 +815,8 @@ pub fn crowd(exe: &Path, args: &CrowdArgs) -> Result<Crowd> {
     let mut flags: Vec<String> = [
         "--max-connections-per-ip",
         "0",
+        "--max-connections-per-prefix",
+        "0",
         "--join-rate",
         "0",
         "--push-rate-per-ip",

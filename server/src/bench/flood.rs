@@ -193,12 +193,14 @@ async fn attack(
 }
 
 /// `--flag value` pairs that switch every limit off.
-const LIMITS_OFF: [&str; 10] = [
+const LIMITS_OFF: [&str; 12] = [
     "--push-rate",
     "0",
     "--push-rate-per-ip",
     "0",
     "--max-connections-per-ip",
+    "0",
+    "--max-connections-per-prefix",
     "0",
     "--join-rate",
     "0",
@@ -395,7 +397,16 @@ pub fn cli_flood(args: &FloodArgs) -> Result<()> {
             .as_object()
             .map(|m| {
                 m.iter()
-                    .filter(|(k, v)| k.as_str() != "connections_open" && v.as_u64() > Some(0))
+                    .filter(|(k, v)| {
+                        // Gauges and counts of what was let in, not refusals.
+                        !matches!(
+                            k.as_str(),
+                            "connections_open"
+                                | "connections_accepted"
+                                | "connections_unauthenticated"
+                                | "connections_authenticated"
+                        ) && v.as_u64() > Some(0)
+                    })
                     .map(|(k, v)| format!("{k} {v}"))
                     .collect::<Vec<_>>()
                     .join(", ")

@@ -112,6 +112,16 @@ pub const KEYS: &[Key] = &[
         "max_connections_per_ip",
         Kind::Int,
     ),
+    key(
+        "limits.max_connections_per_prefix",
+        "max_connections_per_prefix",
+        Kind::Int,
+    ),
+    key(
+        "limits.max_unauthenticated",
+        "max_unauthenticated",
+        Kind::Int,
+    ),
     key("limits.push_rate", "push_rate", Kind::Float),
     key("limits.push_rate_per_ip", "push_rate_per_ip", Kind::Float),
     key("limits.join_rate", "join_rate", Kind::Int),

@@ -336,10 +336,11 @@ pub async fn run(
     // Our own accept loop rather than `axum::serve`: it counts every TCP connection, per IP
     // too, bounds the header read and the TLS handshake (crate::net).
     let admin_stop = app.admin.stopped();
-    let caps = net::Caps {
-        limits: app.limits.clone(),
-        connections: app.connections.clone(),
-    };
+    let caps = net::Caps::new(
+        app.limits.clone(),
+        app.connections.clone(),
+        app.cfg.max_connections,
+    );
     net::serve(listener, router, caps, tls, async move {
         tokio::select! {
             _ = shutdown => {}

@@ -1,17 +1,22 @@
-//! The accept loop (mini-redis' `Listener`): every TCP connection is counted against
-//! `--max-connections` and, unless `--trust-proxy`, `--max-connections-per-ip` before anything
-//! is read from it; its first byte must arrive within `--header-timeout` of the accept (else
-//! it is closed and counted as `silent_closed`: hyper's header deadline only starts at the
-//! first byte, so without this a silent socket would hold its slots for ever); then TLS
-//! handshakes (with `--tls-cert`, by the same deadline) and request headers (within
-//! `--header-timeout` again) must arrive; each connection is served by hyper (HTTP/1.1 with
-//! upgrades) with the router.
+//! The accept loop (mini-redis' `Listener`): before anything is read from it, every TCP
+//! connection takes a slot of `--max-connections` (else `503` and close) and a place in the
+//! unauthenticated budget: one of `--max-unauthenticated`, and unless `--trust-proxy` one of
+//! its IP's `--max-connections-per-ip` and one of its /24's or /48's
+//! `--max-connections-per-prefix` (else `429` or `503` and close; the budgets and what
+//! authenticates a connection: [`crate::support::limits`]). Its first byte must arrive within
+//! `--header-timeout` of the accept (else it is closed and counted as `silent_closed`: hyper's
+//! header deadline only starts at the first byte, so without this a silent socket would hold
+//! its slots for ever); then TLS handshakes (with `--tls-cert`, by the same deadline) and
+//! request headers (within `--header-timeout` again) must arrive; each connection is served by
+//! hyper (HTTP/1.1 with upgrades) with the router.
 //!
 //! A connection's slots are held by a [`ConnSlot`] shared by the connection task and, through
-//! the request extensions, by any WebSocket upgraded from it: they are released when the last
-//! of them ends, so an upgraded socket keeps counting.
+//! the request extensions, by any WebSocket upgraded from it: the total slot is released when
+//! the last of them ends, so an upgraded socket keeps counting; the unauthenticated places
+//! when the socket's worker authenticates ([`ConnSlot::authenticated`]) or it ends.
 
-use crate::support::limits::{Count, IpGuard, IpKey, Limits, OpenGuard};
+pub use crate::support::limits::ConnSlot;
+use crate::support::limits::{Count, IpKey, Limits};
 use axum::extract::ConnectInfo;
 use axum::Router;
 use hyper::body::Incoming;
@@ -22,26 +27,34 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
 use tower::ServiceExt;
 
-/// One TCP connection's share of the connection limits (see the module doc).
-#[derive(Debug)]
-pub struct ConnSlot {
-    _total: OwnedSemaphorePermit,
-    _ip: Option<IpGuard>,
-    _open: OpenGuard,
-}
-
 /// The budgets a listener counts connections against: what `serve` and `crowdgrad shard` hand
-/// [`serve`] (two cheap handles, not the state of the role that owns them).
+/// [`serve`] (cheap handles, not the state of the role that owns them).
 #[derive(Debug, Clone)]
 pub struct Caps {
-    /// Per-IP, header, TLS and rate limits, and their refusal counters.
+    /// Per-IP, per-prefix, header, TLS and rate limits, and their refusal counters.
     pub limits: Arc<Limits>,
     /// Every open TCP connection holds one permit (`--max-connections`).
     pub connections: Arc<Semaphore>,
+    /// Every unauthenticated connection holds one permit (`--max-unauthenticated`).
+    pub unauthenticated: Arc<Semaphore>,
+}
+
+impl Caps {
+    /// The budgets of a listener with `max_connections` in all (`connections` must hold that
+    /// many permits): the unauthenticated pool is sized by `limits`
+    /// ([`LimitConfig::unauthenticated_pool`](crate::support::limits::LimitConfig::unauthenticated_pool)).
+    pub fn new(limits: Arc<Limits>, connections: Arc<Semaphore>, max_connections: usize) -> Self {
+        let pool = limits.cfg.unauthenticated_pool(max_connections);
+        Self {
+            limits,
+            connections,
+            unauthenticated: Arc::new(Semaphore::new(pool)),
+        }
+    }
 }
 
 /// How long shutdown waits for HTTP connections (not WebSockets: `run` waits for those).
@@ -84,23 +97,19 @@ pub async fn serve(
             );
             continue;
         };
-        let ip = if limits.cfg.trust_proxy {
-            None
-        } else {
-            match limits.connect_ip(IpKey::of(peer.ip())) {
-                Some(g) => Some(g),
-                None => {
-                    let m = "too many connections from your address";
-                    refuse(&tcp, tls.is_none(), "429 Too Many Requests", m);
-                    continue;
-                }
+        // Behind a proxy every connection comes from the proxy: the per-IP and per-prefix
+        // places are taken by the forwarded address when a WebSocket opens
+        // (`crate::shard::socket::limited_socket`).
+        let client = (!limits.cfg.trust_proxy).then(|| IpKey::of(peer.ip()));
+        let unauthenticated = match limits.unauthenticated(Some(&caps.unauthenticated), client) {
+            Ok(u) => u,
+            Err(why) => {
+                let (status, m) = why.reply();
+                refuse(&tcp, tls.is_none(), status, m);
+                continue;
             }
         };
-        let slot = Arc::new(ConnSlot {
-            _total: total,
-            _ip: ip,
-            _open: limits.opened(),
-        });
+        let slot = Arc::new(ConnSlot::new(total, unauthenticated, limits.opened()));
         let _ = tcp.set_nodelay(true);
         let deadline = tokio::time::Instant::now() + header_timeout;
         let service = router

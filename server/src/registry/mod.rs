@@ -803,9 +803,14 @@ impl Registry {
         }
     }
 
-    /// The server's read log, oldest first.
-    pub fn reads(&self) -> Vec<ReadEntry> {
-        self.lock().reads.iter().copied().collect()
+    /// The newest `n` entries of the server's read log, oldest first.
+    pub fn reads(&self, n: usize) -> Vec<ReadEntry> {
+        let g = self.lock();
+        g.reads
+            .iter()
+            .skip(g.reads.len().saturating_sub(n))
+            .copied()
+            .collect()
     }
 
     /// Histogram of read skew over all workers' steps (buckets as for staleness).

@@ -16,7 +16,7 @@
 
 use crate::registry::Registry;
 use crate::shard::Shard;
-use crate::support::limits::{Count, IpKey, LimitConfig, Limits, PushLimit};
+use crate::support::limits::{ConnSlot, Count, IpKey, LimitConfig, Limits, PushLimit};
 use bytes::Bytes;
 use crowdgrad_core::session::{header_request_id, Action, Outgoing, Record, ShardSession};
 use crowdgrad_core::shard::Outcome;
@@ -33,6 +33,9 @@ pub struct ConnLimits {
     pub limits: Arc<Limits>,
     /// The client, for per-IP push rates.
     pub ip: IpKey,
+    /// The TCP connection's share of the connection budgets: its unauthenticated places are
+    /// given back once the session's Hello is admitted ([`crate::support::limits`]).
+    pub slot: Option<Arc<ConnSlot>>,
 }
 
 /// Whether `bytes` is a Push frame (kind 5 in the kind byte's low nibble).
@@ -80,6 +83,7 @@ pub async fn serve<Si, St>(
         .map_or_else(LimitConfig::default, |c| c.limits.cfg);
     let opened = Instant::now();
     let mut heard = opened;
+    let mut unauthenticated = conn.as_ref().and_then(|c| c.slot.clone());
     // Frames taken in a row without waiting (and without flushing the replies).
     let mut batched = 0usize;
     // The reputation's quarantine epoch last seen: the worker is re-checked when it moves,
@@ -96,6 +100,12 @@ pub async fn serve<Si, St>(
         }
         if session.is_closed() {
             break;
+        }
+        if session.worker().is_some() {
+            if let Some(slot) = unauthenticated.take() {
+                // The Hello was admitted: the socket leaves the unauthenticated budget.
+                slot.authenticated();
+            }
         }
         if let (Some(d), Some(worker)) = (shard.defence(), session.worker()) {
             let e = d.reputation.epoch();
@@ -345,6 +355,10 @@ async fn perform<Si: Sink<Outbound> + Unpin>(
             Action::Record(r) => {
                 if let Some(d) = shard.defence() {
                     note(&d.reputation, &r);
+                }
+                if let Record::Left { worker } = r {
+                    // A shard process's credential expiry clock (crate::shard::expiry).
+                    shard.left(worker);
                 }
                 record(registry, id, r)
             }

@@ -15,6 +15,7 @@
 //! docs/benchmarks.md.
 
 pub mod demo;
+pub mod expiry;
 pub mod handler;
 pub mod report;
 pub mod socket;
@@ -102,6 +103,9 @@ struct Inner {
     /// credential is then good only while its worker is registered, so it expires with the
     /// session (a worker forgotten after 10 minutes away must join again).
     joins_here: std::sync::OnceLock<()>,
+    /// Set on a shard process (`crowdgrad shard`), which sees no joins: a credential expires
+    /// once its worker has not been connected here for a while ([`expiry`]).
+    expiry: std::sync::OnceLock<expiry::Expiry>,
     /// Reputation and spot checks ([`crate::defence::spotcheck`]), set once at start.
     defence: std::sync::OnceLock<crate::defence::spotcheck::Defence>,
     /// A teacher's demonstrations ([`demo`]), set once at start by the coordinator.
@@ -199,6 +203,7 @@ impl Shard {
                 demand: AtomicU64::new(0),
                 secret: std::sync::OnceLock::new(),
                 joins_here: std::sync::OnceLock::new(),
+                expiry: std::sync::OnceLock::new(),
                 defence: std::sync::OnceLock::new(),
                 demo: std::sync::OnceLock::new(),
             }),
@@ -308,6 +313,22 @@ impl Shard {
     /// a credential admits only while its worker is registered (set once).
     pub fn credentials_expire_with_joins(&self) {
         let _ = self.inner.joins_here.set(());
+    }
+
+    /// This process sees no joins (a shard process): from now on a credential admits only
+    /// until its worker has been away from this shard for `after` ([`expiry`]; set once).
+    pub fn expire_credentials(&self, after: std::time::Duration) {
+        let _ = self
+            .inner
+            .expiry
+            .set(expiry::Expiry::new(after, expiry::MAX_REMEMBERED));
+    }
+
+    /// `worker`'s socket on this shard closed (the expiry clock of a shard process).
+    pub fn left(&self, worker: u64) {
+        if let Some(e) = self.inner.expiry.get() {
+            e.left(worker, Instant::now());
+        }
     }
 
     /// Report to `defence` from now on: refuse quarantined workers, spot-check sampled
@@ -515,6 +536,14 @@ impl ShardAccess for Access<'_> {
                 {
                     // Its session ended (left and forgotten): the credential expired with it.
                     Admission::Unknown
+                } else if let Some(e) = self.shard.inner.expiry.get() {
+                    let connected = self.shard.state().sockets_of(worker) > 0;
+                    if e.admit(worker, connected, Instant::now()) {
+                        Admission::Admitted
+                    } else {
+                        // Away from this shard process longer than the expiry.
+                        Admission::Unknown
+                    }
                 } else {
                     Admission::Admitted
                 }

@@ -14,7 +14,7 @@ use super::handler::{self, Inbound, Outbound};
 use super::upgrade::{ShardUpgrade, Socket};
 use super::Shard;
 use crate::registry::Registry;
-use crate::support::limits::{client_ip, Limits};
+use crate::support::limits::{client_ip, ConnSlot, Limits};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use futures_util::{SinkExt, StreamExt};
@@ -27,10 +27,12 @@ use tokio_tungstenite::tungstenite::Message as WsMessage;
 
 /// Upgrades a request that arrived through the hardened listener (`crate::net::serve`, which
 /// counted its TCP connection and holds `slot` for it) to a socket of `shard` under every
-/// per-connection limit of `limits`: behind `--trust-proxy` the per-IP connection cap is
-/// taken here by the forwarded address (429 when full), and the handler enforces the push
-/// rates (per connection and per IP) and the Hello and idle deadlines. `crowdgrad serve` and
-/// `crowdgrad shard` both serve their shard endpoints through this.
+/// per-connection limit of `limits`: behind `--trust-proxy` the per-IP and per-prefix
+/// connection caps are taken here by the forwarded address (429 when full), and the handler
+/// enforces the push rates (per connection and per IP) and the Hello and idle deadlines, and
+/// gives the slot's unauthenticated places back once the worker's Hello is admitted
+/// ([`ConnSlot::authenticated`]). `crowdgrad serve` and `crowdgrad shard` both serve their
+/// shard endpoints through this.
 #[allow(clippy::too_many_arguments)] // the two handles and the request's three parts
 pub fn limited_socket(
     upgrade: ShardUpgrade,
@@ -41,19 +43,17 @@ pub fn limited_socket(
     limits: &Arc<Limits>,
     peer: SocketAddr,
     headers: &HeaderMap,
-    slot: impl Send + 'static,
+    slot: Arc<ConnSlot>,
 ) -> Response {
     let trust_proxy = limits.cfg.trust_proxy;
     let ip = client_ip(headers, peer, trust_proxy);
-    let ip_slot = if trust_proxy {
-        match limits.connect_ip(ip) {
-            Some(g) => Some(g),
-            None => {
+    if trust_proxy {
+        match limits.unauthenticated(None, Some(ip)) {
+            Ok(places) => slot.hold(places),
+            Err(why) => {
                 let mut r = (
                     StatusCode::TOO_MANY_REQUESTS,
-                    axum::Json(serde_json::json!({
-                        "error": "too many connections from your address"
-                    })),
+                    axum::Json(serde_json::json!({ "error": why.reply().1 })),
                 )
                     .into_response();
                 let secs = Duration::from_secs(1).as_secs();
@@ -62,12 +62,11 @@ pub fn limited_socket(
                 return r;
             }
         }
-    } else {
-        None
-    };
+    }
     let conn = handler::ConnLimits {
         limits: limits.clone(),
         ip,
+        slot: Some(slot.clone()),
     };
     shard_socket_with(
         upgrade,
@@ -75,7 +74,7 @@ pub fn limited_socket(
         registry,
         shutdown,
         tracker,
-        (slot, ip_slot),
+        slot,
         Some(conn),
     )
 }

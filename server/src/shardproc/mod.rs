@@ -8,7 +8,10 @@
 //!
 //! Workers join at the coordinator (`crowdgrad serve --shard-urls ...`), which hands them a
 //! credential (HMAC of the worker id under the run secret, [`crate::support::credential`]); this process
-//! shares the secret and admits a Hello only with its worker's credential.
+//! shares the secret and admits a Hello only with its worker's credential, until the credential
+//! expires: `--credential-expiry` after its worker's last socket here closed
+//! ([`crate::shard::expiry`]). Connections are counted as on `serve` (`crate::net`): a socket
+//! leaves the unauthenticated budget once its Hello is admitted.
 //!
 //! [`remote`] is the coordinator's side: health checks, layout checks and parameter fetches.
 //! [`checkpoint`] is the process's own checkpoints (`--checkpoint-dir`): a shard that died
@@ -84,6 +87,13 @@ pub struct ShardArgs {
     /// process serves neither).
     #[command(flatten)]
     pub limits: crate::support::limits::LimitArgs,
+    /// Seconds a worker's credential stays good here after its last socket to this shard
+    /// closed: past that its Hello gets `unknown_worker` and it must join the coordinator
+    /// again, as on `serve`'s own shards, where a credential expires with its session after 10
+    /// minutes away. A credential this process never saw is admitted (it cannot tell when the
+    /// coordinator issued it) and remembered from then on (docs/remote-shards.md).
+    #[arg(long, default_value_t = 600.0)]
+    pub credential_expiry: f64,
     /// The run's shard checkpoints: a directory or `s3://BUCKET/PREFIX`; this shard writes
     /// its own under `shard-{index}/` in it and, on start, resumes from the newest valid one
     /// there (values, optimizer state, version). No checkpoints without it.
@@ -116,6 +126,8 @@ pub struct ShardProcConfig {
     pub max_connections: usize,
     /// Per-IP, rate and timeout limits (as `serve`'s).
     pub limits: crate::support::limits::LimitConfig,
+    /// A credential expires this long after its worker's last socket here closed.
+    pub credential_expiry: Duration,
     /// Checkpoint policy, if any.
     pub checkpoint: Option<checkpoint::ShardCheckpointConfig>,
 }
@@ -165,6 +177,14 @@ impl ShardArgs {
         if self.max_connections == 0 {
             return Err(Error::Config("--max-connections must be positive".into()));
         }
+        if !(self.credential_expiry.is_finite()
+            && (0.05..=30.0 * 86_400.0).contains(&self.credential_expiry))
+        {
+            return Err(Error::Config(format!(
+                "--credential-expiry {} must be between 0.05 and 2592000 seconds",
+                self.credential_expiry
+            )));
+        }
         let checkpoint = match self.checkpoint_dir {
             None => None,
             Some(d) if d.is_empty() => {
@@ -203,6 +223,7 @@ impl ShardArgs {
                 .to_vec(),
             max_connections: self.max_connections,
             limits: self.limits.check()?,
+            credential_expiry: Duration::from_secs_f64(self.credential_expiry),
             checkpoint,
         })
     }
@@ -282,6 +303,7 @@ pub async fn run(
         }
     };
     shard.require_credential(cfg.secret.clone());
+    shard.expire_credentials(cfg.credential_expiry);
     let (stop_tx, stop_rx) = watch::channel(false);
     let proc = Arc::new(ShardProc {
         shard,
@@ -325,10 +347,11 @@ pub async fn run(
     );
     // The same hardened accept loop as `serve` (crate::net): every TCP connection counted
     // against --max-connections and the per-IP cap before a byte is read, header deadline.
-    let caps = crate::net::Caps {
-        limits: proc.limits.clone(),
-        connections: proc.connections.clone(),
-    };
+    let caps = crate::net::Caps::new(
+        proc.limits.clone(),
+        proc.connections.clone(),
+        cfg.max_connections,
+    );
     crate::net::serve(listener, router, caps, None, async move {
         shutdown.await;
         tracing::info!("shard shutting down: closing worker connections");
@@ -472,7 +495,7 @@ async fn metrics(State(p): State<Arc<ShardProc>>) -> Response {
     };
     (
         [(header::CONTENT_TYPE, crate::registry::metrics::CONTENT_TYPE)],
-        crate::registry::metrics::render(scrape),
+        crate::registry::metrics::render_with(scrape, Some(Box::new(p.limits.counts()))),
     )
         .into_response()
 }

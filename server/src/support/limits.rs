@@ -1,17 +1,48 @@
-//! Limits for a server that strangers can reach: connections in total and per client IP, push
-//! rates per worker and per IP, join and data-download rates per IP, idle, Hello and
-//! header-read deadlines. Every refusal is counted ([`LimitCounts`], in `/api/status` under
-//! `limits`).
+//! Limits for a server that strangers can reach: connections in total, unauthenticated
+//! connections in all, per client IP and per network prefix, push rates per worker and per IP,
+//! join and data-download rates per IP, idle, Hello and header-read deadlines. Every refusal is
+//! counted ([`LimitCounts`], in `/api/status` under `limits`, and in `/metrics`).
 //!
-//! - [`LimitArgs`] are the `serve` flags, checked into [`LimitConfig`] (0 switches a rate or
-//!   per-IP limit off).
-//! - [`Limits`] is the shared state: token buckets ([`RateMap`]) and per-IP connection counts,
-//!   each map bounded in size.
+//! - [`LimitArgs`] are the `serve` flags, checked into [`LimitConfig`] (0 switches a rate,
+//!   per-IP or per-prefix limit off).
+//! - [`Limits`] is the shared state: token buckets ([`RateMap`]), per-IP and per-prefix
+//!   connection counts, each map bounded in size.
+//! - [`ConnSlot`] is one TCP connection's share of the connection budgets.
 //! - [`client_ip`] says who a request is from: the TCP peer, or with `--trust-proxy` the last
 //!   address in `X-Forwarded-For` (what the reverse proxy in front saw, docs/deploy.md).
 //!
-//! IPv6 clients are keyed by their /64 (one home network gets one prefix, and a host can pick
-//! any address in it).
+//! # Two connection budgets
+//!
+//! Every accepted TCP connection holds one of `--max-connections` for as long as it is open.
+//! Until it **authenticates** it also holds a place in the unauthenticated budget:
+//!
+//! - one of `--max-unauthenticated` places (default: three quarters of `--max-connections`),
+//! - one of its client IP's `--max-connections-per-ip`,
+//! - one of its network prefix's `--max-connections-per-prefix` (an IPv4 /24, an IPv6 /48).
+//!
+//! A connection authenticates when it is a shard WebSocket whose Hello the shard admitted:
+//! the Hello carried the credential its worker's join handed out (checked by the shard,
+//! `crate::shard::Access::admit`), the credential has not expired, and the worker holds fewer
+//! than `MAX_SOCKETS_PER_WORKER` sockets on that shard. Then [`ConnSlot::authenticated`]
+//! gives the unauthenticated places back; the socket keeps its total slot, and from then on is
+//! bounded by the per-credential cap instead, and by `--idle-timeout`. Everything else stays
+//! unauthenticated for its whole life: HTTP requests (the page, `/api/status`, joins, data
+//! downloads, the event stream), WebSockets before or without an admitted Hello.
+//!
+//! So connections that proved nothing can never hold more than `--max-unauthenticated` of the
+//! total: the rest is kept for volunteers' worker sockets. And within that budget one network
+//! prefix cannot take more than `--max-connections-per-prefix`: a flood from a handful of
+//! addresses in one /24 (the 17 addresses x 241 silent sockets, each address under its
+//! per-IP cap) holds at most that many, and the status page, joins and the workers of everyone
+//! else still get through. Silent sockets are also closed at `--header-timeout`
+//! (`crate::net`). What the prefix cap does not stop: an attacker with many prefixes (IPv6 /48s
+//! are cheap) can fill the unauthenticated budget; established volunteers then keep their
+//! sockets and their reserved quarter, but new visitors wait until the flood's sockets reach
+//! their deadline.
+//!
+//! IPv6 clients are keyed by their /64 for the per-IP caps and rates (one home network gets one
+//! prefix, and a host can pick any address in it), and by their /48 for the prefix cap (what
+//! one site is usually allotted).
 
 use crate::error::{Error, Result};
 use clap::Args;
@@ -22,6 +53,7 @@ use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Most keys one rate or connection map holds before it drops idle entries.
 pub const MAX_KEYS: usize = 65_536;
@@ -29,10 +61,24 @@ pub const MAX_KEYS: usize = 65_536;
 /// Limit flags of `crowdgrad serve` (flattened into `ServeArgs`).
 #[derive(Debug, Clone, Args)]
 pub struct LimitArgs {
-    /// Most simultaneous TCP connections from one client IP (0: no per-IP limit). With
-    /// --trust-proxy, WebSocket connections per forwarded client IP instead.
+    /// Most simultaneous unauthenticated TCP connections from one client IP (0: no per-IP
+    /// limit): HTTP requests and WebSockets before an admitted Hello. With --trust-proxy,
+    /// WebSocket connections per forwarded client IP instead.
     #[arg(long, default_value_t = 256)]
     pub max_connections_per_ip: usize,
+    /// Most simultaneous unauthenticated TCP connections from one network prefix, an IPv4 /24
+    /// or an IPv6 /48 (0: no per-prefix limit): HTTP requests and WebSockets before an admitted
+    /// Hello. Over it, 429 and close. The default is two busy NAT addresses' worth (2 x the
+    /// per-IP default), and holds a flood from one prefix to an eighth of the default
+    /// --max-connections. With --trust-proxy, WebSockets per forwarded prefix instead.
+    #[arg(long, default_value_t = 512)]
+    pub max_connections_per_prefix: usize,
+    /// Most simultaneous unauthenticated TCP connections in all (default: three quarters of
+    /// --max-connections; at most --max-connections). The rest of --max-connections is kept
+    /// for worker WebSockets whose Hello carried a valid credential: a flood of connections
+    /// that authenticate nothing never takes those. Over it, 503 and close.
+    #[arg(long)]
+    pub max_unauthenticated: Option<usize>,
     /// Pushes per second one worker may send to one shard (token bucket, one second of burst;
     /// 0: unlimited). Excess pushes get the `busy` error. A native worker on loopback pushes
     /// ~1,100/s.
@@ -69,8 +115,13 @@ pub struct LimitArgs {
 /// Checked [`LimitArgs`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LimitConfig {
-    /// Connections per client IP (0: off).
+    /// Unauthenticated connections per client IP (0: off).
     pub max_connections_per_ip: usize,
+    /// Unauthenticated connections per IPv4 /24 or IPv6 /48 (0: off).
+    pub max_connections_per_prefix: usize,
+    /// Unauthenticated connections in all (`None`: three quarters of the total,
+    /// [`LimitConfig::unauthenticated_pool`]).
+    pub max_unauthenticated: Option<usize>,
     /// Pushes/s per worker per shard (0: off).
     pub push_rate: f64,
     /// Pushes/s per IP per shard (0: off).
@@ -115,8 +166,13 @@ impl LimitArgs {
                 return bad(format!("{flag} {v} must be between 0.05 and 86400 seconds"));
             }
         }
+        if self.max_unauthenticated == Some(0) {
+            return bad("--max-unauthenticated must be positive".into());
+        }
         Ok(LimitConfig {
             max_connections_per_ip: self.max_connections_per_ip,
+            max_connections_per_prefix: self.max_connections_per_prefix,
+            max_unauthenticated: self.max_unauthenticated,
             push_rate: self.push_rate,
             push_rate_per_ip: self.push_rate_per_ip,
             join_rate: self.join_rate,
@@ -145,6 +201,16 @@ impl Default for LimitConfig {
     }
 }
 
+impl LimitConfig {
+    /// The unauthenticated budget's size under a total of `max_connections`:
+    /// `--max-unauthenticated`, or three quarters of the total (at least 1), never above it.
+    pub fn unauthenticated_pool(&self, max_connections: usize) -> usize {
+        self.max_unauthenticated
+            .unwrap_or(max_connections - max_connections / 4)
+            .clamp(1, max_connections.max(1))
+    }
+}
+
 /// A client as the limits see it: an IPv4 address or an IPv6 /64.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct IpKey(IpAddr);
@@ -163,6 +229,35 @@ impl IpKey {
                     )))
                 }
             },
+        }
+    }
+}
+
+/// A client's network as the prefix cap sees it: an IPv4 /24 or an IPv6 /48.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PrefixKey(IpAddr);
+
+impl PrefixKey {
+    /// The prefix of `ip` (of its IPv4 address if it is IPv4-mapped).
+    pub fn of(ip: IpAddr) -> Self {
+        match IpKey::of(ip).0 {
+            IpAddr::V4(a) => {
+                let [a, b, c, _] = a.octets();
+                Self(IpAddr::V4([a, b, c, 0].into()))
+            }
+            IpAddr::V6(a) => {
+                let s = a.segments();
+                Self(IpAddr::V6(Ipv6Addr::new(s[0], s[1], s[2], 0, 0, 0, 0, 0)))
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for PrefixKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            IpAddr::V4(a) => write!(f, "{a}/24"),
+            IpAddr::V6(a) => write!(f, "{a}/48"),
         }
     }
 }
@@ -264,8 +359,18 @@ pub struct LimitCounts {
     pub connections_accepted: u64,
     /// Refused because `--max-connections` were open.
     pub connections_refused_total: u64,
-    /// Refused because the client IP had `--max-connections-per-ip` open.
+    /// Open connections not (yet) authenticated: the unauthenticated budget in use.
+    pub connections_unauthenticated: u64,
+    /// Connections that authenticated since start (a worker WebSocket's Hello was admitted)
+    /// and so left the unauthenticated budget.
+    pub connections_authenticated: u64,
+    /// Refused because the client IP had `--max-connections-per-ip` unauthenticated open.
     pub connections_refused_per_ip: u64,
+    /// Refused because the client's /24 (IPv6: /48) had `--max-connections-per-prefix`
+    /// unauthenticated open.
+    pub connections_refused_per_prefix: u64,
+    /// Refused because `--max-unauthenticated` unauthenticated connections were open.
+    pub connections_refused_unauthenticated: u64,
     /// TLS handshakes that failed or timed out.
     pub tls_handshakes_failed: u64,
     /// TCP connections closed for not sending a first byte within `--header-timeout`.
@@ -292,12 +397,114 @@ pub struct LimitCounts {
     pub admin_locked_out: u64,
 }
 
+impl prometheus_client::collector::Collector for LimitCounts {
+    fn encode(
+        &self,
+        mut enc: prometheus_client::encoding::DescriptorEncoder,
+    ) -> std::result::Result<(), std::fmt::Error> {
+        self.encode_into(&mut enc)
+    }
+}
+
+impl LimitCounts {
+    /// Writes the counts as metrics: `crowdgrad_connections_open`,
+    /// `crowdgrad_connections_unauthenticated` (gauges), `crowdgrad_connections_accepted`,
+    /// `crowdgrad_connections_authenticated` and `crowdgrad_limit_refusals{limit}` (counters).
+    fn encode_into(
+        &self,
+        enc: &mut prometheus_client::encoding::DescriptorEncoder,
+    ) -> std::result::Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::counter::ConstCounter;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        use prometheus_client::metrics::MetricType;
+        for (name, help, v) in [
+            (
+                "crowdgrad_connections_open",
+                "TCP connections open now.",
+                self.connections_open,
+            ),
+            (
+                "crowdgrad_connections_unauthenticated",
+                "Open TCP connections not (yet) authenticated.",
+                self.connections_unauthenticated,
+            ),
+        ] {
+            let m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            ConstGauge::new(i64::try_from(v).unwrap_or(i64::MAX)).encode(m)?;
+        }
+        for (name, help, v) in [
+            (
+                "crowdgrad_connections_accepted",
+                "TCP connections accepted.",
+                self.connections_accepted,
+            ),
+            (
+                "crowdgrad_connections_authenticated",
+                "Worker sockets whose Hello was admitted (they left the unauthenticated budget).",
+                self.connections_authenticated,
+            ),
+        ] {
+            let m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+            ConstCounter::new(v).encode(m)?;
+        }
+        let mut m = enc.encode_descriptor(
+            "crowdgrad_limit_refusals",
+            "What the connection, rate and timeout limits refused or closed, by limit.",
+            None,
+            MetricType::Counter,
+        )?;
+        for (limit, n) in [
+            ("max_connections", self.connections_refused_total),
+            ("per_ip", self.connections_refused_per_ip),
+            ("per_prefix", self.connections_refused_per_prefix),
+            ("unauthenticated", self.connections_refused_unauthenticated),
+            ("tls_handshake", self.tls_handshakes_failed),
+            ("silent", self.silent_closed),
+            ("hello_timeout", self.hello_timeouts),
+            ("idle_timeout", self.idle_timeouts),
+            ("push_per_worker", self.pushes_limited_per_worker),
+            ("push_per_ip", self.pushes_limited_per_ip),
+            ("join_rate", self.joins_limited),
+            ("join_unauthorized", self.joins_unauthorized),
+            ("join_quarantined", self.joins_quarantined),
+            ("download_rate", self.downloads_limited),
+            ("admin_unauthorized", self.admin_unauthorized),
+            ("admin_locked_out", self.admin_locked_out),
+        ] {
+            ConstCounter::new(n).encode(m.encode_family(&vec![("limit", limit)])?)?;
+        }
+        Ok(())
+    }
+}
+
+/// Another collector's metrics followed by the limits' ([`LimitCounts`]), for one `/metrics`
+/// extra.
+#[derive(Debug)]
+pub struct WithLimits<C>(pub C, pub LimitCounts);
+
+impl<C: prometheus_client::collector::Collector> prometheus_client::collector::Collector
+    for WithLimits<C>
+{
+    fn encode(
+        &self,
+        mut enc: prometheus_client::encoding::DescriptorEncoder,
+    ) -> std::result::Result<(), std::fmt::Error> {
+        self.1.encode_into(&mut enc)?;
+        self.0.encode(enc)
+    }
+}
+
 #[derive(Debug, Default)]
 struct Counters {
     open: AtomicU64,
     accepted: AtomicU64,
     refused_total: AtomicU64,
+    unauthenticated: AtomicU64,
+    authenticated: AtomicU64,
     refused_per_ip: AtomicU64,
+    refused_per_prefix: AtomicU64,
+    refused_unauthenticated: AtomicU64,
     tls_failed: AtomicU64,
     silent_closed: AtomicU64,
     hello_timeouts: AtomicU64,
@@ -319,6 +526,10 @@ pub enum Count {
     RefusedTotal,
     /// See [`LimitCounts::connections_refused_per_ip`].
     RefusedPerIp,
+    /// See [`LimitCounts::connections_refused_per_prefix`].
+    RefusedPerPrefix,
+    /// See [`LimitCounts::connections_refused_unauthenticated`].
+    RefusedUnauthenticated,
     /// See [`LimitCounts::tls_handshakes_failed`].
     TlsFailed,
     /// See [`LimitCounts::silent_closed`].
@@ -363,8 +574,46 @@ pub struct Limits {
     pushes_ip: RateMap<(u32, IpKey)>,
     joins: RateMap<IpKey>,
     downloads: RateMap<IpKey>,
-    per_ip: Mutex<HashMap<IpKey, usize>>,
+    per_ip: ConnCounts<IpKey>,
+    per_prefix: ConnCounts<PrefixKey>,
     counters: Counters,
+}
+
+/// Open connections by key (client IP or prefix). Holds only keys with a connection open, so
+/// it never has more keys than there are open connections.
+#[derive(Debug)]
+struct ConnCounts<K>(Mutex<HashMap<K, usize>>);
+
+impl<K: Hash + Eq + Copy> ConnCounts<K> {
+    fn new() -> Self {
+        Self(Mutex::new(HashMap::new()))
+    }
+
+    /// Takes one of `key`'s `max` places (0: unlimited); false when it has none left.
+    fn take(&self, key: K, max: usize) -> bool {
+        let mut g = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let n = g.entry(key).or_insert(0);
+        if max > 0 && *n >= max {
+            return false;
+        }
+        *n += 1;
+        true
+    }
+
+    fn release(&self, key: K) {
+        let mut g = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = g.get_mut(&key) {
+            *n -= 1;
+            if *n == 0 {
+                g.remove(&key);
+            }
+        }
+    }
+
+    fn get(&self, key: K) -> usize {
+        let g = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        g.get(&key).copied().unwrap_or(0)
+    }
 }
 
 /// One connection's share of a per-IP limit; released on drop.
@@ -376,13 +625,135 @@ pub struct IpGuard {
 
 impl Drop for IpGuard {
     fn drop(&mut self) {
-        let mut g = self.limits.per_ip.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = g.get_mut(&self.ip) {
-            *n -= 1;
-            if *n == 0 {
-                g.remove(&self.ip);
-            }
+        self.limits.per_ip.release(self.ip);
+    }
+}
+
+/// One connection's share of a per-prefix limit; released on drop.
+#[derive(Debug)]
+pub struct PrefixGuard {
+    limits: Arc<Limits>,
+    prefix: PrefixKey,
+}
+
+impl Drop for PrefixGuard {
+    fn drop(&mut self) {
+        self.limits.per_prefix.release(self.prefix);
+    }
+}
+
+/// Why a connection was refused a place in the unauthenticated budget (counted).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// Its client IP had `--max-connections-per-ip` unauthenticated connections open.
+    PerIp,
+    /// Its /24 or /48 had `--max-connections-per-prefix` unauthenticated connections open.
+    PerPrefix,
+    /// `--max-unauthenticated` unauthenticated connections were open.
+    Pool,
+}
+
+impl Refused {
+    /// The HTTP status and message a refused client is told.
+    pub fn reply(self) -> (&'static str, &'static str) {
+        match self {
+            Self::PerIp => (
+                "429 Too Many Requests",
+                "too many connections from your address",
+            ),
+            Self::PerPrefix => (
+                "429 Too Many Requests",
+                "too many connections from your network",
+            ),
+            Self::Pool => ("503 Service Unavailable", "too many connections"),
         }
+    }
+}
+
+/// A connection's places in the unauthenticated budget (module doc): the pool's, its client
+/// IP's and its prefix's, each optional. Given back on drop.
+#[derive(Debug)]
+pub struct Unauthenticated {
+    limits: Arc<Limits>,
+    pool: Option<OwnedSemaphorePermit>,
+    _ip: Option<IpGuard>,
+    _prefix: Option<PrefixGuard>,
+}
+
+impl Drop for Unauthenticated {
+    fn drop(&mut self) {
+        if self.pool.take().is_some() {
+            self.limits
+                .counters
+                .unauthenticated
+                .fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// One TCP connection's share of the connection budgets: a slot of `--max-connections` until
+/// it closes, and its [`Unauthenticated`] places until it authenticates or closes. Shared by
+/// the connection task and, through the request extensions, by a WebSocket upgraded from it
+/// (`crate::net`), so an upgraded socket keeps counting.
+#[derive(Debug)]
+pub struct ConnSlot {
+    _total: OwnedSemaphorePermit,
+    unauthenticated: Mutex<Vec<Unauthenticated>>,
+    _open: OpenGuard,
+}
+
+impl ConnSlot {
+    /// A connection holding `total` (a `--max-connections` permit) and `unauthenticated`,
+    /// counted open by `open`.
+    pub fn new(
+        total: OwnedSemaphorePermit,
+        unauthenticated: Unauthenticated,
+        open: OpenGuard,
+    ) -> Self {
+        Self {
+            _total: total,
+            unauthenticated: Mutex::new(vec![unauthenticated]),
+            _open: open,
+        }
+    }
+
+    /// Adds more unauthenticated places to hold (behind `--trust-proxy`: the forwarded
+    /// client's). Given back at once if the connection already authenticated.
+    pub fn hold(&self, more: Unauthenticated) {
+        let mut g = self
+            .unauthenticated
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if !g.is_empty() {
+            g.push(more);
+        }
+    }
+
+    /// The connection authenticated (a worker's Hello was admitted): its unauthenticated
+    /// places go back, its total slot stays. Counted once; later calls do nothing.
+    pub fn authenticated(&self) {
+        let held = std::mem::take(
+            &mut *self
+                .unauthenticated
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()),
+        );
+        if let Some(u) = held.first() {
+            u.limits
+                .counters
+                .authenticated
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        drop(held);
+    }
+
+    /// Whether it still holds unauthenticated places.
+    pub fn is_unauthenticated(&self) -> bool {
+        !self
+            .unauthenticated
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_empty()
     }
 }
 
@@ -406,7 +777,8 @@ impl Limits {
             pushes_ip: RateMap::new(cfg.push_rate_per_ip, cfg.push_rate_per_ip),
             joins: per_minute(cfg.join_rate),
             downloads: per_minute(cfg.download_rate),
-            per_ip: Mutex::new(HashMap::new()),
+            per_ip: ConnCounts::new(),
+            per_prefix: ConnCounts::new(),
             counters: Counters::default(),
         })
     }
@@ -417,6 +789,8 @@ impl Limits {
         let a = match what {
             Count::RefusedTotal => &c.refused_total,
             Count::RefusedPerIp => &c.refused_per_ip,
+            Count::RefusedPerPrefix => &c.refused_per_prefix,
+            Count::RefusedUnauthenticated => &c.refused_unauthenticated,
             Count::TlsFailed => &c.tls_failed,
             Count::SilentClosed => &c.silent_closed,
             Count::HelloTimeout => &c.hello_timeouts,
@@ -443,18 +817,80 @@ impl Limits {
     /// Takes one of `ip`'s connection slots, or `None` (counted) when it has
     /// `--max-connections-per-ip` open. Always succeeds when the limit is off.
     pub fn connect_ip(self: &Arc<Self>, ip: IpKey) -> Option<IpGuard> {
-        let max = self.cfg.max_connections_per_ip;
-        let mut g = self.per_ip.lock().unwrap_or_else(|p| p.into_inner());
-        let n = g.entry(ip).or_insert(0);
-        if max > 0 && *n >= max {
-            drop(g);
+        if !self.per_ip.take(ip, self.cfg.max_connections_per_ip) {
             self.count(Count::RefusedPerIp);
             return None;
         }
-        *n += 1;
         Some(IpGuard {
             limits: self.clone(),
             ip,
+        })
+    }
+
+    /// Takes one of `prefix`'s connection slots, or `None` (counted) when it has
+    /// `--max-connections-per-prefix` open. Always succeeds when the limit is off.
+    pub fn connect_prefix(self: &Arc<Self>, prefix: PrefixKey) -> Option<PrefixGuard> {
+        if !self
+            .per_prefix
+            .take(prefix, self.cfg.max_connections_per_prefix)
+        {
+            self.count(Count::RefusedPerPrefix);
+            return None;
+        }
+        Some(PrefixGuard {
+            limits: self.clone(),
+            prefix,
+        })
+    }
+
+    /// Unauthenticated connections open from `prefix` now.
+    pub fn open_in_prefix(&self, prefix: PrefixKey) -> usize {
+        self.per_prefix.get(prefix)
+    }
+
+    /// A new connection's places in the unauthenticated budget (module doc): one of `pool`
+    /// (the `--max-unauthenticated` semaphore) when given, and when `client` is given one of
+    /// its IP's and one of its prefix's. Refusals are counted.
+    ///
+    /// # Errors
+    /// The first budget that was full (nothing is held then).
+    pub fn unauthenticated(
+        self: &Arc<Self>,
+        pool: Option<&Arc<Semaphore>>,
+        client: Option<IpKey>,
+    ) -> std::result::Result<Unauthenticated, Refused> {
+        let (ip, prefix) = match client {
+            Some(ip) => {
+                let Some(i) = self.connect_ip(ip) else {
+                    return Err(Refused::PerIp);
+                };
+                let Some(p) = self.connect_prefix(PrefixKey::of(ip.0)) else {
+                    return Err(Refused::PerPrefix);
+                };
+                (Some(i), Some(p))
+            }
+            None => (None, None),
+        };
+        let pool = match pool {
+            Some(s) => match s.clone().try_acquire_owned() {
+                Ok(permit) => {
+                    self.counters
+                        .unauthenticated
+                        .fetch_add(1, Ordering::Relaxed);
+                    Some(permit)
+                }
+                Err(_) => {
+                    self.count(Count::RefusedUnauthenticated);
+                    return Err(Refused::Pool);
+                }
+            },
+            None => None,
+        };
+        Ok(Unauthenticated {
+            limits: self.clone(),
+            pool,
+            _ip: ip,
+            _prefix: prefix,
         })
     }
 
@@ -508,7 +944,11 @@ impl Limits {
             connections_open: l(&c.open),
             connections_accepted: l(&c.accepted),
             connections_refused_total: l(&c.refused_total),
+            connections_unauthenticated: l(&c.unauthenticated),
+            connections_authenticated: l(&c.authenticated),
             connections_refused_per_ip: l(&c.refused_per_ip),
+            connections_refused_per_prefix: l(&c.refused_per_prefix),
+            connections_refused_unauthenticated: l(&c.refused_unauthenticated),
             tls_handshakes_failed: l(&c.tls_failed),
             silent_closed: l(&c.silent_closed),
             hello_timeouts: l(&c.hello_timeouts),
@@ -522,6 +962,37 @@ impl Limits {
             admin_unauthorized: l(&c.admin_unauthorized),
             admin_locked_out: l(&c.admin_locked_out),
         }
+    }
+}
+
+/// Raises this process's `RLIMIT_NOFILE` soft limit to its hard limit (what a load test that
+/// holds thousands of sockets needs); returns the soft limit before and after. Children
+/// inherit it.
+pub fn raise_nofile() -> (u64, u64) {
+    #[cfg(unix)]
+    #[allow(unsafe_code, clippy::unnecessary_cast)] // rlim_t is not u64 on every target
+    {
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit/setrlimit only read and write the struct passed by pointer, which
+        // lives on this stack frame for the whole call.
+        unsafe {
+            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+                return (0, 0);
+            }
+            let before = lim.rlim_cur as u64;
+            lim.rlim_cur = lim.rlim_max;
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                return (before, before);
+            }
+            (before, lim.rlim_cur as u64)
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        (0, 0)
     }
 }
 
@@ -581,6 +1052,87 @@ mod tests {
         assert_eq!(l.counts().connections_refused_per_ip, 1);
     }
 
+    #[tokio::test]
+    async fn unauthenticated_places_per_ip_prefix_and_pool_go_back_on_authentication() {
+        let l = Limits::new(LimitConfig {
+            max_connections_per_ip: 2,
+            max_connections_per_prefix: 3,
+            ..Default::default()
+        });
+        let total = Arc::new(Semaphore::new(10));
+        let pool = Arc::new(Semaphore::new(4));
+        let key = |a: &str| IpKey::of(a.parse().unwrap());
+        let slot = |ip: &str| {
+            let u = l.unauthenticated(Some(&pool), Some(key(ip)))?;
+            let t = total.clone().try_acquire_owned().unwrap();
+            Ok::<_, Refused>(ConnSlot::new(t, u, l.opened()))
+        };
+        let a = slot("10.0.0.1").unwrap();
+        let _b = slot("10.0.0.1").unwrap();
+        assert_eq!(slot("10.0.0.1").unwrap_err(), Refused::PerIp);
+        let _c = slot("10.0.0.2").unwrap();
+        // 10.0.0.0/24 holds 3: another address in it is refused, another /24 is not.
+        assert_eq!(slot("10.0.0.3").unwrap_err(), Refused::PerPrefix);
+        let _d = slot("10.0.1.3").unwrap();
+        // The pool of 4 is full.
+        assert_eq!(slot("10.9.0.1").unwrap_err(), Refused::Pool);
+        assert_eq!(l.counts().connections_unauthenticated, 4);
+        // `a` authenticates: its IP, prefix and pool places go back, its total slot stays.
+        a.authenticated();
+        assert!(!a.is_unauthenticated());
+        a.authenticated();
+        assert_eq!(total.available_permits(), 6);
+        assert_eq!(pool.available_permits(), 1);
+        let _e = slot("10.0.0.3").unwrap();
+        let c = l.counts();
+        assert_eq!(c.connections_authenticated, 1);
+        assert_eq!(c.connections_open, 5);
+        assert_eq!(c.connections_unauthenticated, 4);
+        assert_eq!(
+            (
+                c.connections_refused_per_ip,
+                c.connections_refused_per_prefix,
+                c.connections_refused_unauthenticated
+            ),
+            (1, 1, 1)
+        );
+        // A refusal holds nothing: the per-IP place taken before the prefix refused is back.
+        assert_eq!(l.per_ip.get(key("10.0.0.3")), 1);
+        drop(a);
+        assert_eq!(total.available_permits(), 6);
+        assert_eq!(l.counts().connections_open, 4);
+    }
+
+    #[test]
+    fn the_pool_defaults_to_three_quarters_of_the_total() {
+        let d = LimitConfig::default();
+        assert_eq!(d.max_connections_per_prefix, 512);
+        assert_eq!(d.unauthenticated_pool(4096), 3072);
+        assert_eq!(d.unauthenticated_pool(4), 3);
+        assert_eq!(d.unauthenticated_pool(1), 1);
+        let set = LimitConfig {
+            max_unauthenticated: Some(9000),
+            ..d
+        };
+        assert_eq!(set.unauthenticated_pool(4096), 4096);
+    }
+
+    #[test]
+    fn prefixes() {
+        let p = |a: &str| PrefixKey::of(a.parse().unwrap()).to_string();
+        assert_eq!(p("127.0.0.18"), "127.0.0.0/24");
+        assert_eq!(p("::ffff:10.1.2.3"), "10.1.2.0/24");
+        assert_eq!(p("2001:db8:1:2:aaaa::1"), "2001:db8:1::/48");
+        assert_eq!(
+            PrefixKey::of("2001:db8:1:ffff::1".parse().unwrap()),
+            PrefixKey::of("2001:db8:1:2::9".parse().unwrap())
+        );
+        assert_ne!(
+            PrefixKey::of("127.0.0.1".parse().unwrap()),
+            PrefixKey::of("127.1.0.1".parse().unwrap())
+        );
+    }
+
     #[test]
     fn client_ips() {
         let peer: SocketAddr = "127.0.0.1:9".parse().unwrap();
@@ -620,6 +1172,7 @@ mod tests {
             &["--push-rate-per-ip", "inf"],
             &["--idle-timeout", "0"],
             &["--hello-timeout", "nan"],
+            &["--max-unauthenticated", "0"],
         ] {
             let p = P::try_parse_from(std::iter::once("serve").chain(bad.iter().copied()));
             assert!(p.map_or(true, |p| p.a.check().is_err()), "{bad:?}");

@@ -189,8 +189,13 @@ async fn join(
 }
 
 async fn metrics(State(app): State<Arc<App>>) -> Response {
-    let body =
-        crate::registry::metrics::render_with(app.scrape(), Some(Box::new(app.defence.scrape())));
+    let body = crate::registry::metrics::render_with(
+        app.scrape(),
+        Some(Box::new(crate::support::limits::WithLimits(
+            app.defence.scrape(),
+            app.limits.counts(),
+        ))),
+    );
     (
         [(header::CONTENT_TYPE, crate::registry::metrics::CONTENT_TYPE)],
         body,
@@ -365,8 +370,39 @@ async fn sample(State(app): State<Arc<App>>) -> Response {
     }
 }
 
-async fn reads(State(app): State<Arc<App>>) -> Response {
-    Json(app.registry.reads()).into_response()
+/// Read-log entries `/api/reads` returns by default, and at most (`?limit=`): an entry is at
+/// most ~160 bytes of JSON, so a response stays under ~160 kB by default and ~800 kB at most
+/// (the whole log of 50,000 was 4.1 MB, to anyone who asked).
+pub const READS_DEFAULT: usize = 1_000;
+/// See [`READS_DEFAULT`].
+pub const READS_MAX: usize = 5_000;
+
+/// `/api/reads`'s query: `limit`, 1..=[`READS_MAX`] (default [`READS_DEFAULT`]).
+fn reads_limit(query: Option<&str>) -> Result<usize, String> {
+    let mut limit = READS_DEFAULT;
+    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+        match pair.split_once('=').unwrap_or((pair, "")) {
+            ("limit", v) => {
+                limit = v
+                    .parse()
+                    .map_err(|_| format!("limit must be a non-negative integer, got {v:?}"))?
+            }
+            (key, _) => return Err(format!("unknown parameter {key:?} (expected limit)")),
+        }
+    }
+    if !(1..=READS_MAX).contains(&limit) {
+        return Err(format!(
+            "limit must be between 1 and {READS_MAX}, got {limit}"
+        ));
+    }
+    Ok(limit)
+}
+
+async fn reads(State(app): State<Arc<App>>, RawQuery(query): RawQuery) -> Response {
+    match reads_limit(query.as_deref()) {
+        Ok(limit) => Json(app.registry.reads(limit)).into_response(),
+        Err(m) => error(StatusCode::BAD_REQUEST, m),
+    }
 }
 
 async fn params(State(app): State<Arc<App>>, RawQuery(query): RawQuery) -> Response {
@@ -531,6 +567,23 @@ mod tests {
         assert!(!h("gzip;q=0, br"));
         assert!(!h("br, deflate"));
         assert!(!accepts_gzip(&HeaderMap::new()));
+    }
+
+    #[test]
+    fn reads_limit_defaults_and_is_capped() {
+        assert_eq!(reads_limit(None), Ok(READS_DEFAULT));
+        assert_eq!(reads_limit(Some("limit=5000")), Ok(5000));
+        assert_eq!(reads_limit(Some("limit=1&")), Ok(1));
+        for bad in [
+            "limit=0",
+            "limit=5001",
+            "limit=-1",
+            "limit=x",
+            "offset=3",
+            "limit",
+        ] {
+            assert!(reads_limit(Some(bad)).is_err(), "{bad}");
+        }
     }
 
     #[test]
