@@ -14,7 +14,7 @@ import {
   EvalChart, evalSummary, initChartControls, registerEvalChart, renderMultiples, setLanguage,
 } from './charts.js';
 import {
-  cores, getIdentity, initVolunteer, joinToken, loopback, noteRun, reasonsText, renderYou, volunteer,
+  cores, getPublicId, initVolunteer, joinToken, loopback, noteRun, reasonsText, renderYou, volunteer,
 } from './volunteer.js';
 import {
   initPresent, presenting, renderDemoWorkers, renderExperiments, renderPresent, wantGuesses,
@@ -576,7 +576,8 @@ async function loadBoard() {
   const abort = new AbortController();
   const timer = setTimeout(() => abort.abort(), 5_000);
   try {
-    const id = getIdentity(false);
+    // By the public id: the identity itself is a secret, sent only in the join.
+    const id = getPublicId();
     const q = new URLSearchParams({ limit: String(BOARD_TOP) });
     if (id) q.set('identity', id);
     const r = await fetch(`/api/contributors?${q}`, { signal: abort.signal });

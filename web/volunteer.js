@@ -4,6 +4,7 @@
 // volunteer's identity, name and team; and one sentence of what the tab contributes.
 // No training logic lives here: the numbers come from the workers' progress reports.
 import { $, announce, bytes, fixed, hex, num } from './fmt.js';
+import { publicId } from './identity.js';
 
 export const volunteer = {
   worker: null,
@@ -37,11 +38,13 @@ const store = {
 
 // ---------------------------------------------------------------- identity, name, team
 
-// The volunteer's stable identity: 32 random hex digits made once and kept in localStorage
-// (a Web Worker cannot read it, so it goes in the script URL), sent with every join: the
-// server's ledger credits it across sessions, reloads and server restarts. Not a secret
-// credential (docs/protocol.md, "Identity"). "Forget me" removes it; the next Start makes a
-// new one.
+// The volunteer's stable identity: 32 random hex digits (128 bits) made once and kept in
+// localStorage, sent only in the join (a Web Worker cannot read localStorage, so the page
+// posts it to each one: never in a URL, which servers and proxies log). It is a secret:
+// whoever has it is credited as this volunteer. The server credits, names and quarantines the
+// public id derived from it (identity.js; docs/protocol.md, "Join"), and that is all it shows;
+// the page shows it too and finds itself on the board by it. "Forget me" removes the identity;
+// the next Start makes a new one.
 const IDENTITY_KEY = 'crowdgrad.identity';
 const IDENTITY_RE = /^[A-Za-z0-9_-]{8,64}$/;
 const NAME_KEY = 'crowdgrad.name';
@@ -62,10 +65,21 @@ export function getIdentity(create = true) {
   return identity;
 }
 
+// The public id of the identity (null when there is none yet), computed once per identity.
+let publicOf = { secret: null, id: null };
+export function getPublicId() {
+  const secret = getIdentity(false);
+  if (!secret) return null;
+  if (publicOf.secret !== secret) publicOf = { secret, id: publicId(secret) };
+  return publicOf.id;
+}
+
 function renderIdentity() {
-  const id = getIdentity(false);
-  $('me-identity-short').textContent = id ? `${id.slice(0, 8)}…` : 'none yet (made at the next Start)';
-  $('copy-identity').disabled = !id;
+  const pub = getPublicId();
+  const shown = $('me-identity-short');
+  shown.textContent = pub ? `${pub.slice(0, 8)}…` : 'none yet (made at the next Start)';
+  shown.title = pub ? `Your public id: ${pub}` : '';
+  $('copy-identity').disabled = !pub;
 }
 
 async function copyIdentity() {
@@ -78,8 +92,8 @@ async function copyIdentity() {
   } catch {
     ok = false;
   }
-  $('copy-result').textContent = ok ? 'Copied. Keep it to yourself: whoever has it is credited as you.'
-    : `Your identity: ${id}`;
+  $('copy-result').textContent = ok ? 'Copied your secret identity. Keep it to yourself: whoever has it is credited as you.'
+    : `Your secret identity (keep it to yourself): ${id}`;
 }
 
 function forget() {
@@ -168,7 +182,6 @@ function workerUrl(index, count, key) {
   const st = statusFn();
   const q = new URLSearchParams({ thread: String(index), threads: String(count), volunteer: key });
   if (!loopback) {
-    q.set('identity', getIdentity());
     const name = $('my-name').value.trim();
     const team = $('my-team').value.trim();
     if (name) q.set('name', name);
@@ -207,6 +220,7 @@ function startThread(index, count, key) {
   };
   w.postMessage({ cmd: 'throttle', value: Number($('throttle').value) });
   w.postMessage({ cmd: 'token', value: $('join-token').value });
+  if (!loopback) w.postMessage({ cmd: 'identity', value: getIdentity() });
   if (volunteer.paused) w.postMessage({ cmd: 'pause' });
   w.postMessage({ cmd: 'start' });
 }

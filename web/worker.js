@@ -35,6 +35,7 @@ function handle({ cmd, value }) {
     else if (cmd === 'resume') worker.resume();
     else if (cmd === 'throttle') worker.set_throttle(value);
     else if (cmd === 'token') worker.set_join_token(String(value || ''));
+    else if (cmd === 'identity') worker.set_identity(String(value || ''));
     else if (cmd === 'stop') worker.stop();
   } catch (err) {
     self.postMessage({ type: 'error', message: String(err && err.message ? err.message : err) });

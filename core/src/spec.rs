@@ -254,9 +254,11 @@ pub struct JoinRequest {
     /// characters removed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub team: Option<String>,
-    /// Optional stable identity of the volunteer across sessions (8 to 64 characters of
-    /// `[A-Za-z0-9_-]`; the browser keeps a random one in localStorage): the key of the
-    /// server's contribution ledger. Absent: the session is not credited to anyone.
+    /// Optional stable identity of the volunteer across sessions, a secret (8 to 64
+    /// characters of `[A-Za-z0-9_-]`; the clients draw 32 random hex digits, the browser
+    /// keeps them in localStorage): the server keys its ledger, names and quarantine by the
+    /// public id it derives from it (docs/protocol.md, "Join") and never shows the secret.
+    /// Absent: the session is not credited to anyone.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub identity: Option<String>,
     /// This join is one of a volunteer's parallel threads (a tab's Web Workers, `crowdgrad

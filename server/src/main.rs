@@ -115,6 +115,9 @@ fn main() -> anyhow::Result<()> {
                     summary.peak_rss_kib.unwrap_or(0) / 1024,
                     summary.last_error.as_ref().map(|e| format!("; last error: {e}")).unwrap_or_default()
                 );
+                if let Some(p) = &summary.public_id {
+                    println!("credited to public id {p} (the leaderboard shows it; the identity itself is a secret)");
+                }
             }
             anyhow::ensure!(
                 !summary.refused,

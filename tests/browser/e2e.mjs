@@ -44,6 +44,7 @@ import {
   getStatus, killChildren, killChildrenOnExit, log, openBrowser, runCapture, SENTENCES, sleep,
   spawnLogged, startServer, stopChild, tmpDir, waitFor,
 } from './harness.mjs';
+import { publicId } from '../../web/identity.js';
 
 const STEP_TIME = path.join(TARGET, 'release/examples/step_time');
 const LIMIT_S = Number(process.env.E2E_TIMEOUT_S || 900);
@@ -416,9 +417,10 @@ async function functional() {
 
 // ------------------------------------------------------------------ issue 9: identity and ledger
 
-/// This identity's ledger entry on the server at `base`, or null.
+/// The ledger entry of the identity `id` (a secret) on the server at `base`, or null: looked
+/// up by its public id, as the page does (issue 21).
 async function ledgerOf(base, id) {
-  const r = await fetch(`${base}/api/contributors?limit=10&identity=${id}`, { signal: AbortSignal.timeout(3_000) });
+  const r = await fetch(`${base}/api/contributors?limit=10&identity=${publicId(id)}`, { signal: AbortSignal.timeout(3_000) });
   if (!r.ok) throw new Error(`/api/contributors answered ${r.status}`);
   return (await r.json()).you || null;
 }
@@ -450,6 +452,21 @@ async function identityTab() {
     await waitFor('the page to show its contribution', async () => (await shownMine()) > 0, 15_000, 250);
     check('/api/contributors credits the tab\'s identity', first.client === 'browser' && first.pushes_accepted > 0,
       `${first.samples} samples, ${first.pushes_accepted} pushes`);
+    // Issue 21: the identity is a secret. The board, the page and the URLs the tab fetched
+    // carry only its public id (the server's derivation, recomputed here).
+    const pub = publicId(id);
+    const seen = JSON.parse(await browser.evaluate(`JSON.stringify({
+      shown: document.getElementById('me-identity-short').textContent,
+      urls: performance.getEntriesByType('resource').map((e) => e.name).concat(location.href) })`));
+    const board = await (await fetch(`${base}/api/contributors?limit=100`)).text();
+    const csv = await (await fetch(`${base}/api/contributors?format=csv`)).text();
+    const statusText = await (await fetch(`${base}/api/status`)).text();
+    check('the board shows the public id, never the secret identity',
+      first.identity === pub && board.includes(pub) && ![board, csv, statusText].some((t) => t.includes(id)),
+      `public id ${pub}`);
+    check('the page shows the start of its public id and fetched no URL holding the secret',
+      seen.shown.startsWith(pub.slice(0, 8)) && !seen.urls.some((u) => u.includes(id)),
+      `shown ${seen.shown}, ${seen.urls.length} URLs`);
 
     // Reload: a new page and Web Worker, the same identity; the total continues.
     await openPage(browser, `${base}/`);

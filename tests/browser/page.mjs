@@ -42,6 +42,7 @@ import {
   ROOT, TARGET, check, deadline, finish, freePort, getStatus, killChildren, killChildrenOnExit,
   log, openBrowser, sleep, startServer, stopChild, tmpDir, waitFor,
 } from './harness.mjs';
+import { publicId } from '../../web/identity.js';
 
 const require = createRequire(import.meta.url);
 const jsQR = require('jsqr');
@@ -312,6 +313,15 @@ async function layoutAndTraining(server) {
     capped ? `cap ${capMb} MB, stopped at ${(capped.bytes / 1e6).toFixed(2)} MB, ${(after.bytes / 1e6).toFixed(2)} MB 2 s later (${over >= 0 ? '+' : ''}${(over / 1e3).toFixed(0)} kB from the cap); "${capped.note}"` : 'did not stop');
   const again = await page.eval("document.getElementById('contribute').click(), window.crowdgrad.volunteer.running");
   check('Contribute at the cap does not start', !again);
+  // Issue 21: the page shows the start of its identity's public id (the server's derivation,
+  // recomputed here), and the identity itself, a secret, is in no URL the tab fetched.
+  const ident = JSON.parse(await page.eval(`JSON.stringify({ id: localStorage.getItem('crowdgrad.identity'),
+    shown: document.getElementById('me-identity-short').textContent,
+    urls: performance.getEntriesByType('resource').map((e) => e.name) })`));
+  check('the page shows its public id, and no URL it fetched holds the secret identity',
+    /^[0-9a-f]{32}$/.test(ident.id || '') && ident.shown === `${publicId(ident.id).slice(0, 8)}…`
+      && !ident.urls.some((u) => u.includes(ident.id)),
+    `shown ${ident.shown}, ${ident.urls.length} URLs`);
   await page.click('forget');
   const kept = await page.eval("Object.keys(localStorage).filter((k) => k.startsWith('crowdgrad.'))");
   check('Forget me clears the identity (and everything else of the volunteer) from the browser', kept.length === 0,

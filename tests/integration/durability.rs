@@ -236,10 +236,12 @@ fn python_env() -> PathBuf {
 }
 
 fn ledger_samples(board: &serde_json::Value, identity: &str) -> Option<u64> {
+    // The board shows the identity's public id (issue 21), never the identity itself.
+    let public = crowdgrad::registry::ledger::public_id(identity);
     board["contributors"]
         .as_array()?
         .iter()
-        .find(|c| c["identity"] == identity)?["samples"]
+        .find(|c| c["identity"] == public.as_str())?["samples"]
         .as_u64()
 }
 

@@ -48,8 +48,10 @@ fn serve(tag: &str, args: &[&str]) -> (Proc, Option<String>) {
     }
 }
 
+/// The board with `identity`'s line, found by its public id (issue 21).
 async fn board(base: &str, identity: &str) -> serde_json::Value {
-    let (code, body) = util::get(format!("{base}/api/contributors?identity={identity}")).await;
+    let public = crowdgrad::registry::ledger::public_id(identity);
+    let (code, body) = util::get(format!("{base}/api/contributors?identity={public}")).await;
     assert_eq!(code, 200, "{}", String::from_utf8_lossy(&body));
     serde_json::from_slice(&body).expect("contributors JSON")
 }
@@ -262,8 +264,10 @@ async fn credit_survives_a_kill_9_and_restart_of_serve() {
     assert!(csv.starts_with(
         "identity,name,client,samples,pushes_accepted,pushes_rejected,compute_seconds,sessions,first_seen_unix,last_seen_unix,team\n"
     ));
+    let public = crowdgrad::registry::ledger::public_id(identity);
     assert!(
-        csv.contains(&format!("{identity},\"Résumé 名前\",native,"))
+        !csv.contains(identity)
+            && csv.contains(&format!("{public},\"Résumé 名前\",native,"))
             && csv.contains(",\"Team Ωmega\"\n"),
         "{csv}"
     );

@@ -14,6 +14,7 @@ mod durability;
 mod faults;
 mod host;
 mod http;
+mod identity;
 mod ledger;
 mod limits;
 mod link;

@@ -306,10 +306,12 @@ async fn a_shuffled_label_attacker_is_caught_quarantined_and_reported() {
     assert_eq!(rep["spot_failed"], 0, "{rep}");
     assert_eq!(s["workers_connected"], 1, "the honest worker trains on");
     // The admin lifts the quarantine: the identity may join again.
+    // By the identity's public id, as the status shows it (issue 21).
+    let public = crowdgrad::registry::ledger::public_id("shuffled-label-attacker");
     let (code, body) = post_admin(
         &url,
         "unquarantine",
-        r#"{"identity": "shuffled-label-attacker"}"#,
+        format!(r#"{{"identity": "{public}"}}"#),
     )
     .await;
     assert_eq!(code, 200, "{}", String::from_utf8_lossy(&body));
@@ -319,7 +321,7 @@ async fn a_shuffled_label_attacker_is_caught_quarantined_and_reported() {
     running.stop().await.expect("stops");
 }
 
-async fn post_admin(url: &str, path: &str, body: &'static str) -> (u16, Vec<u8>) {
+async fn post_admin(url: &str, path: &str, body: String) -> (u16, Vec<u8>) {
     let url = format!("{url}/api/admin/{path}");
     tokio::task::spawn_blocking(move || {
         let agent: ureq::Agent = ureq::Agent::config_builder()
@@ -330,7 +332,7 @@ async fn post_admin(url: &str, path: &str, body: &'static str) -> (u16, Vec<u8>)
             .post(&url)
             .header("authorization", "Bearer spot-admin-token-0123")
             .header("content-type", "application/json")
-            .send(body)
+            .send(body.as_bytes())
             .expect("request");
         let code = r.status().as_u16();
         (code, r.body_mut().read_to_vec().unwrap_or_default())

@@ -65,7 +65,8 @@ async fn work_threads_2_trains_as_one_volunteer_with_two_threads() {
     assert_eq!(code, 200);
     let ledger: serde_json::Value = serde_json::from_slice(&body).expect("JSON");
     let text = ledger.to_string();
-    assert!(text.contains(IDENTITY), "{text}");
+    let public = crowdgrad::registry::ledger::public_id(IDENTITY);
+    assert!(text.contains(&public) && !text.contains(IDENTITY), "{text}");
     // SIGTERM stops both threads within 2 s, and the summary sums them.
     let sent = Instant::now();
     child.terminate();

@@ -56,9 +56,10 @@ pub enum CtlCmd {
     },
     /// Lift the quarantine of a worker id, or of an identity (`--identity`).
     Unquarantine {
-        /// The worker id, or with --identity the identity.
+        /// The worker id, or with --identity the identity's public id (24 hex digits, as the
+        /// status and the leaderboard show it; never the volunteer's secret).
         who: String,
-        /// `who` is an identity, not a worker id.
+        /// `who` is an identity's public id, not a worker id.
         #[arg(long)]
         identity: bool,
     },

@@ -9,7 +9,10 @@
 //! - when it joined with an `identity`, that identity's joins are refused with HTTP 403
 //!   ([`crate::coordinator::http`]), so a rejoin does not wash the record clean (an identity is chosen by
 //!   the worker, so this stops honest-but-broken workers and lazy attackers, not one that
-//!   makes up a new identity per join: that is what spot checks keep catching);
+//!   makes up a new identity per join: that is what spot checks keep catching). The identity
+//!   bound here is the public id the join derived from the secret the worker sent
+//!   ([`crate::registry::ledger::public_id`]): only the secret's holder acts as it, so a
+//!   stranger who knows a public id cannot get its owner quarantined;
 //! - has its spot checks still waiting in the checker's queue dropped;
 //! - is shown in `/api/status` (`reputation`), on the dashboard, and counted in `/metrics`.
 //!
@@ -74,7 +77,7 @@ pub struct WorkerReputation {
     pub rejections: BTreeMap<&'static str, u64>,
     /// Set while quarantined.
     pub quarantined: Option<Quarantine>,
-    /// The identity it joined with, if any.
+    /// The public id of the identity it joined with, if any.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub identity: Option<String>,
     #[serde(skip)]

@@ -32,11 +32,13 @@ pub struct WorkArgs {
     /// Make every step take this many extra milliseconds (play a slow volunteer).
     #[arg(long, default_value_t = 0)]
     pub step_delay_ms: u64,
-    /// Your stable volunteer identity for the contribution ledger (8-64 of A-Z a-z 0-9 - _);
-    /// default: the one kept in --id-file.
+    /// Your volunteer identity for the contribution ledger: a secret (8-64 of A-Z a-z 0-9 - _;
+    /// use 32 random hex digits), whoever has it is credited as you; the server shows only
+    /// its public id. Default: the one kept in --id-file.
     #[arg(long)]
     pub id: Option<String>,
-    /// Where the identity is kept (created on first run).
+    /// Where the identity (a secret) is kept: created on first run with 32 random hex digits
+    /// and mode 0600.
     #[arg(long, default_value = "data/worker-id")]
     pub id_file: PathBuf,
     /// A private run's join token (sent as `Authorization: Bearer`); also read from

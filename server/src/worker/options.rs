@@ -127,10 +127,18 @@ pub struct Summary {
     pub refused: bool,
     /// Worker loops it ran ([`WorkOptions::threads`]); the counters are their sums.
     pub threads: usize,
+    /// The public id of its identity ([`crate::registry::ledger::public_id`]): what the
+    /// leaderboard shows of it (the identity itself is a secret and is never printed).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub public_id: Option<String>,
 }
 
-/// The identity kept in `path` (created with 32 random hex digits when missing): how
-/// `crowdgrad work` stays the same volunteer across runs.
+/// The identity kept in `path` (created with 32 random hex digits, 128 bits, when missing):
+/// how `crowdgrad work` stays the same volunteer across runs. It is a secret: the server
+/// shows only its public id ([`crate::registry::ledger::public_id`]), and whoever reads the
+/// file can act as the volunteer. So the file is created with mode 0600 (owner only), and
+/// one found readable by others (every file made before issue 21 was 0644) is set to 0600,
+/// with a warning.
 ///
 /// # Errors
 /// When the file cannot be read or created, or holds an unusable identity.
@@ -140,6 +148,7 @@ pub fn identity_from_file(path: &std::path::Path) -> Result<String> {
             let id = s.trim().to_string();
             crate::registry::ledger::check_identity(&id)
                 .map_err(|m| Error::Config(format!("identity file {}: {m}", path.display())))?;
+            owner_only(path)?;
             Ok(id)
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -150,12 +159,51 @@ pub fn identity_from_file(path: &std::path::Path) -> Result<String> {
                 std::fs::create_dir_all(dir)
                     .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
             }
-            std::fs::write(path, format!("{id}\n"))
-                .map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
-            Ok(id)
+            let mut open = std::fs::OpenOptions::new();
+            open.write(true).create_new(true);
+            #[cfg(unix)]
+            std::os::unix::fs::OpenOptionsExt::mode(&mut open, 0o600);
+            match open.open(path) {
+                Ok(mut f) => {
+                    use std::io::Write;
+                    f.write_all(format!("{id}\n").as_bytes())
+                        .and_then(|()| f.sync_all())
+                        .map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
+                    Ok(id)
+                }
+                // Another worker made it first: use its identity.
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                    identity_from_file(path)
+                }
+                Err(e) => Err(Error::io(format!("creating {}", path.display()), e)),
+            }
         }
         Err(e) => Err(Error::io(format!("reading {}", path.display()), e)),
     }
+}
+
+/// Makes the identity file at `path` readable by its owner only (see [`identity_from_file`]).
+fn owner_only(path: &std::path::Path) -> Result<()> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let meta = std::fs::metadata(path)
+            .map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+        let mode = meta.permissions().mode() & 0o777;
+        if mode & 0o077 != 0 {
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+                .map_err(|e| Error::io(format!("setting {} to mode 0600", path.display()), e))?;
+            tracing::warn!(
+                path = %path.display(),
+                was = format!("{mode:o}"),
+                "the identity file is a secret: set it to mode 0600 (owner only)"
+            );
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = path;
+    Ok(())
 }
 
 /// Peak resident set size of this process in KiB, from /proc (Linux only).
@@ -230,6 +278,19 @@ mod tests {
         let path = dir.join("nested/worker-id");
         let id = identity_from_file(&path).expect("created");
         assert_eq!(id.len(), 32);
+        assert!(id.bytes().all(|b| b.is_ascii_hexdigit()), "{id}");
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = |p: &std::path::Path| {
+                std::fs::metadata(p).expect("meta").permissions().mode() & 0o777
+            };
+            assert_eq!(mode(&path), 0o600, "created owner-only");
+            // A file made by an older worker (0644) is set to 0600 when read.
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+            assert_eq!(identity_from_file(&path).expect("read back"), id);
+            assert_eq!(mode(&path), 0o600, "tightened");
+        }
         assert_eq!(identity_from_file(&path).expect("read back"), id);
         std::fs::write(&path, "not an identity!\n").expect("write");
         let e = identity_from_file(&path).expect_err("refused").to_string();

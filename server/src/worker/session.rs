@@ -115,6 +115,10 @@ pub(super) async fn run_loop(
         last_error,
         refused,
         threads: 1,
+        public_id: opts
+            .identity
+            .as_deref()
+            .map(crate::registry::ledger::public_id),
     })
 }
 

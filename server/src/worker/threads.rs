@@ -156,6 +156,7 @@ pub(super) async fn work_threads(
         last_error,
         refused: summaries.iter().any(|s| s.refused),
         threads: n,
+        public_id: summaries.iter().find_map(|s| s.public_id.clone()),
     })
 }
 

@@ -36,7 +36,7 @@ const STEP_EMA_ALPHA: f64 = 0.1;
 fn join_request(sh: &Shared) -> JoinRequest {
     let mut req = JoinRequest::new(ClientKind::Browser);
     req.threads.clone_from(&sh.setup.threads);
-    req.identity.clone_from(&sh.setup.identity);
+    req.identity.clone_from(&sh.identity.borrow());
     req.name.clone_from(&sh.setup.name);
     req.team.clone_from(&sh.setup.team);
     req

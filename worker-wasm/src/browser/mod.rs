@@ -50,10 +50,6 @@ pub(crate) struct Setup {
     pub(crate) threads: Option<Threads>,
     /// Loopback mode.
     pub(crate) loopback: Option<LoopbackRun>,
-    /// The volunteer's stable identity (the page keeps it in `localStorage`; a Web Worker
-    /// cannot read it), sent with every join so the server's ledger credits it across
-    /// sessions and reloads; `None`: not credited.
-    pub(crate) identity: Option<String>,
     /// The volunteer's display name and team, sent with the join (the server trims them to
     /// 64 characters).
     pub(crate) name: Option<String>,
@@ -62,9 +58,10 @@ pub(crate) struct Setup {
 }
 
 impl Setup {
-    /// Parses `?thread=I&threads=K&volunteer=KEY[&identity=ID][&name=N][&team=T][&loopback=1&model=M&batch=B&shards=S]`
-    /// (each part optional; `thread`, `threads` and `volunteer` come together; an identity is
-    /// 8 to 64 characters of `[A-Za-z0-9_-]`, as the server's ledger requires).
+    /// Parses `?thread=I&threads=K&volunteer=KEY[&name=N][&team=T][&loopback=1&model=M&batch=B&shards=S]`
+    /// (each part optional; `thread`, `threads` and `volunteer` come together). The identity
+    /// is not in the URL, which servers and proxies log: it is a secret, and comes by
+    /// [`BrowserWorker::set_identity`].
     ///
     /// # Errors
     /// [`Error::Config`] for a malformed or out-of-range value.
@@ -131,22 +128,6 @@ impl Setup {
                 })
             }
         };
-        let identity = match get.get("identity") {
-            None => None,
-            Some(id)
-                if (8..=64).contains(&id.len())
-                    && id
-                        .bytes()
-                        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') =>
-            {
-                Some(id.clone())
-            }
-            Some(_) => {
-                return Err(Error::Config(
-                    "worker URL: identity must be 8 to 64 characters of A-Z a-z 0-9 - _".into(),
-                ))
-            }
-        };
         // Names and teams: any text, at most 256 bytes in the URL (the server keeps 64
         // characters).
         let label = |k: &str| -> crate::error::Result<Option<String>> {
@@ -161,7 +142,6 @@ impl Setup {
         Ok(Self {
             threads,
             loopback,
-            identity,
             name: label("name")?,
             team: label("team")?,
         })
@@ -182,6 +162,11 @@ pub(crate) struct Shared {
     progress: RefCell<Progress>,
     /// A private run's join token (sent as `Authorization: Bearer`; never reported).
     join_token: RefCell<Option<String>>,
+    /// The volunteer's identity, a secret (the page keeps it in `localStorage`, which a Web
+    /// Worker cannot read, and posts it: [`BrowserWorker::set_identity`]), sent with every
+    /// join so the server's ledger credits its public id across sessions and reloads; `None`:
+    /// not credited. Never reported.
+    pub(crate) identity: RefCell<Option<String>>,
     /// Thread and loopback mode, from the script URL.
     setup: Setup,
 }
@@ -252,6 +237,7 @@ impl BrowserWorker {
                 wake: Wake::default(),
                 progress: RefCell::new(progress),
                 join_token: RefCell::new(None),
+                identity: RefCell::new(None),
                 setup,
             }),
         })
@@ -262,6 +248,28 @@ impl BrowserWorker {
     pub fn set_join_token(&self, token: &str) {
         let t = token.trim();
         *self.shared.join_token.borrow_mut() = (!t.is_empty()).then(|| t.to_owned());
+    }
+
+    /// Sets the volunteer's identity (a secret: 8 to 64 characters of `[A-Za-z0-9_-]`, as the
+    /// server requires; the page makes 32 random hex digits), sent with the next join; an
+    /// empty string clears it.
+    ///
+    /// # Errors
+    /// For anything else (the worker keeps the identity it had).
+    pub fn set_identity(&self, identity: &str) -> Result<(), JsError> {
+        let id = identity.trim();
+        let ok = id.is_empty()
+            || ((8..=64).contains(&id.len())
+                && id
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'));
+        if !ok {
+            return Err(js(Error::Config(
+                "identity must be 8 to 64 characters of A-Z a-z 0-9 - _".into(),
+            )));
+        }
+        *self.shared.identity.borrow_mut() = (!id.is_empty()).then(|| id.to_owned());
+        Ok(())
     }
 
     /// Starts contributing (once; later calls do nothing).

@@ -271,7 +271,8 @@ async fn set_lr(
     reply(StatusCode::OK, state_json(&app))
 }
 
-/// Lifts a quarantine ([`crate::defence::reputation`]): body `{"worker": ID}` or `{"identity": "..."}`.
+/// Lifts a quarantine ([`crate::defence::reputation`]): body `{"worker": ID}` or `{"identity": "..."}`,
+/// the identity's public id (`crate::registry::ledger::public_id`, as the status shows it).
 /// 404 when that worker or identity is not quarantined.
 async fn unquarantine(
     State(app): State<Arc<App>>,
@@ -289,7 +290,10 @@ async fn unquarantine(
         body_field(&v, "identity").and_then(serde_json::Value::as_str),
     ) {
         (Some(w), None) => r.lift(w),
-        (None, Some(id)) => r.lift_identity(id),
+        (None, Some(id)) => match crate::registry::ledger::check_public_id(id) {
+            Ok(()) => r.lift_identity(id),
+            Err(m) => return refuse(StatusCode::BAD_REQUEST, format!("identity: {m}")),
+        },
         _ => {
             return refuse(
                 StatusCode::BAD_REQUEST,

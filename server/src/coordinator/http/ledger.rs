@@ -4,9 +4,13 @@ use crate::coordinator::app::App;
 use crate::registry::ledger;
 
 /// `GET /api/contributors`: JSON [`ledger::Board`] (`?limit=N`, 1..=1000, default 100;
-/// `?identity=ID` adds that identity's entry and rank; each entry has `recent`, samples per
-/// hour over the last 24 h), or every identity as CSV with `?format=csv`. Read from the
+/// `?identity=PUBLIC_ID` adds that identity's entry and rank; each entry has `recent`, samples
+/// per hour over the last 24 h), or every identity as CSV with `?format=csv`. Read from the
 /// ledger's database on a blocking thread, never under the registry's lock.
+///
+/// Every identity here is a public id (`ledger::public_id`): a lookup reads what the board
+/// shows anyway and acts as no one. A lookup with something that is not a public id (a
+/// secret, sent by mistake) is refused with 400 and not looked up.
 pub async fn contributors(
     axum::extract::State(app): axum::extract::State<std::sync::Arc<App>>,
     axum::extract::RawQuery(query): axum::extract::RawQuery,
@@ -37,7 +41,7 @@ pub async fn contributors(
                 _ => return bad(format!("limit must be 1..=1000, got {v:?}")),
             },
             "identity" => {
-                if let Err(m) = ledger::check_identity(v) {
+                if let Err(m) = ledger::check_public_id(v) {
                     return bad(format!("bad identity: {m}"));
                 }
                 identity = Some(v.to_string());

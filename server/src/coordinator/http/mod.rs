@@ -112,10 +112,14 @@ async fn join(
     if *app.shutdown.borrow() || app.admin.draining() {
         return error(StatusCode::SERVICE_UNAVAILABLE, "server is shutting down");
     }
-    if let Some(id) = &req.identity {
-        if let Err(m) = crate::registry::ledger::check_identity(id) {
+    // The identity sent is a secret; everything is keyed by its public id, so knowing a
+    // public id lets nobody act as its owner (registry::ledger, "Identities").
+    let mut public = None;
+    if let Some(secret) = &req.identity {
+        if let Err(m) = crate::registry::ledger::check_identity(secret) {
             return error(StatusCode::BAD_REQUEST, format!("bad identity: {m}"));
         }
+        let id = public.insert(crate::registry::ledger::public_id(secret));
         if let Some(why) = app.defence.reputation.identity_quarantined(id) {
             app.limits
                 .count(crate::support::limits::Count::JoinQuarantined);
@@ -151,7 +155,7 @@ async fn join(
             "too many workers registered",
         );
     };
-    if let Some(id) = &req.identity {
+    if let Some(id) = &public {
         let who = crate::registry::ledger::Who {
             name: name.as_deref(),
             team: team.as_deref(),

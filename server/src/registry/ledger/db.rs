@@ -31,6 +31,10 @@
 //!   `identities`, `samples`.
 //! - `imports(checkpoint, identities, at)`: old checkpoints whose JSON ledger was imported.
 //!
+//! Version 2 added `contributors.team` and `teams(team, members, samples)`. Version 3 re-keys
+//! `contributors` and `hourly` by public id (issue 21; [`super::public_id`] of the old key,
+//! the policy is in the module doc of [`super`], "Identities"): every key is a public id since.
+//!
 //! Counters are SQLite integers: they saturate at `i64::MAX` (9.2e18), not `u64::MAX`.
 
 use super::RECENT_HOURS;
@@ -85,7 +89,41 @@ CREATE TABLE teams (
 ) WITHOUT ROWID;
 CREATE INDEX teams_by_samples ON teams (samples DESC, team);
 "#,
+    // Version 3: by public id. [`fill_rekey`] has filled `rekey(old, new)` in the same
+    // transaction; through a '~' prefix (never in an old key) so that no row meets another's
+    // key half-way, even one whose old key was some other row's public id.
+    r#"
+UPDATE contributors SET identity = '~' || (SELECT new FROM rekey WHERE old = contributors.identity);
+UPDATE contributors SET identity = substr(identity, 2);
+UPDATE hourly SET identity = '~' || (SELECT new FROM rekey WHERE old = hourly.identity);
+UPDATE hourly SET identity = substr(identity, 2);
+DROP TABLE rekey;
+"#,
 ];
+
+/// The schema version that re-keys the rows by public id ([`MIGRATIONS`]).
+pub const REKEY_VERSION: usize = 3;
+
+/// Before migration [`REKEY_VERSION`]'s script: `rekey(old, new)` with a row per identity in
+/// `contributors` or `hourly`, `new` its [`super::public_id`]. Streams (bounded memory for
+/// a million rows).
+///
+/// # Errors
+/// SQLite's.
+pub fn fill_rekey(tx: &rusqlite::Transaction<'_>) -> rusqlite::Result<()> {
+    tx.execute_batch(
+        "CREATE TABLE rekey (old TEXT PRIMARY KEY NOT NULL, new TEXT NOT NULL) WITHOUT ROWID;",
+    )?;
+    let mut read =
+        tx.prepare("SELECT identity FROM contributors UNION SELECT identity FROM hourly")?;
+    let mut write = tx.prepare("INSERT INTO rekey (old, new) VALUES (?1, ?2)")?;
+    let mut rows = read.query([])?;
+    while let Some(r) = rows.next()? {
+        let old: String = r.get(0)?;
+        write.execute(params![old, super::public_id(&old)])?;
+    }
+    Ok(())
+}
 
 /// Buckets of [`bucket`]: exact values below 1024, then 64 per power of two.
 pub const BUCKETS: i64 = 1024 + 53 * 64;
@@ -323,6 +361,10 @@ impl Db {
                 .conn
                 .transaction_with_behavior(TransactionBehavior::Immediate)
                 .map_err(|e| fail(&path, "migrating", e))?;
+            if i + 1 == REKEY_VERSION {
+                fill_rekey(&tx)
+                    .map_err(|e| fail(&path, &format!("migrating to version {}", i + 1), e))?;
+            }
             tx.execute_batch(sql)
                 .map_err(|e| fail(&path, &format!("migrating to version {}", i + 1), e))?;
             tx.execute_batch(&format!(

@@ -1,9 +1,11 @@
 //! The contribution ledger: what every volunteer gave the run, by a stable identity that
 //! survives reconnections, page reloads and server restarts.
 //!
-//! A worker may send an `identity` with its join (`POST /api/join`): the browser keeps a
-//! random one in `localStorage`, the native worker in a file under its data directory (or
-//! `--id`). Worker ids change with every join; the identity does not. Per identity the
+//! A worker may send an `identity` with its join (`POST /api/join`): a secret, 32 random hex
+//! digits (128 bits) that the browser keeps in `localStorage` and the native worker in a
+//! file of mode 0600 (`--id-file`). The server never keeps, shows or logs it: it keys
+//! everything by the identity's public id ([`public_id`]), which anyone may see and nobody
+//! can join as. Worker ids change with every join; the identity does not. Per identity the
 //! ledger counts samples (of applied, non-zero pushes, once per step like the status),
 //! accepted and rejected pushes (over all shards), compute seconds (from the worker's
 //! `Report` frames, 0 for workers that send none), sessions, and first and last seen (Unix
@@ -40,6 +42,38 @@
 //! [`COMPUTE_SLACK_S`], and at most one report per [`REPORT_MIN_GAP_S`] (over all its
 //! connections). So 100, 0, 100, 0, 100 credits 100 s, a report of 1e12 s credits the
 //! time since the join, and no sum of reports reaches infinity.
+//!
+//! # Identities: a secret, and the public id derived from it
+//! Before issue 21 the identity a worker sent was the key shown in full on the leaderboard,
+//! the CSV and the status, so anyone could join as anyone: rename them, book refused pushes to
+//! them, get them quarantined. Now what a worker sends is a secret and what is shown, and
+//! what the ledger, the teams, the names, the credit and the quarantine are keyed by, is
+//!
+//! ```text
+//! public_id(secret) = first 24 hex digits of SHA-256("crowdgrad identity v1" || 0x00 || secret)
+//! ```
+//!
+//! Unkeyed on purpose: the page and a third-party worker compute their own public id without
+//! asking (to find themselves on the board), and the id of a volunteer is the same on every
+//! server and across restarts, with no server key to lose. A hash rather than a random id
+//! the server hands out: nothing to store or send back for the client to keep. The domain
+//! string (and the NUL after it) keeps this hash apart from any other hash of the same string
+//! (the project hashes data and HMACs credentials), so a public id is never some other
+//! value's digest. 24 hex digits (96 bits): finding a secret for a given public id costs
+//! 2^96 hashes, out of anyone's reach; two honest volunteers collide with probability about
+//! n^2 / 2^97 (1e-17 for a million); and the board stays readable. Secrets are still 8 to 64
+//! characters of `[A-Za-z0-9_-]` on the wire ([`check_identity`]): the clients draw 128
+//! random bits, and shorter ones (picked by hand with `--id`, or from old clients) are
+//! accepted, as strong as they are hard to guess. A public id sent as a secret is just
+//! another secret: it derives another public id.
+//!
+//! Ledgers written before (schema version 2) were keyed by the old identities, which were
+//! public. Migration 3 re-keys every row by hashing ([`public_id`] of the old key), and
+//! [`import_json`] does the same to a JSON ledger: a volunteer whose browser or id file
+//! still holds its old identity keeps its credit, name and team, and its old string is no
+//! longer shown anywhere. The migration cannot tell the owner from someone who copied that
+//! string while it was public: such an identity is as strong as before (a volunteer who
+//! wants one nobody ever saw uses "Forget me" or a new `--id-file`, and starts from zero).
 //!
 //! # Old checkpoints
 //! Checkpoints written before the ledger moved to SQLite carry the whole ledger as JSON;
@@ -106,6 +140,42 @@ pub fn check_identity(id: &str) -> std::result::Result<(), String> {
         return Err("identity may only hold letters, digits, '-' and '_'".into());
     }
     Ok(())
+}
+
+/// The domain-separation prefix of [`public_id`] (a NUL byte follows it).
+pub const PUBLIC_ID_DOMAIN: &str = "crowdgrad identity v1";
+
+/// Hex digits in a public id (96 bits).
+pub const PUBLIC_ID_LEN: usize = 24;
+
+/// The public id of the identity `secret` (module doc, "Identities"): the first
+/// [`PUBLIC_ID_LEN`] lowercase hex digits of SHA-256 over [`PUBLIC_ID_DOMAIN`], a NUL byte and
+/// the secret's bytes.
+pub fn public_id(secret: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(PUBLIC_ID_DOMAIN.as_bytes());
+    h.update([0u8]);
+    h.update(secret.as_bytes());
+    h.finalize()
+        .iter()
+        .take(PUBLIC_ID_LEN / 2)
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Whether `id` has the form of a public id: [`PUBLIC_ID_LEN`] lowercase hex digits.
+///
+/// # Errors
+/// A message saying what is expected.
+pub fn check_public_id(id: &str) -> std::result::Result<(), String> {
+    if id.len() == PUBLIC_ID_LEN && id.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+        Ok(())
+    } else {
+        Err(format!(
+            "expected a public id ({PUBLIC_ID_LEN} lowercase hex digits, as /api/contributors shows), never the secret identity"
+        ))
+    }
 }
 
 /// What a join says of the volunteer besides its identity (both optional, both cleaned by
@@ -360,7 +430,8 @@ pub fn unix_now() -> f64 {
 }
 
 impl Ledger {
-    /// Worker `worker` joined as `identity` (checked with [`check_identity`] by the caller).
+    /// Worker `worker` joined as `identity`: the public id the join handler derived from the
+    /// secret it was sent ([`public_id`]), never the secret.
     pub fn joined(&mut self, worker: u64, identity: &str, who: Who<'_>, client: ClientKind) {
         self.joined_at(worker, identity, who, client, unix_now());
     }
@@ -545,7 +616,10 @@ pub fn import_json(json: &serde_json::Value) -> Result<Vec<Contribution>> {
     let mut skipped = 0usize;
     for e in entries.iter().take(MAX_IDENTITIES) {
         match serde_json::from_value::<Contribution>(e.clone()) {
-            Ok(c) if check_identity(&c.identity).is_ok() => {
+            Ok(mut c) if check_identity(&c.identity).is_ok() => {
+                // Keyed by the old (public) identity: re-keyed by hashing, as migration 3
+                // does (module doc, "Identities").
+                c.identity = public_id(&c.identity);
                 by_identity.insert(c.identity.clone(), c.cleaned());
             }
             _ => skipped += 1,
@@ -909,28 +983,31 @@ mod tests {
         assert!(import_json(&serde_json::Value::Null).unwrap().is_empty());
         let mut db = Db::open(&scratch("import")).unwrap();
         // erin is in the file already, with more than the checkpoint has: she keeps it.
+        // The imported rows are keyed by public id (issue 21), as the joins are.
+        let erin = public_id("erin-0001");
         let mut l = Ledger::default();
-        l.joined(1, "erin-0001", Who::default(), ClientKind::Browser);
+        l.joined(1, &erin, Who::default(), ClientKind::Browser);
         l.pushed(1, &applied(), Some(50), true);
         flush(&mut l, &mut db);
         assert_eq!(db.import("run/ckpt-1", &rows).unwrap(), Some(2));
         assert_eq!(db.import("run/ckpt-1", &rows).unwrap(), None, "once");
-        let d = db.get("dave-0001", unix_now()).unwrap().unwrap();
+        assert!(db.get("dave-0001", unix_now()).unwrap().is_none());
+        let d = db
+            .get(&public_id("dave-0001"), unix_now())
+            .unwrap()
+            .unwrap();
         assert_eq!(
             (d.compute_seconds, d.samples, d.last_seen_unix),
             (0.0, 3, 2.0)
         );
         assert_eq!(
-            db.get("dave-0002", unix_now())
+            db.get(&public_id("dave-0002"), unix_now())
                 .unwrap()
                 .unwrap()
                 .last_seen_unix,
             0.0
         );
-        assert_eq!(
-            db.get("erin-0001", unix_now()).unwrap().unwrap().samples,
-            50
-        );
+        assert_eq!(db.get(&erin, unix_now()).unwrap().unwrap().samples, 50);
         assert_eq!(db.totals().unwrap(), (3, 56));
         db.verify().unwrap();
     }
@@ -1215,7 +1292,10 @@ mod tests {
         }
         let mut db = Db::open(&path).unwrap();
         db.verify().unwrap();
-        let old = db.get("old-timer-1", unix_now()).unwrap().unwrap();
+        // Re-keyed by public id (version 3).
+        assert!(db.get("old-timer-1", unix_now()).unwrap().is_none());
+        let pid = public_id("old-timer-1");
+        let old = db.get(&pid, unix_now()).unwrap().unwrap();
         assert_eq!(
             (old.samples, old.name.as_deref(), old.team),
             (42, Some("Old"), None)
@@ -1225,7 +1305,7 @@ mod tests {
             name: None,
             team: Some("Veterans"),
         };
-        l.joined(1, "old-timer-1", who, ClientKind::Native);
+        l.joined(1, &pid, who, ClientKind::Native);
         l.pushed(1, &applied(), Some(8), true);
         flush(&mut l, &mut db);
         assert_eq!(db.teams(10).unwrap()[0].samples, 50);
@@ -1235,6 +1315,79 @@ mod tests {
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .unwrap();
         assert_eq!(version, db::MIGRATIONS.len() as i64);
+    }
+
+    /// The worked example of docs/protocol.md ("Join"), checked against `sha256sum`:
+    /// `printf 'crowdgrad identity v1\0%s' 00112233445566778899aabbccddeeff | sha256sum`
+    /// gives c333c4041a3ce077d01777b3a6f51dba46a4ac1e34acdf758f6604274b42036d.
+    #[test]
+    fn the_public_id_is_the_documented_hash_prefix() {
+        let p = public_id("00112233445566778899aabbccddeeff");
+        assert_eq!(p, "c333c4041a3ce077d01777b3");
+        assert!(check_public_id(&p).is_ok());
+        // A public id is a secret like any other: it derives another public id.
+        assert_ne!(public_id(&p), p);
+        assert!(check_public_id(&public_id(&p)).is_ok());
+        for bad in [
+            "00112233445566778899aabbccddeeff",
+            "C333C4041A3CE077D01777B3",
+            "c333c4041a3ce077d01777b",
+            "c333c4041a3ce077d01777bg",
+            "",
+        ] {
+            assert!(check_public_id(bad).is_err(), "{bad}");
+        }
+    }
+
+    /// Issue 21: a ledger of schema version 2 (keyed by identities that were public) migrates
+    /// to version 3 keyed by their public ids, with its samples, hours, names and teams, even
+    /// when one old key is another's public id (an attacker's row made to collide).
+    #[test]
+    fn a_version_2_ledger_is_rekeyed_by_public_id() {
+        let path = scratch("v2");
+        let victim = "victim-identity-0001";
+        let squatter = public_id(victim);
+        {
+            let mut db = Db::open(&path).unwrap();
+            // Back to version 2: as written before issue 21, by old identities.
+            let c = rusqlite::Connection::open(&path).unwrap();
+            c.execute_batch("PRAGMA user_version = 2;").unwrap();
+            drop(c);
+            let mut l = Ledger::default();
+            let t0 = 1e9;
+            let team = Who {
+                name: Some("Victim"),
+                team: Some("Blue"),
+            };
+            l.joined_at(1, victim, team, ClientKind::Browser, t0);
+            l.pushed_at(1, &applied(), Some(70), true, t0);
+            l.joined_at(2, &squatter, Who::named("Squatter"), ClientKind::Native, t0);
+            l.pushed_at(2, &applied(), Some(5), true, t0);
+            db.apply(&l.take(), t0).unwrap();
+            drop(db);
+            let c = rusqlite::Connection::open(&path).unwrap();
+            c.execute_batch("PRAGMA user_version = 2;").unwrap();
+        }
+        let db = Db::open(&path).unwrap();
+        db.verify().unwrap();
+        let now = 1e9 + 60.0;
+        let v = db.get(&public_id(victim), now).unwrap().unwrap();
+        assert_eq!((v.samples, v.name.as_deref()), (70, Some("Victim")));
+        assert_eq!(v.team.as_deref(), Some("Blue"));
+        assert!(v.recent > 0.0, "its hourly rows moved with it: {v:?}");
+        let s = db.get(&public_id(&squatter), now).unwrap().unwrap();
+        assert_eq!((s.samples, s.name.as_deref()), (5, Some("Squatter")));
+        assert!(db.get(victim, now).unwrap().is_none());
+        for c in all(&db) {
+            assert!(check_public_id(&c.identity).is_ok(), "{c:?}");
+        }
+        assert_eq!(db.totals().unwrap(), (2, 75));
+        assert_eq!(db.teams(10).unwrap()[0].samples, 70);
+        let version: i64 = rusqlite::Connection::open(&path)
+            .unwrap()
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(version, 3);
     }
 
     #[test]
