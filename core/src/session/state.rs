@@ -256,17 +256,16 @@ impl ShardState {
 
     /// Rolls the shard back to `values` (the parameters of an earlier version, kept by the
     /// driver) after poison was detected: they are published as the next version (versions
-    /// stay monotonic for the workers, the SSP clock and the replay log), with a fresh
-    /// optimizer state (a momentum or moment built from the poison would carry it on) and the
-    /// pending `sync:K` round dropped. Unlike [`ShardState::restart`], what the workers have
-    /// earned stays (trust, the replay log, the anchor), except `poisoner`'s norms, which leave
-    /// the reference.
+    /// stay monotonic for the workers, the SSP clock and the replay log), the optimizer state
+    /// kept and the pending `sync:K` round dropped ([`ShardCore::roll_back`]). Unlike
+    /// [`ShardState::restart`], what the workers have earned stays (trust, the replay log, the
+    /// anchor), except `poisoner`'s norms, which leave the reference.
     ///
     /// # Errors
     /// When `values` does not have the shard's length or holds a non-finite value; nothing
     /// changes.
     pub fn roll_back(&mut self, values: Vec<f32>, poisoner: u64) -> crate::Result<()> {
-        self.core.restart(values)?;
+        self.core.roll_back(values)?;
         self.norms.retain(|e| e.worker != poisoner);
         self.probation.retain(|e| e.worker != poisoner);
         self.epoch += 1;

@@ -71,7 +71,8 @@
 //! shard where the worker's first push in the log produced version `f` and the history
 //! still holds version `f − 1` is rolled back: those parameters are published as the next
 //! version (versions stay monotonic for the workers, the SSP clock and the replay log), with
-//! a fresh optimizer state (a momentum built from the poison would carry it on), the pending
+//! the optimizer state kept (a fresh one would cost more: Adagrad's first step from an empty
+//! accumulator is `lr` in every coordinate; measured), the pending
 //! `sync:K` round dropped, and the poisoner's norms out of the reference. Where `f − 1` is no
 //! longer held, the shard is left to heal by training on (`healed`).
 //!
@@ -197,7 +198,7 @@ pub trait ShardControl: Send + Sync {
     /// `ShardState::vouch`: `worker` has a say in this shard's norm reference from its next
     /// accepted push.
     fn vouch(&self, worker: u64);
-    /// Publishes `values` as this shard's next version (fresh optimizer state, the pending
+    /// Publishes `values` as this shard's next version (optimizer state kept, the pending
     /// sync round dropped) and forgets `poisoner`'s norms. Returns the version before and the
     /// one published; `None` when the shard is gone or the values do not fit.
     fn roll_back(&self, values: Vec<f32>, poisoner: u64) -> Option<(u64, u64)>;
