@@ -198,10 +198,12 @@ pub trait ShardControl: Send + Sync {
     /// `ShardState::vouch`: `worker` has a say in this shard's norm reference from its next
     /// accepted push.
     fn vouch(&self, worker: u64);
-    /// Publishes `values` as this shard's next version (optimizer state kept, the pending
-    /// sync round dropped) and forgets `poisoner`'s norms. Returns the version before and the
-    /// one published; `None` when the shard is gone or the values do not fit.
-    fn roll_back(&self, values: Vec<f32>, poisoner: u64) -> Option<(u64, u64)>;
+    /// Publishes `values`, the parameters of version `target`, as this shard's next version
+    /// (optimizer state kept, the pending sync round dropped) and forgets `poisoner`'s norms.
+    /// Returns the version before and the one published; `None` when the shard is gone, the
+    /// values do not fit, or it is still at `target` (nothing was applied since: a `sync:K`
+    /// push of the poisoner's still pending is dropped by its expulsion).
+    fn roll_back(&self, values: Vec<f32>, target: u64, poisoner: u64) -> Option<(u64, u64)>;
 }
 
 /// One check's figures, for the status.
@@ -296,7 +298,8 @@ impl Shared {
                 );
                 continue;
             };
-            let Some((before, published)) = control.roll_back(values.to_vec(), poisoner) else {
+            let Some((before, published)) = control.roll_back(values.to_vec(), target, poisoner)
+            else {
                 continue;
             };
             let undone = before.saturating_sub(target);

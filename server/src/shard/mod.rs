@@ -352,17 +352,26 @@ impl Shard {
         Ok(())
     }
 
-    /// Rolls back to `values` after poison was detected ([`ShardState::roll_back`]): they are
-    /// published at once as the next version, kept for spot checks, and `poisoner`'s norms
-    /// leave the reference. Returns the version before and the one published.
+    /// Rolls back to `values`, the parameters of version `target`, after poison was detected
+    /// ([`ShardState::roll_back`]): they are published at once as the next version, kept for
+    /// spot checks, and `poisoner`'s norms leave the reference. Returns the version before
+    /// and the one published; `None` (nothing done) when the shard is still at `target`.
     ///
     /// # Errors
     /// When `values` does not have the shard's length; nothing changes.
-    pub fn roll_back(&self, values: Vec<f32>, poisoner: u64) -> crate::Result<(u64, u64)> {
+    pub fn roll_back(
+        &self,
+        values: Vec<f32>,
+        target: u64,
+        poisoner: u64,
+    ) -> crate::Result<Option<(u64, u64)>> {
         let inner = &self.inner;
         let (before, after, epoch) = {
             let mut st = self.state();
             let before = st.version();
+            if before <= target {
+                return Ok(None);
+            }
             st.roll_back(values, poisoner)?;
             if let Some(spot) = inner.defence.get().and_then(|d| d.spot.as_ref()) {
                 spot.record(inner.cfg.id, st.version(), st.values().clone());
@@ -375,7 +384,7 @@ impl Shard {
             (before, st.version(), st.epoch())
         };
         inner.epoch_tx.send_replace(epoch);
-        Ok((before, after))
+        Ok(Some((before, after)))
     }
 
     /// [`ShardState::vouch`] for `worker`.
@@ -462,9 +471,12 @@ impl crate::defence::spotcheck::ShardControl for Control {
         }
     }
 
-    fn roll_back(&self, values: Vec<f32>, poisoner: u64) -> Option<(u64, u64)> {
+    fn roll_back(&self, values: Vec<f32>, target: u64, poisoner: u64) -> Option<(u64, u64)> {
         let inner = self.0.upgrade()?;
-        Shard { inner }.roll_back(values, poisoner).ok()
+        Shard { inner }
+            .roll_back(values, target, poisoner)
+            .ok()
+            .flatten()
     }
 }
 
