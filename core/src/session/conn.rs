@@ -2,7 +2,7 @@
 //! and the [`Record`]s it keeps for the dashboard.
 
 use super::state::Gate;
-use super::{fallbacks, Admission, SampledPush, ShardAccess, ShardConfig};
+use super::{fallbacks, Admission, SampledPush, Sampling, ShardAccess, ShardConfig};
 use crate::codec::Encoding;
 use crate::shard::{Consistency, Outcome};
 use crate::wire::{
@@ -733,17 +733,32 @@ impl ShardSession {
                         return self.fail(shard, request_id, ErrorCode::TooStale, m, push, now);
                     }
                 }
-                let (outcome, digest, nonzero, clipped) = shard.with(|s| {
+                // Whether it is checked is decided before it is applied: a push drawn for a
+                // check the driver cannot take now is refused `busy`, never applied unchecked.
+                let sampled = match &tag {
+                    Some(t) => {
+                        let digest = super::guard::bytes_digest(grad.bytes());
+                        shard.sample(worker, request_id, digest, t)
+                    }
+                    None => Sampling::No,
+                };
+                if let Sampling::Busy(m) = sampled {
+                    return self.fail(shard, request_id, ErrorCode::Busy, m, push, now);
+                }
+                let (outcome, nonzero, clipped) = shard.with(|s| {
                     let o = s.push(worker, request_id, base_version, grad, samples, now);
-                    (o, s.last_digest(), s.last_push_nonzero, s.last_push_clipped)
+                    (o, s.last_push_nonzero, s.last_push_clipped)
                 });
-                if let Some(tag) = tag.filter(|t| {
-                    matches!(outcome, Outcome::Applied { .. } | Outcome::Buffered { .. })
-                        && shard.sample(worker, request_id, digest, t)
-                }) {
-                    let mut copy = vec![0.0; grad.len()];
-                    if grad.copy_into(&mut copy).is_ok() {
-                        shard.take_sample(SampledPush {
+                if sampled == Sampling::Yes {
+                    let accepted =
+                        matches!(outcome, Outcome::Applied { .. } | Outcome::Buffered { .. });
+                    let mut copy = Vec::new();
+                    let copied = accepted && {
+                        copy.resize(grad.len(), 0.0);
+                        grad.copy_into(&mut copy).is_ok()
+                    };
+                    let push = match (copied, tag) {
+                        (true, Some(tag)) => Some(SampledPush {
                             worker,
                             shard: id,
                             base_version,
@@ -753,8 +768,10 @@ impl ShardSession {
                             push_encoding: grad.encoding(),
                             error_bound: bound + carried,
                             grad: copy,
-                        });
-                    }
+                        }),
+                        _ => None,
+                    };
+                    shard.take_sample(push);
                 }
                 if matches!(outcome, Outcome::Applied { .. } | Outcome::Buffered { .. }) {
                     self.last_bound = bound;
@@ -844,6 +861,86 @@ mod tests {
         fn admit(&self, _worker: u64, _credential: Option<&str>) -> Admission {
             self.admission.clone()
         }
+    }
+
+    /// A spot-checking shard whose checker answers every tagged push with `answer`, and
+    /// keeps what it is handed.
+    struct Checking {
+        state: ShardState,
+        answer: Sampling,
+        taken: Vec<Option<SampledPush>>,
+    }
+
+    impl ShardAccess for Checking {
+        fn snapshot(&self) -> (u64, std::sync::Arc<Vec<f32>>) {
+            self.state.snapshot()
+        }
+        fn with<R>(&mut self, f: impl FnOnce(&mut ShardState) -> R) -> R {
+            f(&mut self.state)
+        }
+        fn admit(&self, _worker: u64, _credential: Option<&str>) -> Admission {
+            Admission::Admitted
+        }
+        fn spot_checks(&self) -> bool {
+            true
+        }
+        fn sample(&mut self, _: u64, _: u32, _: u64, _: &wire::PushTag) -> Sampling {
+            self.answer.clone()
+        }
+        fn take_sample(&mut self, push: Option<SampledPush>) {
+            self.taken.push(push);
+        }
+    }
+
+    /// Issue 21: whether a push is checked is decided before it is applied. A push drawn for
+    /// a check the checker cannot queue is refused `busy` and changes nothing (it used to be
+    /// applied and its check dropped); a drawn push is handed over once applied, and a drawn
+    /// push the shard refuses gives its place back (`None`).
+    #[test]
+    fn a_push_drawn_for_a_check_that_cannot_be_queued_is_refused_busy_not_applied() {
+        let tagged = |rid: u32, v: u64, g: &[f32]| {
+            let tag = wire::PushTag {
+                batch: u64::from(rid),
+                versions: vec![v],
+            };
+            wire::encode_push_tagged(Encoding::F32, rid, 1, v, 8, g, None, &tag).unwrap()
+        };
+        let mut sh = Checking {
+            state: state(Consistency::Async, 2),
+            answer: Sampling::Busy("the spot checker is full".into()),
+            taken: Vec::new(),
+        };
+        let mut s = ShardSession::new(*sh.state.config());
+        s.handle_frame(&mut sh, &hello(1, 7), 0.0);
+        assert_eq!(sent(&mut s), ["welcome 1"]);
+        s.handle_frame(&mut sh, &tagged(2, 0, &[1.0, 2.0]), 0.0);
+        assert_eq!(sent(&mut s), ["error 2 busy"], "refused, connection kept");
+        assert_eq!(
+            (sh.state.version(), &sh.state.values()[..]),
+            (0, &[0.0f32, 0.0][..])
+        );
+        assert!(sh.taken.is_empty());
+        // Drawn and queued: applied, then handed over as the shard decoded it.
+        sh.answer = Sampling::Yes;
+        s.handle_frame(&mut sh, &tagged(3, 0, &[1.0, 2.0]), 0.0);
+        assert_eq!(sent(&mut s), ["ack 3 v1"]);
+        assert_eq!(sh.taken.len(), 1);
+        let p = sh.taken[0].as_ref().expect("applied, so handed over");
+        assert_eq!(
+            (p.worker, p.base_version, &p.grad[..]),
+            (7, 0, &[1.0f32, 2.0][..])
+        );
+        // Drawn, then refused by the shard (the same gradient again: a replay): its place
+        // is given back.
+        s.handle_frame(&mut sh, &tagged(4, 1, &[1.0, 2.0]), 0.0);
+        assert_eq!(sent(&mut s), ["error 4 replayed"]);
+        assert_eq!(sh.taken.len(), 2);
+        assert!(sh.taken[1].is_none());
+        // Not drawn: applied, nothing handed over.
+        sh.answer = Sampling::No;
+        s.handle_frame(&mut sh, &tagged(5, 1, &[3.0, 1.0]), 0.0);
+        assert_eq!(sent(&mut s), ["ack 5 v2"]);
+        assert_eq!(sh.taken.len(), 2);
     }
 
     /// How a row's shard (id 1, two values, plain SGD at learning rate 1) is set up.

@@ -302,15 +302,49 @@ pub(super) fn digest(values: &[f32]) -> u64 {
     z
 }
 
-impl ShardState {
-    /// The driver vouches for `worker` on this shard (it passed a spot check, or it is an
-    /// established identity): from its next accepted push it has a say in the reference.
-    pub fn vouch(&mut self, worker: u64) {
-        if let Some(e) = self.norms.iter_mut().find(|e| e.worker == worker) {
-            e.vouched = true;
-        } else if let Some(e) = self.probation.iter_mut().find(|e| e.worker == worker) {
-            e.vouched = true;
+/// A 64-bit digest of a push's payload bytes, as [`digest`] mixes values: what the driver's
+/// secret spot-check sampling is keyed on before the push is decoded and applied
+/// ([`crate::session::ShardAccess::sample`]).
+pub(super) fn bytes_digest(bytes: &[u8]) -> u64 {
+    const K: [u64; 4] = [
+        0x9E37_79B9_7F4A_7C15,
+        0xC2B2_AE3D_27D4_EB4F,
+        0x1656_67B1_9E37_79F9,
+        0x27D4_EB2F_1656_67C5,
+    ];
+    let mut h = K;
+    let chunks = bytes.chunks_exact(32);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for i in 0..4 {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&c[i * 8..i * 8 + 8]);
+            h[i] = (h[i] ^ u64::from_le_bytes(w))
+                .wrapping_mul(K[i])
+                .rotate_left(29);
         }
+    }
+    for (i, &b) in rest.iter().enumerate() {
+        let l = i % 4;
+        h[l] = (h[l] ^ u64::from(b)).wrapping_mul(K[l]).rotate_left(29);
+    }
+    let mut z = (bytes.len() as u64).wrapping_mul(K[0]);
+    for x in h {
+        z = (z ^ x).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z ^= z >> 31;
+    }
+    z
+}
+
+impl ShardState {
+    /// The driver vouches for `worker` on this shard at `now` (it passed the spot checker's
+    /// probation, or it is an established identity): from its next accepted push (or at once,
+    /// if it has one accepted) it has a say in the reference, without the [`TRUST_PUSHES`] /
+    /// [`TRUST_SECONDS`] wait. A worker not heard on this shard yet is noted on probation,
+    /// vouched for, so its first accepted push promotes it.
+    pub fn vouch(&mut self, worker: u64, now: f64) {
+        self.norm_entry(worker, now).vouched = true;
+        self.promote(worker, now);
     }
 
     /// The driver's own per-step gradient norm for this shard's slice at the current
@@ -977,5 +1011,41 @@ mod tests {
         let v = sh.version();
         push(&mut flood, &mut sh, &[50.0, 50.0]);
         assert_eq!(sh.version(), v, "a push 100x the honest norm is refused");
+    }
+
+    /// Issue 21: a worker the driver vouches for (it passed the spot checker's probation)
+    /// has a say in the reference from its first accepted push, where one not vouched for
+    /// waits for [`TRUST_PUSHES`] pushes over [`TRUST_SECONDS`]; a vouching before its first
+    /// push on the shard counts too. A rollback forgets the poisoner's norms.
+    #[test]
+    fn a_vouched_worker_is_trusted_at_once_and_a_rollback_forgets_the_poisoner() {
+        let mut b = Bench::new();
+        // Worker 7 vouched for before it ever pushed here; worker 8 not.
+        b.sh.vouch(7, 0.0);
+        assert_eq!(b.push(7, &[0.5, -0.5], 0.1), "ack");
+        assert_eq!(b.push(8, &[0.5, -0.4], 0.1), "ack");
+        assert_eq!(b.sh.trust_counts(0.2), (1, 1), "7 trusted, 8 on probation");
+        // Vouching for one with a push accepted promotes it at once.
+        b.sh.vouch(8, 0.3);
+        assert_eq!(b.sh.trust_counts(0.3), (2, 0));
+        // Without a vouching, trust takes TRUST_PUSHES over TRUST_SECONDS.
+        for i in 0..TRUST_PUSHES {
+            assert_eq!(b.push(9, &[0.4, -0.5], 0.4 + f64::from(i) * 0.01), "ack");
+        }
+        assert_eq!(b.sh.trust_counts(1.0), (2, 1), "9 is still on probation");
+        assert_eq!(b.push(9, &[0.4, -0.5], 0.5 + TRUST_SECONDS), "ack");
+        assert_eq!(b.sh.trust_counts(0.5 + TRUST_SECONDS).0, 3);
+        // A rollback publishes the values as the next version and forgets the poisoner.
+        let v = b.sh.version();
+        b.sh.roll_back(vec![1.0, 2.0], 8).unwrap();
+        assert_eq!(b.sh.version(), v + 1);
+        assert_eq!(&b.sh.values()[..], &[1.0, 2.0]);
+        assert_eq!(b.sh.trust_counts(0.5 + TRUST_SECONDS), (2, 0));
+        assert!(b.sh.roll_back(vec![1.0], 8).is_err(), "wrong length");
+        assert!(
+            b.sh.roll_back(vec![f32::NAN, 0.0], 8).is_err(),
+            "not finite"
+        );
+        assert_eq!(b.sh.version(), v + 1, "a refused rollback changes nothing");
     }
 }

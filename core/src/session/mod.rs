@@ -76,4 +76,6 @@ pub use guard::{
     TRUST_PUSHES, TRUST_SECONDS,
 };
 pub use setup::{fallbacks, ShardConfig, ShardSetup, MAX_ROUND_BYTES};
-pub use state::{Admission, SampledPush, ShardAccess, ShardState, MAX_SOCKETS_PER_WORKER};
+pub use state::{
+    Admission, SampledPush, Sampling, ShardAccess, ShardState, MAX_SOCKETS_PER_WORKER,
+};

@@ -57,7 +57,7 @@ pub struct ShardState {
     pub(super) pushers: HashMap<u64, PushLog>,
     pub(super) log_tick: u64,
     /// The digest of the last push's decoded gradient (0 before any, or for a refused one),
-    /// for the driver's spot-check sampling ([`ShardState::last_digest`]).
+    /// [`ShardState::last_digest`].
     pub(super) last_digest: u64,
     /// Pushes accepted so far (the norm bound's warm-up).
     pub(super) accepted: u64,
@@ -254,6 +254,24 @@ impl ShardState {
         Ok(())
     }
 
+    /// Rolls the shard back to `values` (the parameters of an earlier version, kept by the
+    /// driver) after poison was detected: they are published as the next version (versions
+    /// stay monotonic for the workers, the SSP clock and the replay log), the optimizer state
+    /// kept and the pending `sync:K` round dropped ([`ShardCore::roll_back`]). Unlike
+    /// [`ShardState::restart`], what the workers have earned stays (trust, the replay log, the
+    /// anchor), except `poisoner`'s norms, which leave the reference.
+    ///
+    /// # Errors
+    /// When `values` does not have the shard's length or holds a non-finite value; nothing
+    /// changes.
+    pub fn roll_back(&mut self, values: Vec<f32>, poisoner: u64) -> crate::Result<()> {
+        self.core.roll_back(values)?;
+        self.norms.retain(|e| e.worker != poisoner);
+        self.probation.retain(|e| e.worker != poisoner);
+        self.epoch += 1;
+        Ok(())
+    }
+
     /// Operator controls: the learning rate from the next update on ([`ShardCore::set_lr`]).
     ///
     /// # Errors
@@ -368,8 +386,8 @@ impl ShardState {
         }
     }
 
-    /// The digest of the last push's decoded gradient: what a driver keys its secret
-    /// spot-check sampling on (it is 0 after a push refused before its gradient was read).
+    /// The digest of the last push's decoded gradient (0 after a push refused before its
+    /// gradient was read): the replay check's key.
     pub fn last_digest(&self) -> u64 {
         self.last_digest
     }
@@ -569,6 +587,19 @@ pub struct SampledPush {
     pub grad: Vec<f32>,
 }
 
+/// The answer to [`ShardAccess::sample`], before a tagged push is applied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Sampling {
+    /// Not checked: it is applied as any push.
+    No,
+    /// Checked: the driver holds a place for the check; the push is applied, then handed
+    /// over ([`ShardAccess::take_sample`]).
+    Yes,
+    /// Drawn for a check the driver cannot take now (its queue is full): the push is
+    /// refused `busy` and not applied; the text says why.
+    Busy(String),
+}
+
 pub(super) enum Gate {
     Open,
     Wait(f64),
@@ -610,21 +641,24 @@ pub trait ShardAccess {
     fn check_tag(&mut self, _worker: u64, _tag: &wire::PushTag) -> Result<(), String> {
         Ok(())
     }
-    /// Whether the driver wants a copy of this accepted, tagged push (default: no). Decided
-    /// after the push arrived, from its worker, request id and gradient digest
-    /// ([`ShardState::last_digest`]) as well as its tag, so a driver can key the choice on a
-    /// secret nobody else knows.
+    /// Whether this tagged push is spot-checked (default: no), asked before it is applied.
+    /// Decided from its worker, request id and content digest (of the payload's bytes) as
+    /// well as its tag, so a driver can key the choice on a secret nobody else knows. A push
+    /// drawn for a check that the driver cannot take now is refused `busy` and not applied
+    /// ([`Sampling::Busy`]): checked or refused, never applied unchecked.
     fn sample(
         &mut self,
         _worker: u64,
         _request_id: u32,
         _digest: u64,
         _tag: &wire::PushTag,
-    ) -> bool {
-        false
+    ) -> Sampling {
+        Sampling::No
     }
-    /// Takes the copy [`ShardAccess::sample`] asked for.
-    fn take_sample(&mut self, _push: SampledPush) {}
+    /// After a push [`ShardAccess::sample`] answered [`Sampling::Yes`] for: the copy to
+    /// check when it was applied (or buffered), `None` when the shard refused it (the driver
+    /// gives back what it held for the check).
+    fn take_sample(&mut self, _push: Option<SampledPush>) {}
     /// The shard's consistency mode now ([`ShardState::consistency`]; an operator may switch
     /// it while sessions run). Drivers whose [`ShardAccess::with`] takes a lock should answer
     /// without it: async pulls ask on every pull.

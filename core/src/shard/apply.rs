@@ -261,6 +261,28 @@ impl ShardCore {
         Ok(core)
     }
 
+    /// Rolls back to `values` (an earlier version's parameters, after poison was detected):
+    /// published as the next version (monotonic, as [`ShardCore::restart`]), the pending
+    /// `sync:K` round and DC-ASGD's history dropped, the optimizer state kept. A fresh state
+    /// would undo more than the poison: Adagrad's (the default) first step from an empty
+    /// accumulator is `lr` in every coordinate, and a run rolled back 93 times with fresh
+    /// states ended at 44-67% (docs/benchmarks.md, "Defences: spot checks"); the poison's
+    /// trace in a kept state is the few pushes' share of an accumulator or a momentum that
+    /// decays.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when `values` has another length or a non-finite value; nothing
+    /// changes.
+    pub fn roll_back(&mut self, values: Vec<f32>) -> Result<()> {
+        let state = self.state.clone();
+        let (mean, scaled) = (self.inv_staleness_mean, self.scaled_pushes);
+        self.restart(values)?;
+        self.state = state;
+        self.inv_staleness_mean = mean;
+        self.scaled_pushes = scaled;
+        Ok(())
+    }
+
     /// Starts over from `values` (a teacher's next experiment, issue 19): a fresh optimizer
     /// state, the pending `sync:K` round, DC-ASGD's history and the `scale` statistics
     /// dropped. The version moves on by one rather than back to 0, so every push computed
@@ -690,6 +712,34 @@ mod tests {
             Arc::make_mut(&mut bad.values)[0] = f32::INFINITY;
             assert!(ShardCore::restore(bad, cfg, policy, Consistency::Async).is_err());
         }
+    }
+
+    /// Issue 21: a rollback publishes the earlier values as the next version and keeps the
+    /// optimizer state (a fresh Adagrad accumulator would make the next step `lr` in every
+    /// coordinate); a restart starts the state afresh.
+    #[test]
+    fn a_rollback_moves_the_version_on_and_keeps_the_optimizer_state() {
+        let cfg = OptimizerConfig {
+            rule: crate::optim::Rule::from_name("adagrad").unwrap(),
+            ..sgd(0.1)
+        };
+        let mut s = ShardCore::new(
+            vec![1.0, 2.0],
+            cfg,
+            StalenessPolicy::default(),
+            Consistency::Async,
+        );
+        s.push(0, &[0.5, -0.5]);
+        s.push(1, &[0.5, -0.5]);
+        let state = s.opt_state().clone();
+        s.roll_back(vec![1.0, 2.0]).unwrap();
+        assert_eq!((s.version(), &s.values()[..]), (3, &[1.0f32, 2.0][..]));
+        assert_eq!(s.opt_state(), &state);
+        assert!(s.roll_back(vec![1.0]).is_err());
+        assert!(s.roll_back(vec![f32::NAN, 0.0]).is_err());
+        assert_eq!((s.version(), s.opt_state()), (3, &state), "nothing changed");
+        s.restart(vec![0.0, 0.0]).unwrap();
+        assert_ne!(s.opt_state(), &state);
     }
 
     /// Issue 20: each update runs at the schedule's factor at the shard's version, times the

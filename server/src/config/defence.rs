@@ -47,10 +47,16 @@ pub struct SpotArgs {
     /// ... and the pushed slice's norm is within this relative distance of the recomputed one's.
     #[arg(long, default_value_t = DEFAULT_NORM_TOL)]
     pub spot_check_norm_tol: f64,
-    /// Versions of every shard's parameters kept for spot checks (memory: this × parameters
-    /// × 4 bytes); a sampled push read from an older version is skipped.
+    /// Versions of every shard's parameters kept for spot checks and rollbacks (memory: this
+    /// × parameters × 4 bytes); a push read from an older version is refused too_stale.
     #[arg(long, default_value_t = 64)]
     pub spot_check_history: usize,
+    /// Do not roll shards back when a failed spot check quarantines a worker. By default
+    /// every shard is rolled back to the version before the poisoner's first applied push,
+    /// if --spot-check-history still holds it (the honest pushes since are undone too);
+    /// otherwise, and with this flag, the run heals by training on.
+    #[arg(long)]
+    pub no_spot_check_rollback: bool,
     /// Quarantine a worker after this many refused frames within --quarantine-window
     /// (too_stale and busy never count, out_of_bounds only with --quarantine-out-of-bounds);
     /// 0 turns it off. A failed spot check always quarantines.
@@ -77,6 +83,8 @@ pub struct SpotConfig {
     pub norm_tol: f64,
     /// Versions kept per shard.
     pub history: usize,
+    /// Roll a shard back past a quarantined poisoner's pushes (`--spot-check-rollback`).
+    pub rollback: bool,
     /// When refusals quarantine.
     pub quarantine: QuarantinePolicy,
 }
@@ -88,6 +96,7 @@ impl Default for SpotConfig {
             cosine: DEFAULT_COSINE,
             norm_tol: DEFAULT_NORM_TOL,
             history: 64,
+            rollback: true,
             quarantine: QuarantinePolicy::default(),
         }
     }
@@ -138,6 +147,7 @@ impl SpotArgs {
             cosine: self.spot_check_cosine,
             norm_tol: self.spot_check_norm_tol,
             history: self.spot_check_history,
+            rollback: !self.no_spot_check_rollback,
             quarantine: QuarantinePolicy {
                 rejections: self.quarantine_rejections,
                 window: Duration::from_secs_f64(self.quarantine_window),

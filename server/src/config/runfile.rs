@@ -148,6 +148,11 @@ pub const KEYS: &[Key] = &[
         Kind::Int,
     ),
     key(
+        "defence.spot_check_rollback",
+        "no_spot_check_rollback",
+        Kind::NotBool,
+    ),
+    key(
         "defence.quarantine_rejections",
         "quarantine_rejections",
         Kind::Int,

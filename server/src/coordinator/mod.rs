@@ -273,6 +273,10 @@ pub async fn run(
     for s in &shards {
         s.set_defence(defence.clone())?;
     }
+    if let Some(spot) = &defence.spot {
+        // Vouching and rollbacks reach the shards through these (crate::defence::spotcheck).
+        spot.attach(shards.iter().map(crate::shard::Shard::control).collect());
+    }
     let demo = Arc::new(crate::shard::demo::Demo::default());
     for s in &shards {
         s.set_demo(demo.clone());

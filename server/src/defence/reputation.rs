@@ -355,7 +355,8 @@ impl Reputation {
     }
 
     /// The checker's verdict on one of `worker`'s pushes; a failure quarantines it.
-    pub fn checked(&self, worker: u64, result: CheckResult) {
+    /// Returns whether this result quarantined the worker (it was not before).
+    pub fn checked(&self, worker: u64, result: CheckResult) -> bool {
         let reason = {
             let mut g = self.lock();
             let r = Self::entry(&mut g, worker);
@@ -378,8 +379,9 @@ impl Reputation {
                 }
             }
         };
-        if let Some(why) = reason {
-            self.quarantine(worker, format!("failed a spot check: {why}"));
+        match reason {
+            Some(why) => self.quarantine(worker, format!("failed a spot check: {why}")),
+            None => false,
         }
     }
 

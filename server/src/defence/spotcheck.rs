@@ -26,9 +26,17 @@
 //!   a push that cannot be checked must not get through (a push tagged 200 versions back used
 //!   to be applied and its check counted as skipped). Honest workers meet this only when their
 //!   staleness exceeds the history (docs/protocol.md, "Spot checks").
-//! - A sampled push goes to one checker thread through a bounded queue ([`QUEUE`]) with the
-//!   parameters captured; a full queue drops the check (counted). The reactor threads never
-//!   compute.
+//! - Whether a push is checked is decided before it is applied ([`SpotChecker::sample`], on
+//!   a digest of its payload bytes): a push drawn takes a place in the bounded queue to the
+//!   one checker thread ([`QUEUE`], at most [`QUEUE_PER_WORKER`] per worker) and is applied,
+//!   then queued with the parameters captured; a push drawn when no place is free is refused
+//!   `busy` and not applied (`refused_busy`). Checked or refused, never applied unchecked: a
+//!   full queue used to drop the check of a push already applied, so a poisoner that kept the
+//!   checker busy got its poison in unchecked. `busy` is retry-later for every worker and
+//!   never counts toward quarantine; the per-worker share keeps one flooder's checks from
+//!   refusing everybody else's pushes. The cost falls on throughput only when the checker
+//!   cannot keep up (a high `--spot-check` on a busy machine): then the workers are paced
+//!   at the checker's rate. The reactor threads never compute.
 //! - The checker draws the worker's batches again ([`BatchSampler::skip`] to the tag's batch),
 //!   recomputes the gradient, or with local steps the whole round of `H = samples / batch`
 //!   inner steps from the pulled parameters with a fresh inner optimizer state (a worker
@@ -44,8 +52,45 @@
 //!   fixed thresholds, honest int8 pushes (cosine 0.969–0.985) were quarantined.
 //! - A failure quarantines the worker ([`crate::defence::reputation`]).
 //!
+//! # Trust: vouching
+//! A worker that passed [`PROBATION_CHECKS`] spot checks (a failure quarantines, so it failed
+//! none) is vouched for on every shard of this process (`ShardState::vouch`, through
+//! [`ShardControl`]): it has a say in the norm reference from its next accepted push instead
+//! of after 16 pushes over 10 s. Why the fourth pass, not the first: one pass costs an
+//! attacker one honest round, and a sybil crowd vouched for that cheaply would carry the
+//! reference; four passes at the probation rate (every push a coin at least 1/2) cost at
+//! least four honest rounds with no poisoned one in between, and the same moment ends the
+//! checker's own probation, so "on probation" means one thing. The vouching is repeated after
+//! each later pass (cheap: checks are rare), so a worker a shard's probation table forgot is
+//! vouched for again.
+//!
+//! # Rollback: detected poison is undone
+//! The checker logs which versions every worker's applied pushes produced on every shard
+//! ([`SpotChecker::applied`], at most `history` × [`APPLIED_PER_VERSION`] per shard). When a
+//! failed check quarantines a worker (and `--no-spot-check-rollback` is not given), every
+//! shard where the worker's first push in the log produced version `f` and the history
+//! still holds version `f − 1` is rolled back: those parameters are published as the next
+//! version (versions stay monotonic for the workers, the SSP clock and the replay log), with
+//! the optimizer state kept (a fresh one would cost more: Adagrad's first step from an empty
+//! accumulator is `lr` in every coordinate; measured), the pending
+//! `sync:K` round dropped, and the poisoner's norms out of the reference. Where `f − 1` is no
+//! longer held, the shard is left to heal by training on (`healed`).
+//!
+//! The rule is "roll back whenever the history holds the version before the poison", so the
+//! history bounds the cost: at most `--spot-check-history` versions are undone, the honest
+//! ones among them included (their workers' next pushes are a few versions staler, nothing
+//! else). Healing costs more: sub-bound poison moves the model by up to the norm bound per
+//! push, and honest gradients then need at least as many updates to undo each poisoned one,
+//! at a time when their own pushes may be refused against a reference that has not followed
+//! the model yet; measured in docs/benchmarks.md ("Defences: spot checks"). Pushes the
+//! poisoner made before the log's oldest entry are not undone (a poisoner passing checks
+//! for `history` × [`APPLIED_PER_VERSION`] versions before its first poisoned push is
+//! caught, and rolled back, from its first logged push on). Counted: `rollbacks`,
+//! `versions_undone`, `poisoned_undone`, `healed`.
+//!
 //! # Bounds
-//! Memory: the histories hold at most `history` versions of every shard, that is
+//! Memory: the histories hold at most `history` versions of every shard (the same versions
+//! serve checks and rollbacks), that is
 //! `history × parameters × 4` bytes (64 versions of the 101,770-parameter `mlp:128` are
 //! 26 MB); the queue's [`QUEUE`] pushes hold a shard slice each and `Arc`s of the versions
 //! they read, which outlive the history at worst by `QUEUE × parameters × 4` bytes more; and
@@ -62,18 +107,25 @@ use crowdgrad_core::codec::Encoding;
 use crowdgrad_core::data::{BatchSampler, Dataset};
 use crowdgrad_core::model::Model;
 use crowdgrad_core::optim::{self, clip_by_global_norm, OptState};
-use crowdgrad_core::session::SampledPush;
+use crowdgrad_core::session::{SampledPush, Sampling};
 use crowdgrad_core::spec::RunSpec;
 use crowdgrad_core::wire::PushTag;
 use ndarray::Array2;
 use serde::Serialize;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 
-/// Sampled pushes waiting for the checker; past this a sampled push is dropped (counted).
+/// Sampled pushes waiting for the checker; past this a push drawn for a check is refused
+/// `busy` and not applied (counted).
 pub const QUEUE: usize = 64;
+/// Checks one worker may have waiting at once; past this its pushes drawn for a check are
+/// refused `busy`: one worker's flood holds up its own pushes, not the others'.
+pub const QUEUE_PER_WORKER: usize = 16;
+/// Pushes applied per shard whose (version, worker) the checker remembers for a rollback, per
+/// version kept (`--spot-check-history` × this): a `sync:K` version merges several.
+pub const APPLIED_PER_VERSION: usize = 4;
 /// Recomputed rounds the checker keeps (a round is compared once per shard).
 pub const CACHE: usize = 8;
 /// Partitions the checker keeps a copy of (the first workers' are large: a crowd's first
@@ -96,7 +148,62 @@ struct Counters {
     refused_version: AtomicU64,
     skipped_unknown: AtomicU64,
     dropped_queue: AtomicU64,
+    refused_busy: AtomicU64,
     dropped_quarantined: AtomicU64,
+    vouched: AtomicU64,
+    rollbacks: AtomicU64,
+    versions_undone: AtomicU64,
+    poisoned_undone: AtomicU64,
+    healed: AtomicU64,
+}
+
+/// Places in the checker's queue: taken when a push is drawn for a check, before it is
+/// applied; given back when the checker takes the job, or when the shard refuses the push.
+#[derive(Debug, Default)]
+struct Slots {
+    total: usize,
+    by_worker: HashMap<u64, usize>,
+}
+
+impl Slots {
+    /// Takes a place for `worker`: false when the queue ([`QUEUE`]) or the worker's share of
+    /// it ([`QUEUE_PER_WORKER`]) is full.
+    fn take(&mut self, worker: u64) -> bool {
+        let mine = self.by_worker.get(&worker).copied().unwrap_or(0);
+        if self.total >= QUEUE || mine >= QUEUE_PER_WORKER {
+            return false;
+        }
+        self.total += 1;
+        *self.by_worker.entry(worker).or_default() += 1;
+        true
+    }
+
+    /// Gives a place of `worker`'s back.
+    fn give(&mut self, worker: u64) {
+        if let Some(n) = self.by_worker.get_mut(&worker) {
+            self.total = self.total.saturating_sub(1);
+            *n -= 1;
+            if *n == 0 {
+                self.by_worker.remove(&worker);
+            }
+        }
+    }
+}
+
+/// What the checker does to the shards of this process: vouch for a worker that passed its
+/// probation, roll a shard back past a poisoner's pushes. `crate::shard` implements it (the
+/// defences sit below the shards in the layout, `crate` docs, so they see shards only as
+/// this); the coordinator hands them over once with [`SpotChecker::attach`].
+pub trait ShardControl: Send + Sync {
+    /// `ShardState::vouch`: `worker` has a say in this shard's norm reference from its next
+    /// accepted push.
+    fn vouch(&self, worker: u64);
+    /// Publishes `values`, the parameters of version `target`, as this shard's next version
+    /// (optimizer state kept, the pending sync round dropped) and forgets `poisoner`'s norms.
+    /// Returns the version before and the one published; `None` when the shard is gone, the
+    /// values do not fit, or it is still at `target` (nothing was applied since: a `sync:K`
+    /// push of the poisoner's still pending is dropped by its expulsion).
+    fn roll_back(&self, values: Vec<f32>, target: u64, poisoner: u64) -> Option<(u64, u64)>;
 }
 
 /// One check's figures, for the status.
@@ -116,11 +223,109 @@ pub struct Figure {
     pub passed: bool,
 }
 
-#[derive(Debug)]
 struct Shared {
+    cfg: SpotConfig,
     counters: Counters,
     recent: Mutex<VecDeque<Figure>>,
     reputation: Arc<Reputation>,
+    /// Every shard's recent versions.
+    histories: Vec<Mutex<History>>,
+    /// Every shard's recent applied pushes: (the version it produced, its worker), oldest
+    /// first, at most `history` × [`APPLIED_PER_VERSION`].
+    applied: Vec<Mutex<VecDeque<(u64, u64)>>>,
+    slots: Mutex<Slots>,
+    /// The shards, once attached (vouching and rollback need them).
+    controls: std::sync::OnceLock<Vec<Box<dyn ShardControl>>>,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared").field("cfg", &self.cfg).finish()
+    }
+}
+
+impl Shared {
+    /// `worker` passed its probation ([`PROBATION_CHECKS`] checks, none failed: a failure
+    /// quarantines): it has a say in every shard's norm reference without serving the
+    /// shards' own probation (module docs, "Trust"). Again after every later pass, so a
+    /// worker a shard's probation table forgot is vouched for again.
+    fn vouch(&self, worker: u64) {
+        let Some(shards) = self.controls.get() else {
+            return;
+        };
+        for s in shards {
+            s.vouch(worker);
+        }
+        self.counters.vouched.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// `poisoner` was quarantined for a failed check: every shard where its first applied
+    /// push still in the log produced a version whose predecessor the history holds is rolled
+    /// back to that predecessor, published as a new version (module docs, "Rollback"); the
+    /// others are left to heal.
+    fn roll_back(&self, poisoner: u64) {
+        let Some(shards) = self.controls.get() else {
+            return;
+        };
+        let c = &self.counters;
+        for (i, control) in shards.iter().enumerate() {
+            let (first, mine) = {
+                let Some(a) = self.applied.get(i) else {
+                    continue;
+                };
+                let a = a.lock().unwrap_or_else(|p| p.into_inner());
+                let mut mine = a.iter().filter(|(_, w)| *w == poisoner).map(|(v, _)| *v);
+                let Some(first) = mine.next() else {
+                    // Nothing of its in the log: nothing recent to undo here.
+                    continue;
+                };
+                let mut versions: Vec<u64> = std::iter::once(first).chain(mine).collect();
+                versions.dedup();
+                (first, versions)
+            };
+            let target = first.saturating_sub(1);
+            let values = self.histories.get(i).and_then(|h| {
+                let h = h.lock().unwrap_or_else(|p| p.into_inner());
+                h.iter().find(|(v, _)| *v == target).map(|(_, p)| p.clone())
+            });
+            let Some(values) = values else {
+                c.healed.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    worker = poisoner,
+                    shard = i,
+                    version = target,
+                    "no rollback: the version before the poisoner's first push is no longer held"
+                );
+                continue;
+            };
+            let Some((before, published)) = control.roll_back(values.to_vec(), target, poisoner)
+            else {
+                continue;
+            };
+            let undone = before.saturating_sub(target);
+            let poisoned = mine.iter().filter(|&&v| v > target && v <= before).count() as u64;
+            c.rollbacks.fetch_add(1, Ordering::Relaxed);
+            c.versions_undone.fetch_add(undone, Ordering::Relaxed);
+            c.poisoned_undone.fetch_add(poisoned, Ordering::Relaxed);
+            tracing::warn!(
+                worker = poisoner,
+                shard = i,
+                restored = target,
+                undone,
+                poisoned,
+                published,
+                "rolled back past a quarantined worker's pushes"
+            );
+        }
+    }
+
+    /// Gives back `worker`'s place in the queue.
+    fn release(&self, worker: u64) {
+        self.slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .give(worker);
+    }
 }
 
 /// `/api/status`'s `spot_checks`.
@@ -147,10 +352,27 @@ pub struct SpotStatus {
     pub refused_version: u64,
     /// Sampled pushes of workers the registry forgot.
     pub skipped_unknown: u64,
-    /// Sampled pushes dropped because the queue was full.
+    /// Sampled pushes applied without their check because the queue was full (0 since issue
+    /// 21: such pushes are refused `busy` before they are applied, [`SpotStatus::refused_busy`]).
     pub dropped_queue: u64,
+    /// Pushes drawn for a check that could not be queued (the queue full, or the worker's
+    /// share of it): refused `busy`, not applied.
+    pub refused_busy: u64,
     /// Queued checks dropped because their worker was quarantined meanwhile.
     pub dropped_quarantined: u64,
+    /// Vouchings: a worker that passed its probation was vouched for on every shard (once
+    /// per passed check from then on).
+    pub vouched: u64,
+    /// Whether a poisoner's pushes are rolled back (`--spot-check-rollback`).
+    pub rollback: bool,
+    /// Shards rolled back past a quarantined worker's pushes.
+    pub rollbacks: u64,
+    /// Versions those rollbacks undid (the poisoner's and the honest ones since).
+    pub versions_undone: u64,
+    /// Of those, the poisoner's own pushes.
+    pub poisoned_undone: u64,
+    /// Shards left to heal: the poisoner's first push there was older than the history held.
+    pub healed: u64,
     /// The most recent checks' figures, oldest first.
     pub recent: Vec<Figure>,
 }
@@ -169,7 +391,6 @@ pub struct SpotChecker {
     cfg: SpotConfig,
     /// The sampling secret: never leaves this process (module docs, "Sampling").
     key: [u8; 32],
-    histories: Vec<Mutex<History>>,
     tx: SyncSender<Job>,
     shared: Arc<Shared>,
 }
@@ -205,10 +426,19 @@ impl SpotChecker {
     ) -> Result<Arc<Self>> {
         let model = Model::new(spec.model.clone())?;
         let (tx, rx) = sync_channel(QUEUE);
+        let shards = initial.len();
         let shared = Arc::new(Shared {
+            cfg,
             counters: Counters::default(),
             recent: Mutex::new(VecDeque::new()),
             reputation,
+            histories: initial
+                .into_iter()
+                .map(|v| Mutex::new(VecDeque::from([v])))
+                .collect(),
+            applied: (0..shards).map(|_| Mutex::new(VecDeque::new())).collect(),
+            slots: Mutex::new(Slots::default()),
+            controls: std::sync::OnceLock::new(),
         });
         let checker = Checker {
             cfg,
@@ -226,15 +456,10 @@ impl SpotChecker {
             .name("spot-check".into())
             .spawn(move || checker.run(rx))
             .map_err(|e| Error::io("starting the spot-check thread", e))?;
-        let histories = initial
-            .into_iter()
-            .map(|v| Mutex::new(VecDeque::from([v])))
-            .collect();
         Ok(Arc::new(Self {
             cfg,
             key: crate::support::credential::run_secret()
                 .map_err(|e| Error::io("drawing the spot-check secret", e))?,
-            histories,
             tx,
             shared,
         }))
@@ -248,7 +473,7 @@ impl SpotChecker {
     /// Shard `shard` published `values` as `version` (kept for the checks of pushes read
     /// from it).
     pub fn record(&self, shard: u32, version: u64, values: Arc<Vec<f32>>) {
-        let Some(h) = self.histories.get(shard as usize) else {
+        let Some(h) = self.shared.histories.get(shard as usize) else {
             return;
         };
         let mut h = h.lock().unwrap_or_else(|p| p.into_inner());
@@ -264,7 +489,40 @@ impl SpotChecker {
     /// request id, gradient digest and tag, below the run's fraction (at least
     /// [`PROBATION_RATE`] for a worker on probation). Decided once the push arrived; nothing
     /// public predicts it.
-    pub fn sample(&self, worker: u64, request_id: u32, digest: u64, tag: &PushTag) -> bool {
+    /// A push drawn holds a place in the checker's queue until [`SpotChecker::submit`] or
+    /// [`SpotChecker::cancel`]; one drawn when the queue (or the worker's share of it,
+    /// [`QUEUE_PER_WORKER`]) is full is answered [`Sampling::Busy`]: it is refused, not
+    /// applied unchecked.
+    pub fn sample(&self, worker: u64, request_id: u32, digest: u64, tag: &PushTag) -> Sampling {
+        if !self.draw(worker, request_id, digest, tag) {
+            return Sampling::No;
+        }
+        let taken = self
+            .shared
+            .slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take(worker);
+        if !taken {
+            self.shared
+                .counters
+                .refused_busy
+                .fetch_add(1, Ordering::Relaxed);
+            return Sampling::Busy(
+                "this push was drawn for a spot check and the checker is busy: retry later".into(),
+            );
+        }
+        Sampling::Yes
+    }
+
+    /// A push drawn for a check was refused by the shard: its place in the queue is given
+    /// back.
+    pub fn cancel(&self, worker: u64) {
+        self.shared.release(worker);
+    }
+
+    /// The coin of [`SpotChecker::sample`].
+    fn draw(&self, worker: u64, request_id: u32, digest: u64, tag: &PushTag) -> bool {
         let mut rate = self.cfg.fraction;
         if rate <= 0.0 {
             return false;
@@ -302,15 +560,15 @@ impl SpotChecker {
     /// longer holds (older than its `--spot-check-history`) or never saw: the push cannot be
     /// checked, and is refused `too_stale` (the message says which).
     pub fn capture(&self, tag: &PushTag) -> std::result::Result<Vec<Arc<Vec<f32>>>, String> {
-        if tag.versions.len() != self.histories.len() {
+        if tag.versions.len() != self.shared.histories.len() {
             return Err(format!(
                 "its tag lists {} shard versions for {} shards",
                 tag.versions.len(),
-                self.histories.len()
+                self.shared.histories.len()
             ));
         }
-        let mut params = Vec::with_capacity(self.histories.len());
-        for (shard, (h, &v)) in self.histories.iter().zip(&tag.versions).enumerate() {
+        let mut params = Vec::with_capacity(self.shared.histories.len());
+        for (shard, (h, &v)) in self.shared.histories.iter().zip(&tag.versions).enumerate() {
             let h = h.lock().unwrap_or_else(|p| p.into_inner());
             match h.iter().find(|(hv, _)| *hv == v) {
                 Some((_, p)) => params.push(p.clone()),
@@ -330,23 +588,40 @@ impl SpotChecker {
         Ok(params)
     }
 
-    /// A sampled push with the parameters [`SpotChecker::capture`] took: queues the check.
+    /// A sampled push, applied, with the parameters [`SpotChecker::capture`] took: queues
+    /// the check in the place [`SpotChecker::sample`] held for it.
     pub fn submit(&self, push: SampledPush, params: Vec<Arc<Vec<f32>>>) {
         self.shared.counters.sampled.fetch_add(1, Ordering::Relaxed);
-        self.enqueue(Job { push, params });
+        let worker = push.worker;
+        // The places held never exceed the channel's room, so this fails only if the checker
+        // thread is gone (it ends with the server).
+        if self.tx.try_send(Job { push, params }).is_err() {
+            self.shared.release(worker);
+            self.shared
+                .counters
+                .dropped_queue
+                .fetch_add(1, Ordering::Relaxed);
+            self.shared.reputation.checked(worker, CheckResult::Skipped);
+        }
     }
 
-    fn enqueue(&self, job: Job) {
-        let worker = job.push.worker;
-        match self.tx.try_send(job) {
-            Ok(()) => {}
-            Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
-                self.shared
-                    .counters
-                    .dropped_queue
-                    .fetch_add(1, Ordering::Relaxed);
-                self.shared.reputation.checked(worker, CheckResult::Skipped);
-            }
+    /// Hands the checker the shards of this process, in shard order (set once; later calls
+    /// are ignored): it vouches for workers that passed their probation and rolls back
+    /// poison on them.
+    pub fn attach(&self, shards: Vec<Box<dyn ShardControl>>) {
+        let _ = self.shared.controls.set(shards);
+    }
+
+    /// Shard `shard`'s push from `worker` produced `version` (a `sync:K` push: the version
+    /// its round will produce): remembered, bounded, for a rollback.
+    pub fn applied(&self, shard: u32, version: u64, worker: u64) {
+        let Some(a) = self.shared.applied.get(shard as usize) else {
+            return;
+        };
+        let mut a = a.lock().unwrap_or_else(|p| p.into_inner());
+        a.push_back((version, worker));
+        while a.len() > self.cfg.history.saturating_mul(APPLIED_PER_VERSION) {
+            a.pop_front();
         }
     }
 
@@ -366,7 +641,14 @@ impl SpotChecker {
             refused_version: get(&c.refused_version),
             skipped_unknown: get(&c.skipped_unknown),
             dropped_queue: get(&c.dropped_queue),
+            refused_busy: get(&c.refused_busy),
             dropped_quarantined: get(&c.dropped_quarantined),
+            vouched: get(&c.vouched),
+            rollback: self.cfg.rollback,
+            rollbacks: get(&c.rollbacks),
+            versions_undone: get(&c.versions_undone),
+            poisoned_undone: get(&c.poisoned_undone),
+            healed: get(&c.healed),
             recent: self
                 .shared
                 .recent
@@ -438,9 +720,40 @@ impl prometheus_client::collector::Collector for DefenceScrape {
                 ("refused_version", s.refused_version),
                 ("skipped_unknown", s.skipped_unknown),
                 ("dropped_queue", s.dropped_queue),
+                ("refused_busy", s.refused_busy),
                 ("dropped_quarantined", s.dropped_quarantined),
             ] {
                 ConstCounter::new(n).encode(m.encode_family(&vec![("result", result)])?)?;
+            }
+            for (name, help, n) in [
+                (
+                    "crowdgrad_spot_check_vouched",
+                    "Workers vouched for after passing their spot-check probation (once per passed check from then on).",
+                    s.vouched,
+                ),
+                (
+                    "crowdgrad_spot_check_rollbacks",
+                    "Shards rolled back past a quarantined worker's pushes.",
+                    s.rollbacks,
+                ),
+                (
+                    "crowdgrad_spot_check_versions_undone",
+                    "Versions undone by rollbacks (the poisoner's and the honest ones since).",
+                    s.versions_undone,
+                ),
+                (
+                    "crowdgrad_spot_check_poisoned_undone",
+                    "A poisoner's applied pushes undone by rollbacks.",
+                    s.poisoned_undone,
+                ),
+                (
+                    "crowdgrad_spot_check_healed",
+                    "Shards left to heal: the poisoner's first push was older than the history held.",
+                    s.healed,
+                ),
+            ] {
+                let m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+                ConstCounter::new(n).encode(m)?;
             }
             let m = enc.encode_descriptor(
                 "crowdgrad_spot_checks_sampled",
@@ -509,6 +822,8 @@ impl Checker {
         // Ends when the SpotChecker (the only sender) is dropped with the server.
         while let Ok(job) = rx.recv() {
             let worker = job.push.worker;
+            // Out of the queue: its place is free for the next push drawn.
+            self.shared.release(worker);
             if self.shared.reputation.quarantined(worker).is_some() {
                 self.shared
                     .counters
@@ -519,10 +834,12 @@ impl Checker {
             let shard = job.push.shard;
             let verdict = self.check(&job);
             let c = &self.shared.counters;
+            let mut passed = false;
             let result = match verdict {
                 Verdict::Pass(f, steps) => {
                     c.passed.fetch_add(1, Ordering::Relaxed);
                     self.remember(worker, shard, steps, f, true);
+                    passed = true;
                     CheckResult::Passed(f)
                 }
                 Verdict::Fail(why, f) => {
@@ -538,7 +855,13 @@ impl Checker {
                     CheckResult::Skipped
                 }
             };
-            self.shared.reputation.checked(worker, result);
+            let quarantined = self.shared.reputation.checked(worker, result);
+            if passed && self.shared.reputation.spot_passed(worker) >= PROBATION_CHECKS {
+                self.shared.vouch(worker);
+            }
+            if quarantined && self.cfg.rollback {
+                self.shared.roll_back(worker);
+            }
         }
     }
 
@@ -815,6 +1138,38 @@ mod tests {
         assert_eq!(compare(&[0.0; 3], &e).cosine, 0.0);
     }
 
+    /// Issue 21: the checker's queue holds at most [`QUEUE`] checks, and one worker at most
+    /// [`QUEUE_PER_WORKER`] of them; a place given back is free again (a push drawn when
+    /// none is free is refused `busy`, [`SpotChecker::sample`]).
+    #[test]
+    fn the_queue_is_bounded_overall_and_per_worker() {
+        let mut s = Slots::default();
+        for _ in 0..QUEUE_PER_WORKER {
+            assert!(s.take(1));
+        }
+        assert!(!s.take(1), "worker 1's share is full");
+        let mut w = 2;
+        while s.total < QUEUE {
+            assert!(s.take(w), "room left at {}", s.total);
+            if s.by_worker[&w] == QUEUE_PER_WORKER {
+                w += 1;
+            }
+        }
+        assert!(!s.take(99), "the queue is full for everyone");
+        s.give(1);
+        assert!(s.take(1), "worker 1 takes its place again");
+        assert_eq!(s.total, QUEUE);
+        assert!(!s.take(99));
+        // A place given back by a worker holding none changes nothing.
+        s.give(12345);
+        assert_eq!(s.total, QUEUE);
+        for _ in 0..QUEUE_PER_WORKER {
+            s.give(1);
+        }
+        assert_eq!(s.total, QUEUE - QUEUE_PER_WORKER);
+        assert!(s.take(99));
+    }
+
     #[test]
     fn flags_are_checked() {
         let ok = SpotArgs {
@@ -822,6 +1177,7 @@ mod tests {
             spot_check_cosine: DEFAULT_COSINE,
             spot_check_norm_tol: DEFAULT_NORM_TOL,
             spot_check_history: 64,
+            no_spot_check_rollback: false,
             quarantine_rejections: 0,
             quarantine_out_of_bounds: false,
             quarantine_window: 60.0,

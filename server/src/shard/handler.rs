@@ -355,6 +355,9 @@ async fn perform<Si: Sink<Outbound> + Unpin>(
             Action::Record(r) => {
                 if let Some(d) = shard.defence() {
                     note(&d.reputation, &r);
+                    if let Some(spot) = &d.spot {
+                        applied(spot, id, &r);
+                    }
                 }
                 if let Record::Left { worker } = r {
                     // A shard process's credential expiry clock (crate::shard::expiry).
@@ -380,6 +383,24 @@ fn note(reputation: &crate::defence::reputation::Reputation, r: &Record) {
             code,
         } => reputation.rejected(*w, *code),
         _ => {}
+    }
+}
+
+/// An accepted push's version goes to the spot checker's log (for a rollback past a
+/// poisoner's pushes, [`crate::defence::spotcheck`]); a `sync:K` push's is the version its round
+/// will produce.
+fn applied(spot: &crate::defence::spotcheck::SpotChecker, shard: u32, r: &Record) {
+    if let Record::Pushed {
+        worker: Some(w),
+        outcome,
+        ..
+    } = r
+    {
+        match outcome {
+            Outcome::Applied { version, .. } => spot.applied(shard, *version, *w),
+            Outcome::Buffered { version, .. } => spot.applied(shard, version + 1, *w),
+            Outcome::Rejected { .. } => {}
+        }
     }
 }
 

@@ -25,7 +25,9 @@ use crate::registry::Registry;
 use arc_swap::ArcSwap;
 use crowdgrad_core::codec::{Encoding, DEFAULT_INT8_BLOCK};
 use crowdgrad_core::partition::KeyRange;
-use crowdgrad_core::session::{Admission, ShardAccess, ShardConfig, ShardSetup, ShardState};
+use crowdgrad_core::session::{
+    Admission, Sampling, ShardAccess, ShardConfig, ShardSetup, ShardState,
+};
 use crowdgrad_core::shard::{Consistency, ShardCore, ShardExport};
 use crowdgrad_core::wire::ParamsBody;
 use std::collections::BTreeMap;
@@ -404,6 +406,52 @@ impl Shard {
         Ok(())
     }
 
+    /// Rolls back to `values`, the parameters of version `target`, after poison was detected
+    /// ([`ShardState::roll_back`]): they are published at once as the next version, kept for
+    /// spot checks, and `poisoner`'s norms leave the reference. Returns the version before
+    /// and the one published; `None` (nothing done) when the shard is still at `target`.
+    ///
+    /// # Errors
+    /// When `values` does not have the shard's length; nothing changes.
+    pub fn roll_back(
+        &self,
+        values: Vec<f32>,
+        target: u64,
+        poisoner: u64,
+    ) -> crate::Result<Option<(u64, u64)>> {
+        let inner = &self.inner;
+        let (before, after, epoch) = {
+            let mut st = self.state();
+            let before = st.version();
+            if before <= target {
+                return Ok(None);
+            }
+            st.roll_back(values, poisoner)?;
+            if let Some(spot) = inner.defence.get().and_then(|d| d.spot.as_ref()) {
+                spot.record(inner.cfg.id, st.version(), st.values().clone());
+            }
+            inner
+                .current
+                .store(Arc::new(Snapshot::new(st.version(), st.values().clone())));
+            inner.demand.store(st.demand(), Ordering::Relaxed);
+            (before, st.version(), st.epoch())
+        };
+        inner.epoch_tx.send_replace(epoch);
+        Ok(Some((before, after)))
+    }
+
+    /// [`ShardState::vouch`] for `worker`.
+    pub fn vouch(&self, worker: u64) {
+        let now = self.now();
+        self.state().vouch(worker, now);
+    }
+
+    /// What the spot checker holds of this shard: a weak handle (the shard holds the
+    /// checker, so a strong one would keep both alive for ever).
+    pub fn control(&self) -> Box<dyn crate::defence::spotcheck::ShardControl> {
+        Box::new(Control(Arc::downgrade(&self.inner)))
+    }
+
     /// Reputation and spot checks, once set.
     pub fn defence(&self) -> Option<&crate::defence::spotcheck::Defence> {
         self.inner.defence.get()
@@ -461,7 +509,27 @@ impl Shard {
             shard: self,
             registry,
             held: None,
+            drawn: None,
         }
+    }
+}
+
+/// [`Shard::control`].
+struct Control(std::sync::Weak<Inner>);
+
+impl crate::defence::spotcheck::ShardControl for Control {
+    fn vouch(&self, worker: u64) {
+        if let Some(inner) = self.0.upgrade() {
+            Shard { inner }.vouch(worker);
+        }
+    }
+
+    fn roll_back(&self, values: Vec<f32>, target: u64, poisoner: u64) -> Option<(u64, u64)> {
+        let inner = self.0.upgrade()?;
+        Shard { inner }
+            .roll_back(values, target, poisoner)
+            .ok()
+            .flatten()
     }
 }
 
@@ -472,6 +540,9 @@ pub struct Access<'a> {
     /// The parameters a push's tag names, taken before it is applied and held until its spot
     /// check is queued or declined (one push at a time).
     held: Option<Vec<Arc<Vec<f32>>>>,
+    /// The worker whose push holds a place in the spot checker's queue, from
+    /// [`ShardAccess::sample`] to [`ShardAccess::take_sample`].
+    drawn: Option<u64>,
 }
 
 impl ShardAccess for Access<'_> {
@@ -577,25 +648,33 @@ impl ShardAccess for Access<'_> {
         request_id: u32,
         digest: u64,
         tag: &crowdgrad_core::wire::PushTag,
-    ) -> bool {
-        let yes = self
-            .shard
-            .defence()
-            .and_then(|d| d.spot.as_ref())
-            .is_some_and(|s| s.sample(worker, request_id, digest, tag));
-        if !yes {
+    ) -> Sampling {
+        let answer = match self.shard.defence().and_then(|d| d.spot.as_ref()) {
+            Some(s) => s.sample(worker, request_id, digest, tag),
+            None => Sampling::No,
+        };
+        if answer == Sampling::Yes {
+            self.drawn = Some(worker);
+        } else {
             // Not checked: the versions' parameters are not kept past this push.
             self.held = None;
         }
-        yes
+        answer
     }
 
-    fn take_sample(&mut self, push: crowdgrad_core::session::SampledPush) {
-        if let (Some(s), Some(params)) = (
-            self.shard.defence().and_then(|d| d.spot.as_ref()),
-            self.held.take(),
-        ) {
-            s.submit(push, params);
+    fn take_sample(&mut self, push: Option<crowdgrad_core::session::SampledPush>) {
+        let Some(s) = self.shard.defence().and_then(|d| d.spot.as_ref()) else {
+            return;
+        };
+        let drawn = self.drawn.take();
+        match (push, self.held.take()) {
+            (Some(push), Some(params)) => s.submit(push, params),
+            // Refused by the shard: the place held in the checker's queue is given back.
+            _ => {
+                if let Some(w) = drawn {
+                    s.cancel(w);
+                }
+            }
         }
     }
 }
