@@ -7,7 +7,7 @@ use super::super::crowd::dechunk;
 use super::super::load::{open, Server, Ws};
 use crate::error::{Error, Result};
 use crowdgrad_core::codec::Encoding;
-use crowdgrad_core::data::Dataset;
+use crowdgrad_core::data::{BatchSampler, Dataset};
 use crowdgrad_core::model::{Model, Workspace};
 use crowdgrad_core::spec::{JoinRequest, JoinResponse};
 use crowdgrad_core::wire::{
@@ -617,11 +617,18 @@ pub(super) struct Oracle {
     grad: Vec<f32>,
     ranges: Vec<std::ops::Range<usize>>,
     state: u64,
+    /// The joined worker's own partition (normalised) and batch seed: what the server's spot
+    /// checker recomputes a tagged push from.
+    part: Dataset,
+    seed: u64,
 }
 
 impl Oracle {
     /// For the run `joined` describes (a copy of the training set, normalised as it says).
     pub fn new(joined: &JoinResponse, data: &Dataset) -> Result<Self> {
+        let range = data.partition(joined.partition.index, joined.partition.count)?;
+        let mut part = data.subset(range)?;
+        part.set_normalize(&joined.run.normalize)?;
         let mut data = data.clone();
         data.set_normalize(&joined.run.normalize)?;
         let model = Model::new(joined.run.model.clone())?;
@@ -639,6 +646,8 @@ impl Oracle {
                 .map(|d| d.range.start..d.range.end)
                 .collect(),
             state: joined.worker_id | 1,
+            part,
+            seed: crate::defence::spotcheck::batch_seed(joined.run.seed, joined.worker_id),
             model,
             data,
         })
@@ -655,6 +664,23 @@ impl Oracle {
             *i = (self.state % n.max(1)) as u32;
         }
         self.data
+            .fill_batch(&self.idx, &mut self.x.view_mut(), &mut self.y);
+        self.model
+            .loss_and_grad(params, self.x.view(), &self.y, &mut self.grad, &mut self.ws)?;
+        Ok(self
+            .ranges
+            .iter()
+            .map(|r| self.grad[r.clone()].to_vec())
+            .collect())
+    }
+
+    /// The gradient an honest worker pushes tagged with `batch`: on that batch of its own
+    /// partition, drawn as the worker and the spot checker draw it (so it passes a check).
+    pub fn honest(&mut self, params: &[f32], batch: u64) -> Result<Vec<Vec<f32>>> {
+        let mut sampler = BatchSampler::new(self.part.len(), self.seed);
+        sampler.skip(batch * self.idx.len() as u64);
+        sampler.next_batch(&mut self.idx);
+        self.part
             .fill_batch(&self.idx, &mut self.x.view_mut(), &mut self.y);
         self.model
             .loss_and_grad(params, self.x.view(), &self.y, &mut self.grad, &mut self.ws)?;

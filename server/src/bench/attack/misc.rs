@@ -379,7 +379,9 @@ pub(super) async fn replays(ctx: &Ctx, mode: Mode) -> Result<Verdict> {
         .await
         .ok_or_else(|| Error::WebSocket("pull".into()))?;
     let mut oracle = Oracle::new(&p.joined, ctx.train()?)?;
-    let g = oracle.gradient(&params)?.swap_remove(0);
+    // An honest gradient for the batch the push claims (it passes a spot check): only the
+    // replays are wrong.
+    let g = oracle.honest(&params, p.batch + 1)?.swap_remove(0);
     let (rid, frame) = p.push_frame(0, &g, None);
     let first = p.send(0, rid, frame.clone()).await;
     let v1 = p.pull(0).await.map_or(0, |(v, _)| v);
@@ -398,8 +400,11 @@ pub(super) async fn replays(ctx: &Ctx, mode: Mode) -> Result<Verdict> {
             .map(|r| r.links[0].version),
     };
     let v2s = v2.map_or("unread".into(), |v| v.to_string());
+    let spot = get_json(server.addr, "/api/status")
+        .await
+        .map_or_else(|e| e.to_string(), |s| spot_summary(&s));
     let figures = format!(
-        "first push: {} (shard 0 {} → {v1}); same frame on a new connection: {}; same gradient, 20 new request ids: {}; shard 0 then at {v2s}",
+        "first push: {} (shard 0 {} → {v1}); same frame on a new connection: {}; same gradient, 20 new request ids: {}; shard 0 then at {v2s}; spot checks: {spot}",
         first.name(),
         versions[0],
         again.name(),
