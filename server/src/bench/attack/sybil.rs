@@ -74,7 +74,13 @@ fn forge(what: Push, len: usize, k: u64, honest: Option<&[f32]>) -> Vec<f32> {
             // Norm ~1e4 spread evenly, with a sign pattern that moves with k.
             let v = 1e4 / (len.max(1) as f32).sqrt();
             (0..len)
-                .map(|i| if (i as u64 + k) % 3 == 0 { -v } else { v })
+                .map(|i| {
+                    if (i as u64 + k).is_multiple_of(3) {
+                        -v
+                    } else {
+                        v
+                    }
+                })
                 .collect()
         }
         (Push::Poison(s), Some(h)) => {
