@@ -128,6 +128,10 @@ pub enum BenchCmd {
     /// The contribution ledger's database filled with 1,000,000 identities: insert rate,
     /// file size, p50/p99 of a rank and a top-10 query.
     Ledger(Box<crate::bench::ledger::LedgerArgs>),
+    /// Every attack of issue 21 (silent sockets, sybils, poison, stale tags, poisoned
+    /// reports and a kill -9, replays, a public identity) against a default and a
+    /// spot-checking server on 127.0.0.1, and what happened, with a summary of verdicts.
+    Attack(Box<crate::bench::attack::AttackArgs>),
     /// Push + pull round trip over loopback for shards of these sizes.
     Roundtrip {
         /// Parameter counts.

@@ -255,6 +255,9 @@ fn main() -> anyhow::Result<()> {
             command: BenchCmd::Ledger(args),
         } => crowdgrad::bench::ledger::cli(&args)?,
         Cmd::Bench {
+            command: BenchCmd::Attack(args),
+        } => crowdgrad::bench::attack::cli(&args)?,
+        Cmd::Bench {
             command:
                 BenchCmd::Roundtrip {
                     params,

@@ -3,6 +3,7 @@
 //! One module per area (mini-redis' tests layout); `util` holds the shared helpers.
 
 mod access;
+mod attackbench;
 mod attacks;
 mod churn;
 mod conformance;

@@ -317,7 +317,7 @@ async fn http(ctx: &Ctx, method: &str, path: &str, body: &[u8]) -> Result<(u16, 
 }
 
 /// The payload of a chunked body (what parses of it).
-fn dechunk(mut b: &[u8]) -> Vec<u8> {
+pub(super) fn dechunk(mut b: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
     while let Some(eol) = b.windows(2).position(|w| w == b"\r\n") {
         let size = std::str::from_utf8(&b[..eol])
@@ -768,7 +768,7 @@ pub struct Crowd {
 
 /// Raises this process's `RLIMIT_NOFILE` soft limit to its hard limit; returns both soft
 /// values (before, after). Children inherit it.
-fn raise_nofile() -> (u64, u64) {
+pub(super) fn raise_nofile() -> (u64, u64) {
     #[cfg(unix)]
     #[allow(unsafe_code, clippy::unnecessary_cast)] // rlim_t is not u64 on every target
     {

@@ -16,7 +16,10 @@
 //!   model, and samples/s with `--checkpoint-every 1` against none (issue 9).
 //! - `ledger` ([`ledger`]): the contribution ledger's SQLite database with 1,000,000
 //!   identities: insert rate, file size, rank and top-10 query latency (issue 18).
+//! - `attack` ([`attack`]): every attack of issue 21 against a default and a spot-checking
+//!   `serve`, and what happened, in figures.
 
+pub mod attack;
 pub mod checkpoint;
 pub mod churn;
 pub mod crowd;
