@@ -766,36 +766,6 @@ pub struct Crowd {
     pub pushes: u64,
 }
 
-/// Raises this process's `RLIMIT_NOFILE` soft limit to its hard limit; returns both soft
-/// values (before, after). Children inherit it.
-pub(super) fn raise_nofile() -> (u64, u64) {
-    #[cfg(unix)]
-    #[allow(unsafe_code, clippy::unnecessary_cast)] // rlim_t is not u64 on every target
-    {
-        let mut lim = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        // SAFETY: getrlimit/setrlimit only read and write the struct passed by pointer, which
-        // lives on this stack frame for the whole call.
-        unsafe {
-            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
-                return (0, 0);
-            }
-            let before = lim.rlim_cur as u64;
-            lim.rlim_cur = lim.rlim_max;
-            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
-                return (before, before);
-            }
-            (before, lim.rlim_cur as u64)
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        (0, 0)
-    }
-}
-
 fn pct(v: &[f32], p: f64) -> f64 {
     let mut d: Vec<f64> = v.iter().map(|&x| f64::from(x)).collect();
     d.sort_by(f64::total_cmp);
@@ -809,7 +779,7 @@ fn pct(v: &[f32], p: f64) -> f64 {
 /// sockets and pushes are counted, not errors.
 pub fn crowd(exe: &Path, args: &CrowdArgs) -> Result<Crowd> {
     args.check()?;
-    let nofile = raise_nofile();
+    let nofile = crate::support::limits::raise_nofile();
     let n = args.volunteers;
     // One address for the whole crowd: the per-IP limits are lifted, the totals sized to it.
     let mut flags: Vec<String> = [

@@ -158,7 +158,7 @@ fn print_verdict(v: &Verdict) {
 pub async fn attack(args: &AttackArgs) -> Result<Vec<Verdict>> {
     let (attacks, modes) = args.check()?;
     common::check_data(&args.data_dir)?;
-    let nofile = super::crowd::raise_nofile();
+    let nofile = crate::support::limits::raise_nofile();
     let seconds = if args.quick {
         args.seconds.min(8.0)
     } else {
