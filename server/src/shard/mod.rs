@@ -130,6 +130,18 @@ impl std::fmt::Debug for Shard {
     }
 }
 
+impl Inner {
+    /// Publishes the state's values as the current snapshot, a new version (a push applied, a
+    /// restart, a rollback): kept for spot checks first, before any worker can read it.
+    fn publish(&self, st: &ShardState) {
+        if let Some(spot) = self.defence.get().and_then(|d| d.spot.as_ref()) {
+            spot.record(self.cfg.id, st.version(), st.values().clone());
+        }
+        self.current
+            .store(Arc::new(Snapshot::new(st.version(), st.values().clone())));
+    }
+}
+
 impl Shard {
     /// Starts shard `id` over `range` with `initial` values.
     ///
@@ -246,13 +258,7 @@ impl Shard {
             st.set_consistency(mode)?;
             inner.mode.store(Arc::new(mode));
             if st.version() != v0 {
-                // Kept for spot checks before any worker can read it.
-                if let Some(spot) = inner.defence.get().and_then(|d| d.spot.as_ref()) {
-                    spot.record(inner.cfg.id, st.version(), st.values().clone());
-                }
-                inner
-                    .current
-                    .store(Arc::new(Snapshot::new(st.version(), st.values().clone())));
+                inner.publish(&st);
             }
             st.epoch()
         };
@@ -394,12 +400,7 @@ impl Shard {
         let epoch = {
             let mut st = self.state();
             st.restart(values)?;
-            if let Some(spot) = inner.defence.get().and_then(|d| d.spot.as_ref()) {
-                spot.record(inner.cfg.id, st.version(), st.values().clone());
-            }
-            inner
-                .current
-                .store(Arc::new(Snapshot::new(st.version(), st.values().clone())));
+            inner.publish(&st);
             st.epoch()
         };
         inner.epoch_tx.send_replace(epoch);
@@ -427,12 +428,7 @@ impl Shard {
                 return Ok(None);
             }
             st.roll_back(values, poisoner)?;
-            if let Some(spot) = inner.defence.get().and_then(|d| d.spot.as_ref()) {
-                spot.record(inner.cfg.id, st.version(), st.values().clone());
-            }
-            inner
-                .current
-                .store(Arc::new(Snapshot::new(st.version(), st.values().clone())));
+            inner.publish(&st);
             inner.demand.store(st.demand(), Ordering::Relaxed);
             (before, st.version(), st.epoch())
         };
@@ -573,13 +569,7 @@ impl ShardAccess for Access<'_> {
             if st.version() != v0 {
                 // An update was applied: its time under the lock is the apply latency.
                 inner.apply_seconds.observe(t0.elapsed().as_secs_f64());
-                // Kept for spot checks before any worker can read it.
-                if let Some(spot) = inner.defence.get().and_then(|d| d.spot.as_ref()) {
-                    spot.record(inner.cfg.id, st.version(), st.values().clone());
-                }
-                inner
-                    .current
-                    .store(Arc::new(Snapshot::new(st.version(), st.values().clone())));
+                inner.publish(&st);
             }
             inner.demand.store(st.demand(), Ordering::Relaxed);
             (r, (st.epoch() != e0).then(|| st.epoch()))
