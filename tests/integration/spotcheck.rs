@@ -349,9 +349,11 @@ async fn a_noise_worker_is_caught_by_its_first_spot_check() {
     let a = attack(&running, "noise-attacker-01", Fault::Noise, 400).await;
     // In async the worker does not wait for its checks: the rounds it pushes before the
     // quarantine lands depend on how fast the checker thread runs (3 on a quiet machine, 5 seen
-    // beside a second test suite). That it was the first check that caught it does not: none
-    // of its checks passed.
-    assert_caught(&running, &a, "noise-attacker-01", 12, "noise").await;
+    // beside a second test suite, 19 on a machine with five builds at once: a bound of 12
+    // failed there). The bound only says it was stopped long before its 400 rounds; that it was
+    // the first check that caught it is what does not depend on speed: none of its checks
+    // passed.
+    assert_caught(&running, &a, "noise-attacker-01", 60, "noise").await;
     let s = crate::util::status(&running.url()).await;
     let rep = &s["reputation"]["workers"][a.worker_id.to_string()];
     assert_eq!(rep["spot_passed"], 0, "noise passed a check: {rep}");
