@@ -118,7 +118,7 @@ pub(super) async fn sockets(ctx: &Ctx, mode: Mode) -> Result<Verdict> {
     };
     let total = FLOOD_ADDRS as usize * FLOOD_PER_ADDR;
     let figures = format!(
-        "{total} silent connections from 127.0.0.2-{} ({} failed to connect; all in flight at once, connected within {open_s:.1} s; server fds {fds_before} → {fds_held} 1 s later, {fds_end} at the end); honest from 127.1.0.1 once all were connected: {}; {}; closed by the server: {} (after their connect: p50 {:.1} s, max {:.1} s); still open {:.0} s after the last connected: {still}",
+        "{total} silent connections from 127.0.0.2-{} ({} failed to connect; all in flight at once, connected within {open_s:.1} s; server fds {fds_before} → {fds_held} 1 s later, {fds_end} at the end); honest from 127.1.0.1 once all were connected: {}; {}; closed by the server: {} (after their connect: p50 {:.1} s, max {:.1} s); still open on the client's side {:.0} s after the last connected (never accepted: not held by the server): {still}",
         2 + FLOOD_ADDRS - 1,
         failed,
         show(&first, first_at),
@@ -137,11 +137,18 @@ pub(super) async fn sockets(ctx: &Ctx, mode: Mode) -> Result<Verdict> {
             ));
         }
     }
+    // What the flood can hold is the server's: one /24 gets at most its prefix budget (512
+    // by default) of the server's connections, whenever it is looked at. A socket still open
+    // on this side may be one the server has not accepted yet (the kernel dropped the last
+    // ACK of its handshake from a full accept queue, so only this side thinks it is open; a
+    // retransmitted SYN-ACK completes it later, and the server then closes it at its own
+    // deadline): printed, not judged.
+    let cap = fds_before + 512 + 16;
     claims.push((
-        still == 0,
+        fds_held <= cap && fds_end <= cap,
         format!(
-            "{still} silent sockets still open {:.0} s after the last connected",
-            watch.as_secs_f64()
+            "the server held {fds_held} then {fds_end} fds (started with {fds_before}; one /24 \
+             may hold 512)"
         ),
     ));
     Ok(Verdict {
@@ -326,22 +333,27 @@ async fn reports_in(ctx: &Ctx, mode: Mode, flags: &[String]) -> Result<Verdict> 
     drop(server);
     let server = ctx.serve(mode, flags)?;
     let after = board(server.addr).await?;
+    // The board is keyed by public ids (the secret each client sent, hashed).
+    let public = crate::registry::ledger::public_id;
     let honest: Vec<String> = ids
         .iter()
-        .map(|id| format!("{id} {} → {}", show(before.get(*id)), show(after.get(*id))))
+        .map(|id| {
+            let p = public(id);
+            format!("{id} {} → {}", show(before.get(&p)), show(after.get(&p)))
+        })
         .collect();
-    let a = after.get(attacker_id);
+    let a = after.get(&public(attacker_id));
     let figures = format!(
         "reports (compute_s: reply) {}; 600 zero pushes: {}; attacker before kill {}, after restart {} (its session {attacker_wall:.0} s); honest before kill -9 → after restart: {}",
         said.join(", "),
         zeros.describe(),
-        show(before.get(attacker_id)),
+        show(before.get(&public(attacker_id))),
         show(a),
         honest.join("; ")
     );
     let mut claims = Vec::new();
     for id in ids {
-        let (b, f) = (before.get(id), after.get(id));
+        let (b, f) = (before.get(&public(id)), after.get(&public(id)));
         claims.push((
             b.is_some_and(|b| b.samples > 0)
                 && f.is_some_and(|f| Some(f.samples) >= b.map(|b| b.samples)),
