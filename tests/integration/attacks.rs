@@ -223,9 +223,24 @@ fn noise(n: usize, norm: f32, seed: u64) -> Vec<f32> {
 }
 
 /// Honest acceptance over the workers' summaries: accepted / (accepted + refused).
+/// Honest pushes accepted, refused by a defence, and the accepted share. `busy` is not counted
+/// as a refusal: it is backpressure (a rate limit, or a push drawn for a spot check while the
+/// checker's queue was full, refused rather than applied unchecked), not a judgement of the
+/// push; it is printed.
 fn acceptance(stats: &[crowdgrad_core::worker::WorkerStats]) -> (u64, u64, f64) {
     let acc: u64 = stats.iter().map(|s| s.pushes_accepted).sum();
-    let rej: u64 = stats.iter().map(|s| s.pushes_rejected).sum();
+    let busy: u64 = stats
+        .iter()
+        .map(|s| s.rejected_by_reason.get("busy").copied().unwrap_or(0))
+        .sum();
+    let rej: u64 = stats
+        .iter()
+        .map(|s| s.pushes_rejected)
+        .sum::<u64>()
+        .saturating_sub(busy);
+    if busy > 0 {
+        println!("honest pushes refused busy (backpressure, not counted): {busy}");
+    }
     (acc, rej, acc as f64 / (acc + rej).max(1) as f64)
 }
 
@@ -478,7 +493,11 @@ async fn issue_21_poison_on_rounds_the_old_rule_left_unsampled_is_caught() {
     );
     // Sampled at the probation rate (0.5) at first: 20 unchecked in a row is 1 in a million.
     assert!(accepted <= 20, "{accepted} accepted before the quarantine");
-    assert!(share >= 0.99, "honest acceptance {share}");
+    assert!(
+        share >= 0.99,
+        "honest acceptance {share}: refused by reason {:?}",
+        stats[0].rejected_by_reason
+    );
     running.stop().await.expect("stops");
 }
 
