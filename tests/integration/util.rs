@@ -253,9 +253,17 @@ pub fn mnist() -> TrainTest {
     .clone()
 }
 
-/// Server defaults with evaluation every half second.
+/// The flags the in-process tests' servers add to `serve`'s defaults: gradient pushes
+/// (H = 1) and no egress budget. The tests count frames, versions and refusals per push, and
+/// a server paced under `--local-steps auto` (serve's default since issue 18) would make
+/// those counts depend on each worker's speed; the tests of local steps and pacing set their
+/// own, and tests/integration/training.rs runs `serve` with its real defaults.
+pub const TEST_FLAGS: [&str; 4] = ["--local-steps", "1", "--egress-budget", "off"];
+
+/// Server defaults at H = 1 without pacing ([`TEST_FLAGS`]), with evaluation every half
+/// second.
 pub fn config() -> ServeConfig {
-    let mut c = ServeConfig::defaults(mnist_dir());
+    let mut c = ServeConfig::with_flags(mnist_dir(), &TEST_FLAGS).expect("valid test flags");
     c.eval_every = Duration::from_millis(500);
     c.web_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../web");
     c

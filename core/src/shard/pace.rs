@@ -27,11 +27,13 @@ use crate::error::{Error, Result};
 use crate::wire::HEADER_LEN;
 use std::fmt;
 
-/// The budget `serve` and `shard` use unless told otherwise: none (`off`). Measured here
-/// (docs/operations.md, "Egress budget"): with the default `--local-steps 1` a 400 Mbit/s
-/// budget holds pulls, and 2 native workers on loopback fell from 48,117 to 6,334 samples/s.
-/// [`SUGGESTED_EGRESS_BUDGET`] is what a host on a 1 Gbit/s link should set.
-pub const DEFAULT_EGRESS_BUDGET: &str = "off";
+/// The budget `serve` and `shard` use unless told otherwise (issue 18):
+/// [`SUGGESTED_EGRESS_BUDGET`], now that their default is `--local-steps auto`, under which
+/// workers lengthen their rounds to the pace instead of waiting for pulls. Measured here
+/// (docs/operations.md, "Egress budget"): with `--local-steps 1` a 400 Mbit/s budget holds
+/// pulls, and 2 native workers on loopback fell from 48,117 to 6,334 samples/s; lessons that
+/// compare H = 1 set `off` (`crowdgrad sim` does by default).
+pub const DEFAULT_EGRESS_BUDGET: &str = SUGGESTED_EGRESS_BUDGET;
 
 /// The budget a public server on a 1 Gbit/s link should set: 400 Mbit/s (50 MB/s), 40% of
 /// the link, so the dashboard, joins, checkpoints and the pushes coming in keep room, and so
@@ -276,7 +278,7 @@ mod tests {
         );
         assert_eq!(
             EgressBudget::parse(DEFAULT_EGRESS_BUDGET).unwrap(),
-            EgressBudget::OFF
+            EgressBudget::bytes_per_second(50e6).unwrap()
         );
         assert_eq!(
             EgressBudget::parse("400mbit").unwrap().to_string(),

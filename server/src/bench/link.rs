@@ -115,7 +115,10 @@ impl Link {
     }
 }
 
-/// The `serve` flags of an exchange configuration name.
+/// The `serve` flags of an exchange configuration name. The H = 1 configurations also set
+/// `--egress-budget off`: they are the exchange as it was before `serve` defaulted to `auto`
+/// and a 400 Mbit/s budget (issue 18), which would otherwise hold their pulls on loopback;
+/// `auto` runs with the default budget, as shipped.
 ///
 /// # Errors
 /// [`Error::Config`] for an unknown name.
@@ -159,7 +162,11 @@ pub fn config_flags(name: &str) -> Result<Vec<String>> {
             )))
         }
     };
-    Ok(flags.into_iter().map(String::from).collect())
+    let mut flags: Vec<String> = flags.into_iter().map(String::from).collect();
+    if flags[..2] == ["--local-steps", "1"] {
+        flags.extend(["--egress-budget".into(), "off".into()]);
+    }
+    Ok(flags)
 }
 
 /// A private network namespace with a shaped loopback, deleted when dropped.

@@ -118,9 +118,11 @@ pub struct TrainingArgs {
     /// Inner steps per push: `1` (push every gradient), a whole number H (push the
     /// pseudo-gradient θ_pulled − θ_local after H steps of the inner optimizer), `auto` or
     /// `auto:MAX` (each worker picks H so communication stays near 15% of its time; MAX
-    /// defaults to 4096).
-    #[arg(long, default_value = "1")]
-    pub local_steps: String,
+    /// defaults to 4096) [default: serve and shard `auto`, or `1` with a learning-rate
+    /// schedule, which `auto` cannot follow; sim `1`].
+    // The default differs per command: `check` takes it (CommandDefaults).
+    #[arg(long)]
+    pub local_steps: Option<String>,
     /// The workers' inner optimizer under local steps (same names as --optimizer; its state
     /// stays on the worker across rounds, as DiLoCo's inner AdamW does).
     #[arg(long, default_value = "adam")]
@@ -166,10 +168,11 @@ pub struct TrainingArgs {
     /// of parameters all shards together may send workers, e.g. `400mbit`, `50MB` (bytes),
     /// a plain number (bytes), or `off`. Each shard takes a share by its range length and
     /// tells workers that ask a pace, its sessions' Params bytes over its share: they pull no
-    /// more often, and under --local-steps auto lengthen their rounds to it. Default: off
-    /// (with --local-steps 1 a budget holds pulls; on loopback 400mbit cut 2 workers from 48k
-    /// to 6k samples/s). A public server on a 1 Gbit/s link should set 400mbit, 40% of the
-    /// link, leaving room for pushes coming in, the dashboard, joins and checkpoints.
+    /// more often, and under --local-steps auto lengthen their rounds to it. Default (serve,
+    /// shard): 400mbit, 40% of a 1 Gbit/s link, leaving room for pushes coming in, the
+    /// dashboard, joins and checkpoints; `sim`: off. With --local-steps 1 a budget holds pulls
+    /// (on loopback 400mbit cut 2 workers from 48k to 6k samples/s): set `off` for lessons
+    /// that compare H = 1.
     // The default differs per command: each sets it with `mut_arg`; `check` falls back to
     // the serve default (crowdgrad_core::shard::pace::DEFAULT_EGRESS_BUDGET).
     #[arg(long, value_name = "RATE")]
@@ -266,12 +269,21 @@ pub struct Training {
 }
 
 impl TrainingArgs {
-    /// Validates the flags; `default_shards` is the command's `--shards` default.
+    /// Validates the flags with the command's defaults.
     ///
     /// # Errors
     /// [`Error::Config`] / [`crowdgrad_core::Error::Config`] naming the first bad flag.
-    pub fn check(&self, default_shards: usize) -> Result<Training> {
-        let steps = LocalSteps::parse(&self.local_steps)
+    pub fn check(&self, defaults: CommandDefaults) -> Result<Training> {
+        let default_shards = defaults.shards;
+        let scheduled = self.lr_warmup > 0 || self.lr_decay.trim() != "none";
+        let local_steps = match (&self.local_steps, defaults.local_steps) {
+            (Some(given), _) => given.as_str(),
+            // `auto` cannot follow a schedule (versions would not count samples): a schedule
+            // given without --local-steps gets gradient pushes, as before issue 18.
+            (None, "auto") if scheduled => "1",
+            (None, d) => d,
+        };
+        let steps = LocalSteps::parse(local_steps)
             .map_err(|e| Error::Config(format!("--local-steps: {e}")))?;
         let pseudo = steps.pseudo_gradients();
         let (name, lr) = match (&self.optimizer, pseudo) {
@@ -420,7 +432,8 @@ impl TrainingArgs {
             }
             (d, None) => {
                 return bad(format!(
-                    "--lr-decay {} needs --lr-decay-samples: the training sample (warmup                      included) at which the rate reaches its floor",
+                    "--lr-decay {} needs --lr-decay-samples: the training sample (warmup \
+                     included) at which the rate reaches its floor",
                     d.name()
                 ))
             }
@@ -443,7 +456,8 @@ impl TrainingArgs {
             LocalSteps::Fixed(h) => u64::from(h),
             LocalSteps::Auto { .. } => {
                 return bad(
-                    "--lr-warmup/--lr-decay need a fixed --local-steps: with auto each push                      carries a varying number of samples, so shard versions do not count samples"
+                    "--lr-warmup/--lr-decay need a fixed --local-steps: with auto each push \
+                     carries a varying number of samples, so shard versions do not count samples"
                         .into(),
                 )
             }
@@ -496,10 +510,31 @@ pub const LEDGER_FILE: &str = "ledger.sqlite";
 /// `--shards` of `crowdgrad serve` when not given.
 pub const SERVE_SHARDS: usize = 2;
 
+/// What differs between the commands that take [`TrainingArgs`].
+#[derive(Debug, Clone, Copy)]
+pub struct CommandDefaults {
+    /// `--shards`.
+    pub shards: usize,
+    /// `--local-steps` (`auto` becomes `1` when a learning-rate schedule is given).
+    pub local_steps: &'static str,
+}
+
+/// `serve`'s defaults.
+pub const SERVE_DEFAULTS: CommandDefaults = CommandDefaults {
+    shards: SERVE_SHARDS,
+    local_steps: SERVE_LOCAL_STEPS,
+};
+
+/// `serve`'s and `shard`'s `--local-steps` (issue 18): `auto`, each worker picks H from its own
+/// link and the server's pace. Measured faster to 97% than H = 1 on loopback and on a
+/// 20 Mbit/s link (docs/experiments.md, "Local steps by default"); `crowdgrad sim` keeps `1`
+/// for lessons and comparisons.
+pub const SERVE_LOCAL_STEPS: &str = "auto";
+
 /// Flags of `crowdgrad serve`.
 #[derive(Debug, Clone, Args)]
 #[command(mut_arg("shards", |a| a.default_value("2")))] // SERVE_SHARDS
-#[command(mut_arg("egress_budget", |a| a.default_value("off")))] // DEFAULT_EGRESS_BUDGET
+#[command(mut_arg("egress_budget", |a| a.default_value(crowdgrad_core::shard::pace::DEFAULT_EGRESS_BUDGET)))]
 pub struct ServeArgs {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:8080")]
@@ -686,7 +721,7 @@ impl ServeArgs {
     /// # Errors
     /// [`Error::Config`] naming the first bad flag.
     pub fn check(self) -> Result<ServeConfig> {
-        let t = self.training.check(SERVE_SHARDS)?;
+        let t = self.training.check(SERVE_DEFAULTS)?;
         let bad = |m: String| Err(Error::Config(m));
         if !(self.eval_every.is_finite() && self.eval_every >= 0.05 && self.eval_every <= 86_400.0)
         {
@@ -847,18 +882,29 @@ impl ServeConfig {
 
     /// The defaults of `crowdgrad serve` with the given data directory (for tests and benches).
     pub fn defaults(data_dir: impl Into<PathBuf>) -> Self {
+        Self::with_flags(data_dir, &[]).expect("defaults are valid")
+    }
+
+    /// `crowdgrad serve FLAGS` with the given data directory (for tests and benches): flags
+    /// that settle other defaults (`--local-steps` picks the outer optimizer's) must be given
+    /// here, not set on the checked config afterwards.
+    ///
+    /// # Errors
+    /// What `crowdgrad serve` says of bad flags.
+    pub fn with_flags(data_dir: impl Into<PathBuf>, flags: &[&str]) -> Result<Self> {
         use clap::Parser;
         #[derive(Parser)]
         struct P {
             #[command(flatten)]
             a: ServeArgs,
         }
-        let mut c = P::parse_from(["serve"])
+        let args = std::iter::once("serve").chain(flags.iter().copied());
+        let mut c = P::try_parse_from(args)
+            .map_err(|e| Error::Config(e.to_string()))?
             .a
-            .check()
-            .expect("defaults are valid");
+            .check()?;
         c.data_dir = data_dir.into();
-        c
+        Ok(c)
     }
 }
 
@@ -878,11 +924,42 @@ mod tests {
     }
 
     #[test]
+    fn a_schedule_without_local_steps_gets_gradient_pushes_and_auto_with_one_is_refused() {
+        let warm = ["--lr-warmup", "1000"];
+        let c = ServeConfig::with_flags("data/mnist", &warm).unwrap();
+        assert!(!c.training.exchange.local.steps.pseudo_gradients());
+        assert_eq!(c.training.optimizer.schedule.warmup, 1000);
+        let e = ServeConfig::with_flags(
+            "data/mnist",
+            &[&warm[..], &["--local-steps", "auto"]].concat(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("need a fixed --local-steps"), "{e}");
+        assert!(!e.contains("  "), "one line, no run of spaces: {e}");
+        let c =
+            ServeConfig::with_flags("data/mnist", &[&warm[..], &["--local-steps", "8"]].concat())
+                .unwrap();
+        assert_eq!(c.training.exchange.local.steps.to_string(), "8");
+        let e = ServeConfig::with_flags("data/mnist", &["--local-steps", "many"]).unwrap_err();
+        assert!(e.to_string().contains("--local-steps"), "{e}");
+    }
+
+    #[test]
     fn training_flags_check_into_the_config() {
         let d = ServeConfig::defaults("data/mnist");
         assert_eq!(d.training.shards, SERVE_SHARDS);
         assert_eq!(d.training.consistency, Consistency::Async);
-        assert_eq!(d.training.optimizer.lr, 0.05);
+        // Local steps `auto` by default (issue 18): the shards' rule is the outer SGD at 1.0.
+        assert!(d.training.exchange.local.steps.pseudo_gradients());
+        assert_eq!(d.training.optimizer.lr, 1.0);
+        assert_eq!(
+            d.training.exchange.egress_budget,
+            EgressBudget::bytes_per_second(50e6).unwrap()
+        );
+        let h1 = ServeConfig::with_flags("data/mnist", &["--local-steps", "1"]).unwrap();
+        assert!(!h1.training.exchange.local.steps.pseudo_gradients());
+        assert_eq!(h1.training.optimizer.lr, 0.05);
         assert_eq!(d.training.heartbeat_timeout, 5.0);
         let c = parse(&[
             "--consistency",

@@ -554,7 +554,7 @@ mod tests {
             "conv:32x5x5/p2,pool:2,conv:64x5x5,pool:2,dense:128,dropout:0.5"
         );
         assert_eq!(a.training.normalize, "auto");
-        let t = a.training.check(2).unwrap();
+        let t = a.training.check(crate::config::SERVE_DEFAULTS).unwrap();
         assert_eq!(t.normalize, crowdgrad_core::data::NormalizeChoice::Auto);
         assert_eq!(
             r.table["training"]["model"].as_str(),
@@ -583,7 +583,11 @@ mod tests {
             "[training]\nmodel = [{ conv = \"x\" }]\n",
         );
         let (a, _) = run(&f, &[]).unwrap();
-        let e = a.training.check(2).unwrap_err().to_string();
+        let e = a
+            .training
+            .check(crate::config::SERVE_DEFAULTS)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("--model") && e.contains("conv:x"), "{e}");
     }
 
@@ -597,7 +601,7 @@ mod tests {
              lr_min_ratio = 0.1\ninner_weight_decay = 0.05\n",
         );
         let (a, r) = run(&f, &[]).unwrap();
-        let t = a.training.check(2).unwrap();
+        let t = a.training.check(crate::config::SERVE_DEFAULTS).unwrap();
         let s = t.optimizer.schedule;
         assert_eq!(
             (s.warmup, s.decay_samples, s.min_ratio),
@@ -613,7 +617,7 @@ mod tests {
         // The printed config is a run file giving the same training.
         let again = write("schedule-again.toml", &r.to_toml());
         let (b, _) = run(&again, &[]).unwrap();
-        assert_eq!(b.training.check(2).unwrap(), t);
+        assert_eq!(b.training.check(crate::config::SERVE_DEFAULTS).unwrap(), t);
         // A bad combination from the file names its key.
         let f = write("badschedule.toml", "[training]\nlr_decay = \"linear\"\n");
         let (a, r) = run(&f, &[]).unwrap();

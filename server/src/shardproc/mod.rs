@@ -56,7 +56,7 @@ pub use crate::support::credential::MIN_SECRET;
     .visible_alias("of")
     .required(true)
     .help("Number of shards in the run (`--of` or `--shards`); the coordinator's --shard-urls lists as many")))]
-#[command(mut_arg("egress_budget", |a| a.default_value("off")))] // DEFAULT_EGRESS_BUDGET
+#[command(mut_arg("egress_budget", |a| a.default_value(crowdgrad_core::shard::pace::DEFAULT_EGRESS_BUDGET)))]
 pub struct ShardArgs {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:9000")]
@@ -149,7 +149,10 @@ impl ShardArgs {
     /// # Errors
     /// [`Error::Config`] naming the bad flag.
     pub fn check(self) -> Result<ShardProcConfig> {
-        let training = self.training.check(1)?;
+        let training = self.training.check(crate::config::CommandDefaults {
+            shards: 1,
+            local_steps: crate::config::SERVE_LOCAL_STEPS,
+        })?;
         if matches!(
             training.aggregation,
             crowdgrad_core::robust::Aggregation::Zeno { .. }

@@ -266,7 +266,10 @@ impl SimArgs {
     /// [`Error::Config`] naming the first bad flag.
     pub fn check(&self) -> Result<SimConfig> {
         // The same flags, defaults and checks as `serve`.
-        let t = self.training.check(SIM_SHARDS)?;
+        let t = self.training.check(crate::config::CommandDefaults {
+            shards: SIM_SHARDS,
+            local_steps: "1",
+        })?;
         let dropout_kind = match self.dropout_kind.trim() {
             "disconnect" => DropoutKind::Disconnect,
             "pause" => DropoutKind::Pause,

@@ -215,7 +215,7 @@ mod tests {
             ("delay", |a| a.delay_ms = -1.0),
             ("lr", |a| a.training.lr = Some(-0.1)),
             ("model", |a| a.training.model = "lstm".into()),
-            ("local steps", |a| a.training.local_steps = "0".into()),
+            ("local steps", |a| a.training.local_steps = Some("0".into())),
             ("inner lr", |a| a.training.inner_lr = Some(f32::NAN)),
             ("pull encoding", |a| {
                 a.training.pull_encoding = "int8_block".into()

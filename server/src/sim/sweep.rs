@@ -76,7 +76,7 @@ pub fn sweep_configs(base: &SimArgs, spec: &str) -> Result<Vec<(String, SimConfi
             "delay-ms" => a.delay_ms = v.parse().map_err(|_| num("delay"))?,
             "aggregation" => a.training.aggregation = v.into(),
             "step-ms" => a.step_ms = v.parse().map_err(|_| num("step time"))?,
-            "local-steps" => a.training.local_steps = v.into(),
+            "local-steps" => a.training.local_steps = Some(v.into()),
             "inner-lr" => a.training.inner_lr = Some(v.parse().map_err(|_| num("learning rate"))?),
             "pull-encoding" => a.training.pull_encoding = v.into(),
             "push-encoding" => a.training.push_encoding = v.into(),
