@@ -212,7 +212,7 @@ async function functional() {
   for (const kind of ['browser', 'native']) {
     const sc = spotChecks(spotNow, kind);
     check(`spot checks pass for the honest ${kind} workers (--spot-check 0.5), nobody quarantined`, sc.ok, sc.text);
-    figures[`spot checks, honest ${kind} (softmax, H = 1, bf16 / int8)`] = sc.text;
+    figures[`spot checks, honest ${kind} (softmax, serve's default local steps auto, bf16 / int8)`] = sc.text;
   }
 
   for (const tab of tabs) {
@@ -760,10 +760,14 @@ async function remoteShardTab() {
   const SECRET = 'e2e-run-secret-0123456789abcdef';
   const ports = [await freePort(), await freePort()];
   const ckpt = tmpDir('crowdgrad-shard-ckpt-');
+  // Gradient pushes (H = 1) on the coordinator and both shard processes: the phase counts
+  // versions (50 on each shard before the kill), one per step of the tab at H = 1; under
+  // serve's default `auto` a version is a whole round and the counts would depend on H.
+  const H1 = ['--local-steps', '1', '--egress-budget', 'off'];
   const startShard = async (i) => {
     const child = spawnLogged(`shard-${i}`, SERVER, ['shard', '--listen', `127.0.0.1:${ports[i]}`,
       '--index', String(i), '--shards', '2', '--run-secret', SECRET,
-      '--checkpoint-dir', ckpt, '--checkpoint-every', '1']);
+      '--checkpoint-dir', ckpt, '--checkpoint-every', '1', ...H1]);
     await waitFor(`shard ${i} to answer`, async () => {
       if (child.exitCode !== null) throw new Error(`shard ${i} exited; see ${child.logFile}`);
       const r = await fetch(`http://127.0.0.1:${ports[i]}/api/shard`, { signal: AbortSignal.timeout(2_000) });
@@ -782,7 +786,7 @@ async function remoteShardTab() {
   try {
     shards.push(await startShard(0), await startShard(1));
     server = await startServer(port, 'remote', ['--shard-urls',
-      `ws://127.0.0.1:${ports[0]},ws://127.0.0.1:${ports[1]}`, '--run-secret', SECRET, '--eval-every', '1']);
+      `ws://127.0.0.1:${ports[0]},ws://127.0.0.1:${ports[1]}`, '--run-secret', SECRET, '--eval-every', '1', ...H1]);
     browser = await openBrowser(dir);
     await contributeOneCore(browser, base, 'remote-shard');
     await waitFor('the tab to train on both shard processes', async () => {
