@@ -76,6 +76,43 @@ fn a_crowd_of_400_costs_bounded_memory_and_dashboard_bytes_and_gives_back_its_fd
     );
 }
 
+/// Issue 18's topology past one process's fds, small: the shards as `crowdgrad shard`
+/// processes behind `serve --shard-urls`, the volunteers split over 2 child generators. Every
+/// volunteer gets in and trains on both shard processes, every server-side process is
+/// measured, and each gives its fds back once the crowd left.
+#[test]
+fn a_crowd_over_shard_processes_and_child_generators_trains_and_gives_back_its_fds() {
+    let mut args = CrowdArgs::new(120, mnist_dir());
+    args.ramp_rate = 100.0;
+    args.steady_seconds = 8.0;
+    args.round_interval = 2.0;
+    args.shard_processes = true;
+    args.generators = 2;
+    args.egress_budget = Some("400mbit".into());
+    let c = crowd(&binary(), &args).expect("the crowd runs");
+    println!("{}\n{}", c.table(), c.process_table());
+    assert_eq!(c.topology, ["serve", "shard 0", "shard 1"]);
+    let steady = &c.phases[1];
+    assert_eq!(c.joined, 120, "{:?}", c.phases);
+    assert!(steady.refusals.is_empty(), "{:?}", steady.refusals);
+    assert!(steady.training_sockets >= 230.0, "{steady:?}");
+    // About one round per 2 s on both shards (the pace of 400mbit is far below 2 s here).
+    assert!(
+        steady.pulls as f64 >= 120.0 * 2.0 * 8.0 / 2.0 * 0.5,
+        "{steady:?}"
+    );
+    assert!(
+        steady.pushes as f64 >= 120.0 * 2.0 * 8.0 / 2.0 * 0.5,
+        "{steady:?}"
+    );
+    for p in &c.procs {
+        // Each server-side process held one socket per volunteer during the steady phase
+        // (the coordinator: the dashboards).
+        assert!(p.fds.1 >= p.fds.0 + 110, "{p:?}");
+        assert!(p.fds.2 <= p.fds.0 + FD_SLACK, "{p:?}");
+    }
+}
+
 /// The dashboard stream's body for ~3.5 s, as sent (gzip when `gzip`), de-chunked; over a
 /// raw socket so the request carries exactly the `Accept-Encoding` a browser sends.
 fn read_stream(url: &str, gzip: bool) -> Vec<u8> {
