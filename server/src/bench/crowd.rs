@@ -901,8 +901,8 @@ async fn volunteer(
     req.name = Some(format!("crowd {i}"));
     let body = serde_json::to_vec(&req).unwrap_or_default();
     // A join answered 429 (the server's admission bound on new identities, issue 21, or a
-    // rate) is tried again after the 5 s it asks, as the page does, until the volunteer's
-    // leave time or JOIN_PATIENCE, whichever comes first.
+    // rate) is tried again after the 5 s it asks (then 10, 15 s), until the volunteer's leave
+    // time or JOIN_PATIENCE, whichever comes first.
     let give_up = leave.min(arrive + JOIN_PATIENCE);
     let mut tries = 0u32;
     let joined: JoinResponse = loop {
@@ -911,9 +911,10 @@ async fn volunteer(
                 Ok(j) => break j,
                 Err(e) => return ctx.refuse(format!("join: bad reply: {e}")),
             },
-            // A connection the server's accept queue dropped or reset under the retries of
-            // a large crowd is tried again the same way.
-            Ok((429, _)) | Err(Error::Io { .. })
+            // A server too busy (503: its connection budget), or a connection its accept
+            // queue dropped or reset under the retries of a large crowd, is tried again the
+            // same way.
+            Ok((429 | 503, _)) | Err(Error::Io { .. })
                 if tokio::time::Instant::now() + JOIN_RETRY < give_up =>
             {
                 ctx.join_retries.fetch_add(1, Ordering::Relaxed);

@@ -41,6 +41,10 @@ pub const MAX_GENERATORS: usize = 16;
 /// The prefix of a child generator's lines on its stdout.
 const LINE: &str = "crowd-generator ";
 
+/// The most connections the bench lets the coordinator hold with `--shard-processes`: below
+/// this machine's 20,000 fd hard limit, with room for its files and listeners.
+const MAX_COORDINATOR_CONNECTIONS: usize = 19_000;
+
 /// How long after the last leave a child may still be running before it is killed.
 const CHILD_GRACE: Duration = Duration::from_secs(90);
 
@@ -142,9 +146,12 @@ impl Topology {
                 urls.push(format!("ws://{}", s.addr));
                 procs.push((format!("shard {i}"), s));
             }
-            // The coordinator: joins and dashboards (and the joins in flight).
-            if n + 256 > 4_096 {
-                flags.extend(["--max-connections".to_string(), (n + 256).to_string()]);
+            // The coordinator: a dashboard per volunteer and the joins in flight, which are
+            // many while a large crowd waits on the admission bound (one per volunteer at
+            // worst); below the fd limit, with room for its own files.
+            let conns = (2 * n + 256).min(MAX_COORDINATOR_CONNECTIONS);
+            if conns > 4_096 {
+                flags.extend(["--max-connections".to_string(), conns.to_string()]);
             }
             flags.extend([
                 "--shards".to_string(),
