@@ -25,12 +25,19 @@
 //! server's egress. The server's RSS (`VmRSS`), CPU (utime + stime), open fds, and this
 //! process's CPU are read from `/proc` at every phase boundary and once a second.
 //!
-//! Bounded: at most [`MAX_VOLUNTEERS`], every wait has a deadline, the whole run ends by
-//! itself (ramp + steady + leave + settling), and the server is killed when it ends or fails.
-//! Only 127.0.0.1 is ever targeted: `--addr` is refused in the server flags and the server's
-//! listening address is checked.
+//! Past ~6,000 volunteers one server process and one generator process run out of file
+//! descriptors (3 per volunteer on each side, a 20,000 hard limit here): `--shard-processes`
+//! serves the shards from `crowdgrad shard` processes with `serve --shard-urls` as the
+//! coordinator, `--generators N` splits the volunteers over N child processes of this
+//! binary, and every server-side process is measured and summed (`super::crowdprocs`).
+//!
+//! Bounded: at most [`MAX_VOLUNTEERS`] volunteers and 16 generators, every wait has a
+//! deadline, the whole run ends by itself (ramp + steady + leave + settling), and every
+//! process it started is killed when it ends or fails. Only 127.0.0.1 is ever targeted:
+//! `--addr` is refused in the server flags, and every listening address and shard URL is
+//! checked.
 
-use super::load::{fd_count, get_json, percentile, rss_mib, Server};
+use super::load::{fd_count, get_json, percentile, rss_mib};
 use crate::error::{Error, Result};
 use clap::Args;
 use crowdgrad_core::codec::Encoding;
@@ -61,6 +68,13 @@ const MAX_SAMPLES: usize = 1 << 20;
 /// How long any single network step (connect, join reply, handshake, reply frame) may take.
 const STEP_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// How long a volunteer keeps trying to join after its arrival (joins answered 429).
+const JOIN_PATIENCE: Duration = Duration::from_secs(300);
+
+/// The wait before a join answered 429 is tried again (the server's `Retry-After`), the
+/// first time; then twice and three times this.
+const JOIN_RETRY: Duration = Duration::from_secs(5);
+
 /// Flags of `crowdgrad bench crowd`.
 #[derive(Debug, Clone, Args)]
 pub struct CrowdArgs {
@@ -86,6 +100,24 @@ pub struct CrowdArgs {
     /// the same crowd.
     #[arg(long)]
     pub server_binary: Option<PathBuf>,
+    /// Serve each shard from a `crowdgrad shard` process of its own (on 127.0.0.1, sharing a
+    /// run secret made for the run) with `serve --shard-urls` as the coordinator of joins and
+    /// dashboards: each server process then holds one socket per volunteer, not three (past
+    /// ~6,000 volunteers one process meets a 20,000 fd hard limit). Every process is measured.
+    #[arg(long)]
+    pub shard_processes: bool,
+    /// Processes the volunteers run in: 1 is this process; more re-runs this binary as child
+    /// generators, each with a contiguous slice of the volunteers and its own fd limit (a
+    /// volunteer holds 3 fds on the generator's side too). At most 16.
+    #[arg(long, default_value_t = 1)]
+    pub generators: usize,
+    /// `--egress-budget` of the shards (`serve`'s, or every shard process's): the server paces
+    /// the crowd's pulls to it (e.g. `400mbit`). Default: the server's (off).
+    #[arg(long)]
+    pub egress_budget: Option<String>,
+    /// Internal: run as one of the child generators of `--generators` (`LO,HI,ADDR,START_MS`).
+    #[arg(long, hide = true)]
+    pub as_generator: Option<String>,
     /// Extra flags for `serve` (after the bench's own, so they win; not `--addr`).
     #[arg(last = true)]
     pub serve_args: Vec<String>,
@@ -102,11 +134,15 @@ impl CrowdArgs {
             dashboard_fraction: 1.0,
             data_dir,
             server_binary: None,
+            shard_processes: false,
+            generators: 1,
+            egress_budget: None,
+            as_generator: None,
             serve_args: Vec::new(),
         }
     }
 
-    fn check(&self) -> Result<()> {
+    pub(super) fn check(&self) -> Result<()> {
         let bad = |m: &str| Err(Error::Config(m.into()));
         if self.volunteers == 0 || self.volunteers > MAX_VOLUNTEERS {
             return bad(&format!("--volunteers must be in 1..={MAX_VOLUNTEERS}"));
@@ -125,6 +161,20 @@ impl CrowdArgs {
         }
         if self.serve_args.iter().any(|a| a.starts_with("--addr")) {
             return bad("the crowd targets 127.0.0.1 only: --addr is not taken");
+        }
+        if self.shard_processes
+            && self
+                .serve_args
+                .iter()
+                .any(|a| a.starts_with("--shard-urls") || a.starts_with("--egress-budget"))
+        {
+            return bad("with --shard-processes the bench sets --shard-urls, and --egress-budget is the bench's own flag");
+        }
+        if !(1..=super::crowdprocs::MAX_GENERATORS).contains(&self.generators) {
+            return bad(&format!(
+                "--generators must be in 1..={}",
+                super::crowdprocs::MAX_GENERATORS
+            ));
         }
         Ok(())
     }
@@ -185,9 +235,10 @@ type Ws = tokio_tungstenite::WebSocketStream<Counted>;
 const PHASES: [&str; 3] = ["ramp", "steady", "leave"];
 
 /// What the volunteers share: the target, the counters, the samples.
-struct Ctx {
+pub(super) struct Ctx {
     addr: SocketAddr,
-    phase: AtomicUsize,
+    /// The phase being counted (0 ramp, 1 steady, 2 leave).
+    pub(super) phase: AtomicUsize,
     training: Arc<Traffic>,
     dashboard: Arc<Traffic>,
     http: Arc<Traffic>,
@@ -206,14 +257,290 @@ struct Ctx {
     round: Duration,
     /// Per shard: the gradient values pushed (one fixed pattern, small).
     grads: Mutex<BTreeMap<usize, Arc<Vec<f32>>>>,
+    /// The largest pace a shard told a volunteer, ms.
+    pace_ms_max: AtomicU64,
+    /// Volunteers whose task ended.
+    finished: AtomicUsize,
+    /// Joins answered 429 and tried again.
+    join_retries: AtomicU64,
+    /// The latest a volunteer got all its shard sockets open, ms after the first arrival.
+    all_in_ms: AtomicU64,
+    /// Per volunteer: its arrival to all its shard sockets open, ms.
+    join_ms: Mutex<Vec<f32>>,
+}
+
+/// The generator's counters at one moment (of this process, or summed over the child
+/// generators).
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+pub(super) struct Totals {
+    /// Volunteers with every shard socket open.
+    pub connected: u64,
+    /// Shard sockets open.
+    pub training_open: u64,
+    /// Dashboard streams open.
+    pub dashboards_open: u64,
+    /// Bytes received / sent on shard sockets, dashboards and other HTTP (joins).
+    pub training_rx: u64,
+    /// Sent on shard sockets.
+    pub training_tx: u64,
+    /// Received on dashboards.
+    pub dashboard_rx: u64,
+    /// Sent on dashboards.
+    pub dashboard_tx: u64,
+    /// Received on other HTTP.
+    pub http_rx: u64,
+    /// Sent on other HTTP.
+    pub http_tx: u64,
+    /// Joins per phase.
+    pub joins: [u64; 3],
+    /// Params received.
+    pub pulls: u64,
+    /// Acks received.
+    pub pushes: u64,
+    /// Largest pace told, ms.
+    pub pace_ms_max: u64,
+    /// Volunteers whose task ended.
+    pub finished: u64,
+    /// Joins answered 429 and tried again.
+    pub join_retries: u64,
+    /// The latest a volunteer got all its shard sockets open, ms after the first arrival.
+    pub all_in_ms: u64,
+    /// CPU seconds of the generator process(es).
+    pub cpu_s: f64,
+    /// Refusals and failures by reason, per phase.
+    pub refusals: [BTreeMap<String, u64>; 3],
+}
+
+impl Totals {
+    /// Adds `o`'s counters (the largest pace of the two).
+    pub fn add(&mut self, o: &Totals) {
+        self.connected += o.connected;
+        self.training_open += o.training_open;
+        self.dashboards_open += o.dashboards_open;
+        self.training_rx += o.training_rx;
+        self.training_tx += o.training_tx;
+        self.dashboard_rx += o.dashboard_rx;
+        self.dashboard_tx += o.dashboard_tx;
+        self.http_rx += o.http_rx;
+        self.http_tx += o.http_tx;
+        for p in 0..3 {
+            self.joins[p] += o.joins[p];
+            for (k, v) in &o.refusals[p] {
+                *self.refusals[p].entry(k.clone()).or_default() += v;
+            }
+        }
+        self.pulls += o.pulls;
+        self.pushes += o.pushes;
+        self.pace_ms_max = self.pace_ms_max.max(o.pace_ms_max);
+        self.finished += o.finished;
+        self.join_retries += o.join_retries;
+        self.all_in_ms = self.all_in_ms.max(o.all_in_ms);
+        self.cpu_s += o.cpu_s;
+    }
+}
+
+/// Round-trip samples per phase, ms.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+pub(super) struct Samples {
+    /// Pull round trips.
+    pub pull_ms: [Vec<f32>; 3],
+    /// Push to ack.
+    pub push_ms: [Vec<f32>; 3],
+    /// Per volunteer: arrival to all its shard sockets open.
+    pub join_ms: Vec<f32>,
+}
+
+impl Samples {
+    /// Appends `o`'s samples (at most [`MAX_SAMPLES`] per phase and kind).
+    pub fn merge(&mut self, o: Samples) {
+        for p in 0..3 {
+            for (mine, theirs) in [
+                (&mut self.pull_ms[p], &o.pull_ms[p]),
+                (&mut self.push_ms[p], &o.push_ms[p]),
+            ] {
+                let room = MAX_SAMPLES.saturating_sub(mine.len());
+                mine.extend(theirs.iter().take(room));
+            }
+        }
+        let room = MAX_SAMPLES.saturating_sub(self.join_ms.len());
+        self.join_ms.extend(o.join_ms.iter().take(room));
+    }
+}
+
+/// The volunteers' timetable: arrivals ramped from `start`, `steady` with everyone in,
+/// leaves ramped; the same in this process and in every child generator.
+pub(super) struct Plan {
+    start: Instant,
+    gap: Duration,
+    ramp: Duration,
+    steady: Duration,
+    n: usize,
+    dashboards: usize,
+}
+
+impl Plan {
+    /// A plan starting `lead` from now.
+    pub fn new(args: &CrowdArgs, lead: Duration) -> Self {
+        let gap = Duration::from_secs_f64(1.0 / args.ramp_rate);
+        Plan {
+            start: Instant::now() + lead,
+            gap,
+            ramp: gap.mul_f64(args.volunteers as f64),
+            steady: Duration::from_secs_f64(args.steady_seconds),
+            n: args.volunteers,
+            dashboards: (args.volunteers as f64 * args.dashboard_fraction).round() as usize,
+        }
+    }
+
+    /// The plan starting at `ms` Unix milliseconds (as another process's [`Self::start_unix_ms`]).
+    pub fn at_unix_ms(args: &CrowdArgs, ms: u64) -> Self {
+        let now = unix_ms();
+        let mut plan = Plan::new(args, Duration::ZERO);
+        if ms >= now {
+            plan.start += Duration::from_millis(ms - now);
+        } else {
+            plan.start = plan
+                .start
+                .checked_sub(Duration::from_millis(now - ms))
+                .unwrap_or(plan.start);
+        }
+        plan
+    }
+
+    /// The start as Unix milliseconds.
+    pub fn start_unix_ms(&self) -> u64 {
+        let now = unix_ms();
+        let ahead = self.start.saturating_duration_since(Instant::now());
+        now + ahead.as_millis() as u64
+    }
+
+    /// The ends of the ramp, the steady phase and the leaving.
+    pub fn ends(&self) -> [Instant; 3] {
+        let s = self.start;
+        [
+            s + self.ramp,
+            s + self.ramp + self.steady,
+            s + self.ramp + self.steady + self.ramp,
+        ]
+    }
+
+    /// Spawns volunteers `range` (global indices) on `rt`; each counts itself finished.
+    pub fn spawn(
+        &self,
+        rt: &tokio::runtime::Runtime,
+        ctx: &'static Ctx,
+        range: std::ops::Range<usize>,
+    ) -> Vec<tokio::task::JoinHandle<()>> {
+        let t0 = tokio::time::Instant::from_std(self.start);
+        let (n, dashboards) = (self.n.max(1), self.dashboards);
+        range
+            .map(|i| {
+                let arrive = t0 + self.gap.mul_f64(i as f64);
+                let leave = t0 + self.ramp + self.steady + self.gap.mul_f64(i as f64);
+                // Spread the dashboards evenly over the crowd.
+                let board = (i * dashboards) / n != ((i + 1) * dashboards) / n;
+                rt.spawn(async move {
+                    volunteer(ctx, i, t0, arrive, leave, board).await;
+                    ctx.finished.fetch_add(1, Ordering::Relaxed);
+                })
+            })
+            .collect()
+    }
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The generator's runtime: 2 worker threads.
+pub(super) fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| Error::io("runtime", e))
 }
 
 impl Ctx {
+    /// A context for volunteers against `addr`, kept for the rest of the process (the
+    /// volunteers borrow it for `'static`; one per run).
+    pub fn leak(addr: SocketAddr, round_interval: f64) -> &'static Ctx {
+        Box::leak(Box::new(Ctx {
+            addr,
+            phase: AtomicUsize::new(0),
+            training: Arc::default(),
+            dashboard: Arc::default(),
+            http: Arc::default(),
+            connected: AtomicUsize::new(0),
+            training_open: AtomicUsize::new(0),
+            dashboards_open: AtomicUsize::new(0),
+            joins: Default::default(),
+            pulls: AtomicU64::new(0),
+            pushes: AtomicU64::new(0),
+            pull_ms: Mutex::default(),
+            push_ms: Mutex::default(),
+            refusals: Mutex::default(),
+            round: Duration::from_secs_f64(round_interval),
+            grads: Mutex::default(),
+            pace_ms_max: AtomicU64::new(0),
+            finished: AtomicUsize::new(0),
+            join_retries: AtomicU64::new(0),
+            all_in_ms: AtomicU64::new(0),
+            join_ms: Mutex::default(),
+        }))
+    }
+
+    /// The counters now (`cpu_s` left 0).
+    pub fn totals(&self) -> Totals {
+        let r = |a: &AtomicUsize| a.load(Ordering::Relaxed) as u64;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        Totals {
+            connected: r(&self.connected),
+            training_open: r(&self.training_open),
+            dashboards_open: r(&self.dashboards_open),
+            training_rx: l(&self.training.rx),
+            training_tx: l(&self.training.tx),
+            dashboard_rx: l(&self.dashboard.rx),
+            dashboard_tx: l(&self.dashboard.tx),
+            http_rx: l(&self.http.rx),
+            http_tx: l(&self.http.tx),
+            joins: [0, 1, 2].map(|p| l(&self.joins[p])),
+            pulls: l(&self.pulls),
+            pushes: l(&self.pushes),
+            pace_ms_max: l(&self.pace_ms_max),
+            finished: r(&self.finished),
+            join_retries: l(&self.join_retries),
+            all_in_ms: l(&self.all_in_ms),
+            cpu_s: 0.0,
+            refusals: self.refusals.lock().map(|r| r.clone()).unwrap_or_default(),
+        }
+    }
+
+    /// The samples so far, taken out (the context keeps none).
+    pub fn take_samples(&self) -> Samples {
+        let take = |m: &Mutex<[Vec<f32>; 3]>| {
+            m.lock()
+                .map(|mut v| std::mem::take(&mut *v))
+                .unwrap_or_default()
+        };
+        Samples {
+            pull_ms: take(&self.pull_ms),
+            push_ms: take(&self.push_ms),
+            join_ms: self
+                .join_ms
+                .lock()
+                .map(|mut v| std::mem::take(&mut *v))
+                .unwrap_or_default(),
+        }
+    }
+
     fn phase(&self) -> usize {
         self.phase.load(Ordering::Relaxed).min(2)
     }
 
-    fn refuse(&self, reason: impl Into<String>) {
+    pub(super) fn refuse(&self, reason: impl Into<String>) {
         let mut reason: String = reason.into();
         reason.truncate(120);
         let p = self.phase();
@@ -383,8 +710,24 @@ async fn open_shard(
     shard: u32,
     path: &str,
 ) -> Result<Link> {
-    let tcp = connect(ctx.addr, &ctx.training).await?;
-    let url = format!("ws://{}{path}", ctx.addr);
+    // A shard of `serve` is a path on it; a shard process's is an absolute ws:// URL.
+    let (addr, path) = match path.strip_prefix("ws://") {
+        Some(rest) => {
+            let (host, p) = rest.split_once('/').unwrap_or((rest, ""));
+            let addr: SocketAddr = host
+                .parse()
+                .map_err(|_| Error::WebSocket(format!("shard URL {path}")))?;
+            if addr.ip() != std::net::IpAddr::from([127, 0, 0, 1]) {
+                return Err(Error::WebSocket(format!(
+                    "shard URL {path} is not on 127.0.0.1"
+                )));
+            }
+            (addr, format!("/{p}"))
+        }
+        None => (ctx.addr, path.to_string()),
+    };
+    let tcp = connect(addr, &ctx.training).await?;
+    let url = format!("ws://{addr}{path}");
     let (mut ws, _) = tokio::time::timeout(
         STEP_TIMEOUT,
         tokio_tungstenite::client_async(url.as_str(), tcp),
@@ -451,6 +794,8 @@ async fn round(
             ctx.pulls.fetch_add(1, Ordering::Relaxed);
             link.version = h.version;
             link.pace = if link.paces {
+                ctx.pace_ms_max
+                    .fetch_max(u64::from(h.aux), Ordering::Relaxed);
                 crowdgrad_core::shard::pace::pace_from_ms(h.aux)
             } else {
                 0.0
@@ -545,6 +890,7 @@ async fn dashboard(ctx: &'static Ctx, leave: tokio::time::Instant) {
 async fn volunteer(
     ctx: &'static Ctx,
     i: usize,
+    t0: tokio::time::Instant,
     arrive: tokio::time::Instant,
     leave: tokio::time::Instant,
     watch_dashboard: bool,
@@ -554,19 +900,39 @@ async fn volunteer(
     req.identity = Some(format!("crowd-{i:06}"));
     req.name = Some(format!("crowd {i}"));
     let body = serde_json::to_vec(&req).unwrap_or_default();
-    let joined: JoinResponse = match http(ctx, "POST", "/api/join", &body).await {
-        Ok((200, b)) => match serde_json::from_slice(&b) {
-            Ok(j) => j,
-            Err(e) => return ctx.refuse(format!("join: bad reply: {e}")),
-        },
-        Ok((code, b)) => {
-            let msg = serde_json::from_slice::<serde_json::Value>(&b)
-                .ok()
-                .and_then(|v| v["error"].as_str().map(str::to_string))
-                .unwrap_or_default();
-            return ctx.refuse(format!("join {code}: {msg}"));
+    // A join answered 429 (the server's admission bound on new identities, issue 21, or a
+    // rate) is tried again after the 5 s it asks (then 10, 15 s), until the volunteer's leave
+    // time or JOIN_PATIENCE, whichever comes first.
+    let give_up = leave.min(arrive + JOIN_PATIENCE);
+    let mut tries = 0u32;
+    let joined: JoinResponse = loop {
+        match http(ctx, "POST", "/api/join", &body).await {
+            Ok((200, b)) => match serde_json::from_slice(&b) {
+                Ok(j) => break j,
+                Err(e) => return ctx.refuse(format!("join: bad reply: {e}")),
+            },
+            // A server too busy (503: its connection budget), or a connection its accept
+            // queue dropped or reset under the retries of a large crowd, is tried again the
+            // same way.
+            Ok((429 | 503, _)) | Err(Error::Io { .. })
+                if tokio::time::Instant::now() + JOIN_RETRY < give_up =>
+            {
+                ctx.join_retries.fetch_add(1, Ordering::Relaxed);
+                tries += 1;
+                // Spread the retries over a second so they do not come back as one wave, and
+                // back off (5, 10, 15 s) so thousands waiting do not flood the coordinator.
+                let jitter = Duration::from_millis((i as u64 * 7919) % 1000);
+                tokio::time::sleep(JOIN_RETRY * tries.min(3) + jitter).await;
+            }
+            Ok((code, b)) => {
+                let msg = serde_json::from_slice::<serde_json::Value>(&b)
+                    .ok()
+                    .and_then(|v| v["error"].as_str().map(str::to_string))
+                    .unwrap_or_default();
+                return ctx.refuse(format!("join {code}: {msg}"));
+            }
+            Err(e) => return ctx.refuse(format!("join: {e}")),
         }
-        Err(e) => return ctx.refuse(format!("join: {e}")),
     };
     ctx.joins[ctx.phase()].fetch_add(1, Ordering::Relaxed);
     let board = watch_dashboard.then(|| tokio::spawn(dashboard(ctx, leave)));
@@ -584,6 +950,16 @@ async fn volunteer(
         }
     }
     let connected = Open::new(&ctx.connected);
+    let now = tokio::time::Instant::now();
+    ctx.all_in_ms.fetch_max(
+        now.saturating_duration_since(t0).as_millis() as u64,
+        Ordering::Relaxed,
+    );
+    if let Ok(mut j) = ctx.join_ms.lock() {
+        if j.len() < MAX_SAMPLES {
+            j.push(now.saturating_duration_since(arrive).as_secs_f32() * 1e3);
+        }
+    }
     let started = Instant::now();
     // Each volunteer at its own phase of the round, so the rounds do not come in waves.
     let phase = ctx.round.mul_f64((i as f64 * 0.618_034).fract());
@@ -646,38 +1022,54 @@ async fn volunteer(
     }
 }
 
-/// The server and generator figures at one moment.
-#[derive(Debug, Clone, Copy, Default)]
+/// The server-side processes' and the generators' figures at one moment.
+#[derive(Debug, Clone, Default)]
 struct Sample {
     at: Option<Instant>,
-    rss_mib: f64,
-    server_cpu_s: f64,
-    self_cpu_s: f64,
-    fds: usize,
-    training_rx: u64,
-    training_tx: u64,
-    dashboard_rx: u64,
-    dashboard_tx: u64,
-    http_rx: u64,
-    http_tx: u64,
+    /// Per server process: RSS MiB, CPU seconds, open fds.
+    procs: Vec<(f64, f64, usize)>,
+    gen: Totals,
 }
 
 impl Sample {
-    fn take(pid: u32, ctx: &Ctx) -> Self {
+    fn take(pids: &[u32], gen: Totals) -> Self {
         Sample {
             at: Some(Instant::now()),
-            rss_mib: rss_mib(pid),
-            server_cpu_s: super::cpu_seconds(pid),
-            self_cpu_s: super::cpu_seconds(std::process::id()),
-            fds: fd_count(pid),
-            training_rx: ctx.training.rx.load(Ordering::Relaxed),
-            training_tx: ctx.training.tx.load(Ordering::Relaxed),
-            dashboard_rx: ctx.dashboard.rx.load(Ordering::Relaxed),
-            dashboard_tx: ctx.dashboard.tx.load(Ordering::Relaxed),
-            http_rx: ctx.http.rx.load(Ordering::Relaxed),
-            http_tx: ctx.http.tx.load(Ordering::Relaxed),
+            procs: pids
+                .iter()
+                .map(|&p| (rss_mib(p), super::cpu_seconds(p), fd_count(p)))
+                .collect(),
+            gen,
         }
     }
+    fn rss_mib(&self) -> f64 {
+        self.procs.iter().map(|p| p.0).sum()
+    }
+    fn cpu_s(&self) -> f64 {
+        self.procs.iter().map(|p| p.1).sum()
+    }
+    fn fds(&self) -> usize {
+        self.procs.iter().map(|p| p.2).sum()
+    }
+}
+
+/// One server-side process's figures.
+#[derive(Debug, Clone, Default)]
+pub struct ProcFigures {
+    /// `serve`, `shard 0`, ...
+    pub name: String,
+    /// Idle RSS before the crowd, MiB.
+    pub rss_base_mib: f64,
+    /// The most RSS seen during the steady phase, MiB.
+    pub rss_steady_peak_mib: f64,
+    /// (Steady peak − idle) / volunteers connected at the steady phase's end, KiB.
+    pub rss_per_volunteer_kib: Option<f64>,
+    /// CPU over the steady phase, cores.
+    pub cpu_steady: f64,
+    /// Open fds: idle, at the steady phase's end, after everyone left.
+    pub fds: (usize, usize, usize),
+    /// RSS after everyone left, MiB.
+    pub rss_after_mib: f64,
 }
 
 /// The figures of one phase.
@@ -731,6 +1123,8 @@ pub struct Phase {
     pub pushes: usize,
     /// Joins per second.
     pub joins_per_sec: f64,
+    /// The largest pace a shard had told a volunteer by the phase's end, seconds.
+    pub pace_max_s: f64,
     /// Refusals and failures by reason.
     pub refusals: BTreeMap<String, u64>,
 }
@@ -744,17 +1138,28 @@ pub struct Crowd {
     pub shards: usize,
     /// Volunteers with a dashboard stream.
     pub dashboards: usize,
+    /// The server-side processes, coordinator first (`serve`, then `shard 0`, ... with
+    /// `--shard-processes`).
+    pub topology: Vec<String>,
+    /// Processes the volunteers ran in.
+    pub generators: usize,
+    /// The `--egress-budget` given to the shards, if any.
+    pub egress_budget: Option<String>,
     /// The server flags the bench set (beyond its own `--addr`, `--data-dir`, `--no-fetch`).
     pub serve_flags: Vec<String>,
+    /// The flags set on every shard process (with `--shard-processes`).
+    pub shard_flags: Vec<String>,
     /// The fd limit (soft) before and after raising it.
     pub nofile: (u64, u64),
-    /// Idle server before the crowd: RSS MiB and open fds.
+    /// Idle server side before the crowd (all its processes): RSS MiB and open fds.
     pub rss_base_mib: f64,
     /// Open fds then.
     pub fds_base: usize,
     /// Ramp, steady, leave.
     pub phases: Vec<Phase>,
-    /// After everyone left and the server settled: RSS MiB, open fds.
+    /// Each server-side process.
+    pub procs: Vec<ProcFigures>,
+    /// After everyone left and the server settled: RSS MiB, open fds (all processes).
     pub rss_after_mib: f64,
     /// Open fds then.
     pub fds_after: usize,
@@ -764,6 +1169,16 @@ pub struct Crowd {
     pub pulls: u64,
     /// Acks.
     pub pushes: u64,
+    /// The largest pace a shard told a volunteer, seconds (0: none).
+    pub pace_max_s: f64,
+    /// Joins answered 429 and tried again after 5 s.
+    pub join_retries: u64,
+    /// Seconds from the first arrival until the last volunteer had its shard sockets open.
+    pub all_in_s: f64,
+    /// Seconds from a volunteer's arrival to its shard sockets open: p50, p99, most.
+    pub join_s: (f64, f64, f64),
+    /// The 1-minute load average at the start and at the end.
+    pub load: (f64, f64),
 }
 
 fn pct(v: &[f32], p: f64) -> f64 {
@@ -772,7 +1187,8 @@ fn pct(v: &[f32], p: f64) -> f64 {
     percentile(&d, p)
 }
 
-/// Runs the crowd against a `crowdgrad serve` started from `exe`.
+/// Runs the crowd against a `crowdgrad serve` (and with `--shard-processes` its `crowdgrad
+/// shard` processes) started from `exe`.
 ///
 /// # Errors
 /// Bad flags, a server that does not start or does not listen on 127.0.0.1; refused joins,
@@ -780,106 +1196,55 @@ fn pct(v: &[f32], p: f64) -> f64 {
 pub fn crowd(exe: &Path, args: &CrowdArgs) -> Result<Crowd> {
     args.check()?;
     let nofile = crate::support::limits::raise_nofile();
+    let load0 = super::load_avg();
     let n = args.volunteers;
-    // One address for the whole crowd: the per-IP limits are lifted, the totals sized to it.
-    let mut flags: Vec<String> = [
-        "--max-connections-per-ip",
-        "0",
-        "--max-connections-per-prefix",
-        "0",
-        "--join-rate",
-        "0",
-        "--push-rate-per-ip",
-        "0",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    // Shards (2 by default, maybe more from the flags) + a dashboard + joins in flight.
     let shards_guess = args
         .serve_args
         .iter()
         .position(|a| a == "--shards")
         .and_then(|i| args.serve_args.get(i + 1)?.parse::<usize>().ok())
         .unwrap_or(crate::config::SERVE_SHARDS);
-    let conns = n * (shards_guess + 1) + 256;
-    if conns > 4_096 {
-        flags.extend(["--max-connections".to_string(), conns.to_string()]);
-    }
-    if n > 10_000 {
-        flags.extend(["--max-workers".to_string(), (n + 64).to_string()]);
-    }
-    let mut serve = flags.clone();
-    serve.extend(args.serve_args.iter().cloned());
-    let exe = args.server_binary.as_deref().unwrap_or(exe);
-    let server = Server::start(exe, &args.data_dir, &serve, &[])?;
-    if server.addr.ip() != std::net::IpAddr::from([127, 0, 0, 1]) {
-        return Err(Error::Config(format!(
-            "the server listens on {}, not 127.0.0.1: the crowd targets loopback only",
-            server.addr
-        )));
-    }
-    let pid = server.pid();
+    let topo = super::crowdprocs::Topology::start(exe, args, shards_guess)?;
+    let pids = topo.pids();
     let agent = super::load::agent();
-    let status = get_json(&agent, &format!("{}/api/status", server.url))?;
+    let status = get_json(&agent, &format!("{}/api/status", topo.url))?;
     let shards = status["shards"].as_array().map_or(1, Vec::len).max(1);
     std::thread::sleep(Duration::from_secs(2));
-    let ctx: &'static Ctx = Box::leak(Box::new(Ctx {
-        addr: server.addr,
-        phase: AtomicUsize::new(0),
-        training: Arc::default(),
-        dashboard: Arc::default(),
-        http: Arc::default(),
-        connected: AtomicUsize::new(0),
-        training_open: AtomicUsize::new(0),
-        dashboards_open: AtomicUsize::new(0),
-        joins: Default::default(),
-        pulls: AtomicU64::new(0),
-        pushes: AtomicU64::new(0),
-        pull_ms: Mutex::default(),
-        push_ms: Mutex::default(),
-        refusals: Mutex::default(),
-        round: Duration::from_secs_f64(args.round_interval),
-        grads: Mutex::default(),
-    }));
-    let base = Sample::take(pid, ctx);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| Error::io("runtime", e))?;
-    let gap = Duration::from_secs_f64(1.0 / args.ramp_rate);
-    let ramp = gap.mul_f64(n as f64);
-    let steady = Duration::from_secs_f64(args.steady_seconds);
-    let t0 = rt.block_on(async { tokio::time::Instant::now() }) + Duration::from_millis(200);
-    let dashboards = (n as f64 * args.dashboard_fraction).round() as usize;
-    let tasks: Vec<_> = (0..n)
-        .map(|i| {
-            let arrive = t0 + gap.mul_f64(i as f64);
-            let leave = t0 + ramp + steady + gap.mul_f64(i as f64);
-            // Spread the dashboards evenly over the crowd.
-            let board = (i * dashboards) / n != ((i + 1) * dashboards) / n;
-            rt.spawn(volunteer(ctx, i, arrive, leave, board))
-        })
-        .collect();
-    let wall0 = Instant::now() + Duration::from_millis(200);
-    let ends = [
-        wall0 + ramp,
-        wall0 + ramp + steady,
-        wall0 + ramp + steady + ramp,
-    ];
+    let base = Sample::take(&pids, Totals::default());
+    // Children need a moment to start and raise their fd limit.
+    let lead = Duration::from_millis(if args.generators > 1 { 2_000 } else { 200 });
+    let plan = Plan::new(args, lead);
+    let gens = super::crowdprocs::Gens::start(exe, args, topo.addr, &plan, args.generators)?;
+    // The phases are counted from the first arrival.
+    std::thread::sleep(plan.start.saturating_duration_since(Instant::now()));
+    let base = Sample {
+        at: Some(Instant::now()),
+        gen: gens.totals(),
+        ..base
+    };
+    let ends = plan.ends();
     let mut phases = Vec::new();
-    let mut start = base;
+    let mut start = base.clone();
+    let np = pids.len();
+    let mut steady_peaks = vec![0.0f64; np];
+    let mut steady_end = Sample::default();
+    let mut ramp_end = Sample::default();
     for (p, end) in ends.iter().enumerate() {
-        ctx.phase.store(p, Ordering::Relaxed);
+        gens.set_phase(p);
         let (mut peak_rss, mut peak_conn) = (0.0f64, 0usize);
+        let mut peaks = vec![0.0f64; np];
         let (mut train_sum, mut board_sum, mut ticks) = (0.0, 0.0, 0usize);
         loop {
             let now = Instant::now();
-            peak_rss = peak_rss.max(rss_mib(pid));
-            peak_conn = peak_conn.max(ctx.connected.load(Ordering::Relaxed));
-            train_sum += ctx.training_open.load(Ordering::Relaxed) as f64;
-            board_sum += ctx.dashboards_open.load(Ordering::Relaxed) as f64;
+            let rss: Vec<f64> = pids.iter().map(|&q| rss_mib(q)).collect();
+            for (k, r) in rss.iter().enumerate() {
+                peaks[k] = peaks[k].max(*r);
+            }
+            peak_rss = peak_rss.max(rss.iter().sum());
+            let t = gens.totals();
+            peak_conn = peak_conn.max(t.connected as usize);
+            train_sum += t.training_open as f64;
+            board_sum += t.dashboards_open as f64;
             ticks += 1;
             if now >= *end {
                 break;
@@ -889,15 +1254,27 @@ pub fn crowd(exe: &Path, args: &CrowdArgs) -> Result<Crowd> {
         if p == 2 {
             // Leaving: wait (bounded) for the volunteers to finish and the server's fds to fall.
             let deadline = Instant::now() + Duration::from_secs(60);
-            while ctx.connected.load(Ordering::Relaxed) > 0 && Instant::now() < deadline {
+            while gens.totals().connected > 0 && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(200));
             }
         }
-        let end_s = Sample::take(pid, ctx);
-        let connected_end = ctx.connected.load(Ordering::Relaxed);
+        let end_s = Sample::take(&pids, gens.totals());
+        for (k, e) in end_s.procs.iter().enumerate() {
+            peaks[k] = peaks[k].max(e.0);
+        }
+        match p {
+            0 => ramp_end = end_s.clone(),
+            1 => {
+                steady_peaks = peaks.clone();
+                steady_end = end_s.clone();
+            }
+            _ => {}
+        }
+        let connected_end = end_s.gen.connected as usize;
         // Ramp and steady: the phase's largest RSS over the volunteers connected at its end.
         let per_vol = (p < 2 && connected_end > 0).then(|| {
-            (peak_rss.max(end_s.rss_mib) - base.rss_mib).max(0.0) * 1024.0 / connected_end as f64
+            (peak_rss.max(end_s.rss_mib()) - base.rss_mib()).max(0.0) * 1024.0
+                / connected_end as f64
         });
         let dt = end_s
             .at
@@ -907,25 +1284,11 @@ pub fn crowd(exe: &Path, args: &CrowdArgs) -> Result<Crowd> {
         let trains = train_sum / ticks.max(1) as f64;
         let boards = board_sum / ticks.max(1) as f64;
         let rate = |a: u64, b: u64| a.saturating_sub(b) as f64 / dt;
-        let (pull, push) = {
-            let pl = ctx.pull_ms.lock().unwrap_or_else(|e| e.into_inner());
-            let ps = ctx.push_ms.lock().unwrap_or_else(|e| e.into_inner());
-            let pulls = pl[p].len();
-            let pushes = ps[p].len();
-            (
-                (pct(&pl[p], 0.5), pct(&pl[p], 0.99), pulls),
-                (pct(&ps[p], 0.5), pct(&ps[p], 0.99), pushes),
-            )
-        };
-        let refusals = ctx
-            .refusals
-            .lock()
-            .map(|r| r[p].clone())
-            .unwrap_or_default();
-        let egress_train = rate(end_s.training_rx, start.training_rx);
-        let egress_board = rate(end_s.dashboard_rx, start.dashboard_rx);
-        let ingress_train = rate(end_s.training_tx, start.training_tx);
-        let ingress_board = rate(end_s.dashboard_tx, start.dashboard_tx);
+        let (g1, g0) = (&end_s.gen, &start.gen);
+        let egress_train = rate(g1.training_rx, g0.training_rx);
+        let egress_board = rate(g1.dashboard_rx, g0.dashboard_rx);
+        let ingress_train = rate(g1.training_tx, g0.training_tx);
+        let ingress_board = rate(g1.dashboard_tx, g0.dashboard_tx);
         let per = |x: f64, n: f64| if n > 0.0 { x / n } else { 0.0 };
         phases.push(Phase {
             name: PHASES[p],
@@ -933,66 +1296,95 @@ pub fn crowd(exe: &Path, args: &CrowdArgs) -> Result<Crowd> {
             connected: if p == 2 { peak_conn } else { connected_end },
             training_sockets: trains,
             dashboards: boards,
-            rss_end_mib: end_s.rss_mib,
-            rss_peak_mib: peak_rss.max(end_s.rss_mib),
+            rss_end_mib: end_s.rss_mib(),
+            rss_peak_mib: peak_rss.max(end_s.rss_mib()),
             rss_per_volunteer_kib: per_vol,
-            server_cpu: (end_s.server_cpu_s - start.server_cpu_s) / dt,
-            generator_cpu: (end_s.self_cpu_s - start.self_cpu_s) / dt,
-            fds_end: end_s.fds,
-            egress_bps: egress_train + egress_board + rate(end_s.http_rx, start.http_rx),
+            server_cpu: (end_s.cpu_s() - start.cpu_s()) / dt,
+            generator_cpu: (g1.cpu_s - g0.cpu_s) / dt,
+            fds_end: end_s.fds(),
+            egress_bps: egress_train + egress_board + rate(g1.http_rx, g0.http_rx),
             egress_per_dashboard_bps: per(egress_board, boards),
             egress_per_training_bps: per(egress_train, trains),
-            ingress_bps: ingress_train + ingress_board + rate(end_s.http_tx, start.http_tx),
+            ingress_bps: ingress_train + ingress_board + rate(g1.http_tx, g0.http_tx),
             ingress_per_dashboard_bps: per(ingress_board, boards),
             ingress_per_training_bps: per(ingress_train, trains),
-            pull_p50_ms: pull.0,
-            pull_p99_ms: pull.1,
-            pulls: pull.2,
-            push_p50_ms: push.0,
-            push_p99_ms: push.1,
-            pushes: push.2,
-            joins_per_sec: ctx.joins[p].load(Ordering::Relaxed) as f64 / dt,
-            refusals,
+            joins_per_sec: g1.joins[p] as f64 / dt,
+            pace_max_s: g1.pace_ms_max as f64 / 1e3,
+            ..Phase::default()
         });
         start = end_s;
     }
-    rt.block_on(async {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        for t in tasks {
-            if tokio::time::timeout_at(deadline, t).await.is_err() {
-                ctx.refuse("a volunteer did not finish in time");
-            }
-        }
-    });
-    rt.shutdown_timeout(Duration::from_secs(5));
-    // The context lives on (leaked, one per run: the volunteers borrow it for 'static); its
-    // samples need not.
-    for m in [&ctx.pull_ms, &ctx.push_ms] {
-        if let Ok(mut v) = m.lock() {
-            *v = Default::default();
-        }
+    let (fin, samples) = gens.finish();
+    for (p, ph) in phases.iter_mut().enumerate() {
+        let (pl, ps) = (&samples.pull_ms[p], &samples.push_ms[p]);
+        (ph.pull_p50_ms, ph.pull_p99_ms, ph.pulls) = (pct(pl, 0.5), pct(pl, 0.99), pl.len());
+        (ph.push_p50_ms, ph.push_p99_ms, ph.pushes) = (pct(ps, 0.5), pct(ps, 0.99), ps.len());
+        ph.refusals = fin.refusals[p].clone();
     }
+    let js = &samples.join_ms;
+    let join_s = (
+        pct(js, 0.5) / 1e3,
+        pct(js, 0.99) / 1e3,
+        js.iter().copied().fold(0.0f32, f32::max) as f64 / 1e3,
+    );
+    drop(samples);
     // Settle: fds back near the baseline (at most 20 s), then the periodic heap trim's turn.
     let settle = Instant::now() + Duration::from_secs(20);
-    while fd_count(pid) > base.fds + 2 && Instant::now() < settle {
+    while pids.iter().map(|&q| fd_count(q)).sum::<usize>() > base.fds() + 2 * np
+        && Instant::now() < settle
+    {
         std::thread::sleep(Duration::from_millis(200));
     }
     std::thread::sleep(super::churn::AFTER_WAIT);
-    let after = Sample::take(pid, ctx);
+    let after = Sample::take(&pids, fin.clone());
+    let steady_connected = steady_end.gen.connected as f64;
+    let steady_dt = phases.get(1).map_or(1.0, |p| p.seconds);
+    let names = topo.names();
+    let procs = (0..np)
+        .map(|k| {
+            let (b, e, a) = (
+                base.procs.get(k).copied().unwrap_or_default(),
+                steady_end.procs.get(k).copied().unwrap_or_default(),
+                after.procs.get(k).copied().unwrap_or_default(),
+            );
+            // CPU over the steady phase: from the ramp's end sample to the steady's.
+            let r = ramp_end.procs.get(k).copied().unwrap_or_default();
+            ProcFigures {
+                name: names.get(k).cloned().unwrap_or_default(),
+                rss_base_mib: b.0,
+                rss_steady_peak_mib: steady_peaks[k],
+                rss_per_volunteer_kib: (steady_connected > 0.0)
+                    .then(|| (steady_peaks[k] - b.0).max(0.0) * 1024.0 / steady_connected),
+                cpu_steady: (e.1 - r.1) / steady_dt.max(1e-3),
+                fds: (b.2, e.2, a.2),
+                rss_after_mib: a.0,
+            }
+        })
+        .collect::<Vec<_>>();
     Ok(Crowd {
         volunteers: n,
         shards,
-        dashboards,
-        serve_flags: flags,
+        dashboards: (n as f64 * args.dashboard_fraction).round() as usize,
+        topology: names,
+        generators: args.generators,
+        egress_budget: args.egress_budget.clone(),
+        serve_flags: topo.serve_flags.clone(),
+        shard_flags: topo.shard_flags.clone(),
         nofile,
-        rss_base_mib: base.rss_mib,
-        fds_base: base.fds,
+        rss_base_mib: base.rss_mib(),
+        fds_base: base.fds(),
         phases,
-        rss_after_mib: after.rss_mib,
-        fds_after: after.fds,
-        joined: ctx.joins.iter().map(|j| j.load(Ordering::Relaxed)).sum(),
-        pulls: ctx.pulls.load(Ordering::Relaxed),
-        pushes: ctx.pushes.load(Ordering::Relaxed),
+        procs,
+        rss_after_mib: after.rss_mib(),
+        fds_after: after.fds(),
+        joined: fin.joins.iter().sum(),
+        pulls: fin.pulls,
+        pushes: fin.pushes,
+        pace_max_s: fin.pace_ms_max as f64 / 1e3,
+        join_retries: fin.join_retries,
+        all_in_s: fin.all_in_ms as f64 / 1e3,
+        join_s,
+        load: (load0, super::load_avg()),
     })
 }
 
@@ -1074,6 +1466,9 @@ impl Crowd {
             )
         });
         row(&mut out, "joins/s", &|p| format!("{:.1}", p.joins_per_sec));
+        row(&mut out, "largest pace told (by the end)", &|p| {
+            format!("{:.1} s", p.pace_max_s)
+        });
         row(&mut out, "refusals", &|p| {
             if p.refusals.is_empty() {
                 "0".into()
@@ -1085,6 +1480,51 @@ impl Crowd {
                     .join("; ")
             }
         });
+        out
+    }
+}
+
+impl Crowd {
+    /// Each server-side process (and their sum) as a Markdown table.
+    pub fn process_table(&self) -> String {
+        let mut out = String::from(
+            "| process | RSS idle → steady peak → after | per volunteer above idle | CPU (steady) | fds idle / steady end / after |\n|---|---|---|---|---|\n",
+        );
+        let kib = |k: Option<f64>| k.map_or("–".into(), |k| format!("{k:.0} KiB"));
+        for p in &self.procs {
+            out.push_str(&format!(
+                "| {} | {:.0} → {:.0} → {:.0} MiB | {} | {:.0}% | {} / {} / {} |\n",
+                p.name,
+                p.rss_base_mib,
+                p.rss_steady_peak_mib,
+                p.rss_after_mib,
+                kib(p.rss_per_volunteer_kib),
+                p.cpu_steady * 100.0,
+                p.fds.0,
+                p.fds.1,
+                p.fds.2
+            ));
+        }
+        if self.procs.len() > 1 {
+            let sum = |f: &dyn Fn(&ProcFigures) -> f64| self.procs.iter().map(f).sum::<f64>();
+            let per = self
+                .procs
+                .iter()
+                .map(|p| p.rss_per_volunteer_kib)
+                .sum::<Option<f64>>();
+            let fds = |f: &dyn Fn(&ProcFigures) -> usize| self.procs.iter().map(f).sum::<usize>();
+            out.push_str(&format!(
+                "| **all** | {:.0} → {:.0} → {:.0} MiB | **{}** | {:.0}% | {} / {} / {} |\n",
+                sum(&|p| p.rss_base_mib),
+                sum(&|p| p.rss_steady_peak_mib),
+                sum(&|p| p.rss_after_mib),
+                kib(per),
+                sum(&|p| p.cpu_steady) * 100.0,
+                fds(&|p| p.fds.0),
+                fds(&|p| p.fds.1),
+                fds(&|p| p.fds.2)
+            ));
+        }
         out
     }
 }
@@ -1104,22 +1544,46 @@ fn bps(b: f64) -> String {
 /// # Errors
 /// As [`crowd`].
 pub fn cli(args: &CrowdArgs) -> Result<()> {
+    if let Some(spec) = &args.as_generator {
+        return super::crowdprocs::generator(args, spec);
+    }
     let exe = std::env::current_exe().map_err(|e| Error::io("current exe", e))?;
     let c = crowd(&exe, args)?;
     println!(
-        "crowd: {} volunteers × {} shard sockets, {} dashboards, ramp {}/s, round every {} s",
-        c.volunteers, c.shards, c.dashboards, args.ramp_rate, args.round_interval
+        "crowd: {} volunteers × {} shard sockets, {} dashboards, ramp {}/s, round every {} s, {} generator process(es)",
+        c.volunteers, c.shards, c.dashboards, args.ramp_rate, args.round_interval, c.generators
+    );
+    println!("server side: {}", c.topology.join(" + "));
+    println!(
+        "egress budget: {}; largest pace told: {:.1} s",
+        c.egress_budget
+            .as_deref()
+            .unwrap_or("the server's default (off)"),
+        c.pace_max_s
     );
     println!("fd limit (soft): {} → {}", c.nofile.0, c.nofile.1);
-    println!("server flags raised: {}", c.serve_flags.join(" "));
     println!(
-        "idle server: RSS {:.0} MiB, {} fds; after everyone left: RSS {:.0} MiB, {} fds",
+        "load average (1 min): {:.2} at the start, {:.2} at the end",
+        c.load.0, c.load.1
+    );
+    println!("server flags raised: {}", c.serve_flags.join(" "));
+    if !c.shard_flags.is_empty() {
+        println!("shard process flags: {}", c.shard_flags.join(" "));
+    }
+    println!(
+        "idle server side: RSS {:.0} MiB, {} fds; after everyone left: RSS {:.0} MiB, {} fds",
         c.rss_base_mib, c.fds_base, c.rss_after_mib, c.fds_after
     );
     println!(
         "joined {}, params received {}, pushes acknowledged {}",
         c.joined, c.pulls, c.pushes
     );
+    println!(
+        "joins: all in {:.1} s after the first arrival; arrival to sockets open p50 {:.2} s, p99 {:.2} s, most {:.2} s; {} joins answered 429 and tried again",
+        c.all_in_s, c.join_s.0, c.join_s.1, c.join_s.2, c.join_retries
+    );
     print!("{}", c.table());
+    println!();
+    print!("{}", c.process_table());
     Ok(())
 }

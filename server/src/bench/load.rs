@@ -26,10 +26,25 @@ impl Server {
         args: &[String],
         env: &[(String, String)],
     ) -> Result<Self> {
+        let mut all: Vec<std::ffi::OsString> =
+            ["serve", "--addr", "127.0.0.1:0", "--no-fetch", "--data-dir"]
+                .iter()
+                .map(Into::into)
+                .collect();
+        all.push(data_dir.into());
+        all.extend(args.iter().map(Into::into));
+        Self::command(exe, &all, env)
+    }
+
+    /// Any `crowdgrad` command that prints `crowdgrad ... listening on URL` (`serve`, `shard`)
+    /// started with exactly `args`; `addr` is the URL's `host:port`.
+    pub(super) fn command(
+        exe: &Path,
+        args: &[std::ffi::OsString],
+        env: &[(String, String)],
+    ) -> Result<Self> {
         let mut child = Command::new(exe)
             .envs(env.iter().cloned())
-            .args(["serve", "--addr", "127.0.0.1:0", "--no-fetch", "--data-dir"])
-            .arg(data_dir)
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -62,7 +77,10 @@ impl Server {
         std::thread::spawn(move || {
             let mut lines = BufReader::new(out).lines();
             for line in lines.by_ref().map_while(std::result::Result::ok) {
-                if let Some(u) = line.strip_prefix("crowdgrad listening on ") {
+                if let Some((_, u)) = line
+                    .strip_prefix("crowdgrad ")
+                    .and_then(|l| l.split_once("listening on "))
+                {
                     let _ = tx.send(u.trim().to_string());
                     break;
                 }
@@ -102,7 +120,8 @@ impl Server {
         };
         server.addr = server
             .url
-            .trim_start_matches("http://")
+            .split_once("://")
+            .map_or(server.url.as_str(), |(_, a)| a)
             .parse()
             .map_err(|_| Error::Process(format!("server url {}", server.url)))?;
         Ok(server)

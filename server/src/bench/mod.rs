@@ -23,6 +23,7 @@ pub mod attack;
 pub mod checkpoint;
 pub mod churn;
 pub mod crowd;
+mod crowdprocs;
 pub mod flood;
 pub mod ledger;
 pub mod link;

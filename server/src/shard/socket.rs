@@ -4,22 +4,25 @@
 //! `crowdgrad serve` and of a shard process (`crowdgrad shard`).
 //!
 //! Memory per connection (issue 18, docs/benchmarks.md "Crowd"): a read buffer of
-//! [`READ_BUFFER`] (it grows to the largest frame read: a worker's push), and a write buffer
-//! that holds about one [`FRAGMENT`](super::upgrade::FRAGMENT) since large frames are sent in
-//! fragments. A peer that does not read gets backpressure: a frame is queued only once the
+//! [`READ_CHUNK`](super::upgrade::READ_CHUNK) that stays that size (frames are read by our own
+//! [`FrameReader`], each message into a buffer of its own length that is freed with it; with
+//! tungstenite's reader the buffer grew to the largest frame read, a worker's push, and
+//! stayed), and a write buffer that holds about one [`FRAGMENT`](super::upgrade::FRAGMENT)
+//! since large frames are sent in fragments. A peer that does not read gets backpressure: a frame is queued only once the
 //! previous one's bytes left (tokio-tungstenite's `poll_ready` flushes first), so the handler
 //! waits on its send instead of queueing, and the write buffer is capped at two frames.
 
 use super::handler::{self, Inbound, Outbound};
-use super::upgrade::{ShardUpgrade, Socket};
+use super::upgrade::{FrameReader, Read, ShardUpgrade, Socket};
 use super::Shard;
 use crate::registry::Registry;
 use crate::support::limits::{client_ip, ConnSlot, Limits};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use futures_util::{SinkExt, StreamExt};
+use bytes::Bytes;
+use futures_util::SinkExt;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::{CloseFrame, WebSocketConfig};
@@ -112,7 +115,6 @@ pub fn shard_socket_with(
     let config = WebSocketConfig::default()
         .max_message_size(Some(limit))
         .max_frame_size(Some(limit))
-        .read_buffer_size(READ_BUFFER)
         .write_buffer_size(WRITE_BUFFER)
         .max_write_buffer_size(2 * limit + WRITE_BUFFER);
     upgrade.on_upgrade(config, move |socket| {
@@ -122,12 +124,6 @@ pub fn shard_socket_with(
         })
     })
 }
-
-/// The socket's read buffer, allocated when it opens (tungstenite's default is 128 KiB). A
-/// frame larger than it still arrives whole: the buffer grows to the frame being read. Issue
-/// 18 measured the default at ~128 KiB of RSS per shard socket for nothing: a worker's
-/// frames arrive one at a time and are read as soon as they are whole.
-pub const READ_BUFFER: usize = 16 * 1024;
 
 /// Replies queue in the socket's write buffer up to this before they are written without
 /// waiting for the flush (tungstenite's default: 128 KiB). Small replies (acks, errors) still
@@ -145,28 +141,32 @@ async fn connection(
     shutdown: tokio::sync::watch::Receiver<bool>,
     conn: Option<handler::ConnLimits>,
 ) {
-    let (sink, stream) = socket.split();
-    let sink = sink.with_flat_map(|o: Outbound| {
-        let messages = match o {
-            Outbound::Frame(v) => super::upgrade::binary(v),
+    let Socket { reader, writer } = socket;
+    // A client's Ping is answered ahead of the next frame the server sends (crowdgrad's
+    // workers and browsers send none; the reader only reads).
+    let pong: Arc<Mutex<Option<Bytes>>> = Arc::default();
+    let pending = pong.clone();
+    let sink = writer.with_flat_map(move |o: Outbound| {
+        let mut messages: Vec<WsMessage> = pending
+            .lock()
+            .ok()
+            .and_then(|mut p| p.take())
+            .map(WsMessage::Pong)
+            .into_iter()
+            .collect();
+        match o {
+            Outbound::Frame(v) => messages.extend(super::upgrade::binary(v)),
             Outbound::Close(reason) => {
                 let reason: String = reason.chars().take(100).collect();
-                vec![WsMessage::Close(Some(CloseFrame {
+                messages.push(WsMessage::Close(Some(CloseFrame {
                     code: CloseCode::Normal,
                     reason: reason.into(),
-                }))]
+                })));
             }
-        };
+        }
         futures_util::stream::iter(messages.into_iter().map(Ok))
     });
-    let stream = stream.filter_map(|m| async move {
-        match m {
-            Ok(WsMessage::Binary(b)) => Some(Inbound::Frame(b)),
-            Ok(WsMessage::Text(_)) => Some(Inbound::Text),
-            Ok(WsMessage::Ping(_) | WsMessage::Pong(_) | WsMessage::Frame(_)) => None,
-            Ok(WsMessage::Close(_)) | Err(_) => Some(Inbound::Closed),
-        }
-    });
+    let stream = shard_stream(reader, pong);
     handler::serve(
         Box::pin(sink),
         Box::pin(stream),
@@ -176,4 +176,34 @@ async fn connection(
         conn,
     )
     .await;
+}
+
+/// The frames of `reader` as the handler's [`Inbound`]s: binary messages, text, and one
+/// `Closed` when the peer closes, breaks the protocol or goes over a limit (then the stream
+/// ends). A Ping's payload is left in `pong` for the writer.
+pub fn shard_stream<R>(
+    reader: FrameReader<R>,
+    pong: Arc<Mutex<Option<Bytes>>>,
+) -> impl futures_util::Stream<Item = Inbound> + Send
+where
+    R: tokio::io::AsyncRead + Unpin + Send,
+{
+    futures_util::stream::unfold(Some(reader), move |reader| {
+        let pong = pong.clone();
+        async move {
+            let mut reader = reader?;
+            loop {
+                match reader.next().await {
+                    Ok(Read::Binary(b)) => return Some((Inbound::Frame(b), Some(reader))),
+                    Ok(Read::Text) => return Some((Inbound::Text, Some(reader))),
+                    Ok(Read::Ping(p)) => {
+                        if let Ok(mut slot) = pong.lock() {
+                            *slot = Some(p);
+                        }
+                    }
+                    Ok(Read::Close) | Err(_) => return Some((Inbound::Closed, None)),
+                }
+            }
+        }
+    })
 }

@@ -18,10 +18,13 @@ use axum::body::Body;
 use axum::extract::FromRequestParts;
 use axum::http::{header, request::Parts, HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use crowdgrad_core::session::Outgoing;
 use hyper_util::rt::TokioIo;
 use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf, ReadHalf, WriteHalf};
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::{Data, OpCode};
 use tokio_tungstenite::tungstenite::protocol::frame::Frame;
@@ -29,8 +32,8 @@ use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::WebSocketStream;
 
-/// An upgraded shard socket.
-pub type Socket = WebSocketStream<TokioIo<hyper::upgrade::Upgraded>>;
+/// The upgraded connection.
+type Upgraded = TokioIo<hyper::upgrade::Upgraded>;
 
 /// Payload bytes per WebSocket frame of a message sent in fragments.
 pub const FRAGMENT: usize = 16 * 1024;
@@ -114,13 +117,16 @@ impl ShardUpgrade {
             let Ok(upgraded) = on_upgrade.await else {
                 return;
             };
-            let socket = WebSocketStream::from_raw_socket(
-                TokioIo::new(upgraded),
-                Role::Server,
-                Some(config),
-            )
-            .await;
-            callback(socket).await;
+            let (read, write) = tokio::io::split(TokioIo::new(upgraded));
+            let max_frame = config.max_frame_size.unwrap_or(usize::MAX);
+            let max_message = config.max_message_size.unwrap_or(usize::MAX);
+            // tungstenite only writes: it needs no read buffer of its own.
+            let config = config.read_buffer_size(0);
+            let writer =
+                WebSocketStream::from_raw_socket(WriteOnly(write), Role::Server, Some(config))
+                    .await;
+            let reader = FrameReader::new(read, max_frame, max_message);
+            callback(Socket { reader, writer }).await;
         });
         let accept = derive_accept_key(self.key.as_bytes());
         let mut r = Response::new(Body::empty());
@@ -172,9 +178,422 @@ pub fn binary(frame: Outgoing) -> Vec<Message> {
         .collect()
 }
 
+/// Bytes a shard socket keeps for reading between messages. Frame headers and small frames
+/// (a Pull, a Report, a Hello) are read through it; a larger frame's payload is copied out of
+/// it and the rest read straight into a buffer of exactly the frame's length, which goes to
+/// the handler and is freed with the frame (issue 18: tungstenite's read buffer grew to the
+/// largest frame read, a worker's push, and kept it for the life of the socket).
+pub const READ_CHUNK: usize = 4 * 1024;
+
+/// What [`FrameReader::next`] read.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Read {
+    /// A whole binary message.
+    Binary(Bytes),
+    /// A whole text message (not part of the protocol; its bytes are not kept).
+    Text,
+    /// A Ping with its payload (at most 125 bytes), to be answered with a Pong.
+    Ping(Bytes),
+    /// The peer closed (a Close frame, or the end of the stream between frames).
+    Close,
+}
+
+/// Why a socket's reading stopped with an error.
+#[derive(Debug)]
+pub enum ReadError {
+    /// The transport failed, or ended inside a frame.
+    Io(std::io::Error),
+    /// A frame RFC 6455 does not allow from a client.
+    Protocol(&'static str),
+    /// A frame or message over the limit (the payload is not read).
+    TooLarge(u64),
+}
+
+impl From<std::io::Error> for ReadError {
+    fn from(e: std::io::Error) -> Self {
+        ReadError::Io(e)
+    }
+}
+
+/// The server side of RFC 6455's framing, reading only: the frames a client sends (masked),
+/// reassembled into messages, with control frames between fragments, under a frame and a
+/// message size limit. It keeps [`READ_CHUNK`] bytes between messages whatever it read
+/// before; a message's payload lives in a buffer of its own length, handed out whole.
+///
+/// Cancel-safe between calls only as a whole: keep the reader inside the future or stream
+/// that calls [`Self::next`] (as [`shard_stream`] does), never drop a pending `next`.
+pub struct FrameReader<R> {
+    io: R,
+    buf: Box<[u8]>,
+    pos: usize,
+    end: usize,
+    max_frame: u64,
+    max_message: u64,
+    /// A message arriving in fragments: text or not, and its payload so far.
+    partial: Option<(bool, BytesMut)>,
+}
+
+impl<R: AsyncRead + Unpin> FrameReader<R> {
+    /// Reads client frames from `io`: a frame over `max_frame` payload bytes or a message over
+    /// `max_message` is [`ReadError::TooLarge`].
+    pub fn new(io: R, max_frame: usize, max_message: usize) -> Self {
+        FrameReader {
+            io,
+            buf: vec![0; READ_CHUNK].into_boxed_slice(),
+            pos: 0,
+            end: 0,
+            max_frame: max_frame as u64,
+            max_message: max_message as u64,
+            partial: None,
+        }
+    }
+
+    /// Until `need` (at most [`READ_CHUNK`]) bytes are buffered; false when the stream ended
+    /// first.
+    async fn fill(&mut self, need: usize) -> std::io::Result<bool> {
+        while self.end - self.pos < need {
+            if self.pos == self.end {
+                (self.pos, self.end) = (0, 0);
+            } else if self.buf.len() - self.pos < need {
+                self.buf.copy_within(self.pos..self.end, 0);
+                (self.pos, self.end) = (0, self.end - self.pos);
+            }
+            let n = self.io.read(&mut self.buf[self.end..]).await?;
+            if n == 0 {
+                return Ok(false);
+            }
+            self.end += n;
+        }
+        Ok(true)
+    }
+
+    /// The next message or control frame.
+    ///
+    /// # Errors
+    /// [`ReadError`]: the transport failed or ended inside a frame, a frame broke RFC 6455
+    /// (unmasked, reserved bits or opcodes, a control frame fragmented or over 125 bytes, a
+    /// continuation out of place), or a frame or message was over its limit.
+    pub async fn next(&mut self) -> Result<Read, ReadError> {
+        loop {
+            if !self.fill(2).await? {
+                return if self.partial.is_none() {
+                    Ok(Read::Close)
+                } else {
+                    Err(ReadError::Io(std::io::ErrorKind::UnexpectedEof.into()))
+                };
+            }
+            let (b0, b1) = (self.buf[self.pos], self.buf[self.pos + 1]);
+            let fin = b0 & 0x80 != 0;
+            let opcode = b0 & 0x0f;
+            if b0 & 0x70 != 0 {
+                return Err(ReadError::Protocol("reserved bits set"));
+            }
+            if b1 & 0x80 == 0 {
+                return Err(ReadError::Protocol("unmasked frame from a client"));
+            }
+            let ext = match b1 & 0x7f {
+                126 => 2,
+                127 => 8,
+                _ => 0,
+            };
+            let head = 2 + ext + 4;
+            if !self.fill(head).await? {
+                return Err(ReadError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+            }
+            let h = &self.buf[self.pos..self.pos + head];
+            let len = match ext {
+                0 => u64::from(b1 & 0x7f),
+                2 => u64::from(u16::from_be_bytes([h[2], h[3]])),
+                _ => u64::from_be_bytes([h[2], h[3], h[4], h[5], h[6], h[7], h[8], h[9]]),
+            };
+            let mask = [h[head - 4], h[head - 3], h[head - 2], h[head - 1]];
+            self.pos += head;
+            match opcode {
+                0x8..=0xa => {
+                    if !fin || len > 125 {
+                        return Err(ReadError::Protocol(
+                            "a control frame fragmented or over 125 bytes",
+                        ));
+                    }
+                    let len = len as usize;
+                    if !self.fill(len).await? {
+                        return Err(ReadError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+                    }
+                    let mut payload = self.buf[self.pos..self.pos + len].to_vec();
+                    self.pos += len;
+                    unmask(&mut payload, mask);
+                    match opcode {
+                        0x8 => return Ok(Read::Close),
+                        0x9 => return Ok(Read::Ping(payload.into())),
+                        _ => continue, // a Pong: nothing to do
+                    }
+                }
+                0x0..=0x2 => {
+                    let (text, mut message) = match (opcode, self.partial.take()) {
+                        (0, Some(p)) => p,
+                        (0, None) => {
+                            return Err(ReadError::Protocol("a continuation without a message"))
+                        }
+                        (_, Some(_)) => {
+                            return Err(ReadError::Protocol(
+                                "a new message inside a fragmented one",
+                            ))
+                        }
+                        (op, None) => (op == 1, BytesMut::new()),
+                    };
+                    let before = message.len() as u64;
+                    if len > self.max_frame || before + len > self.max_message {
+                        return Err(ReadError::TooLarge(before + len));
+                    }
+                    // Exactly this frame's bytes more: the message's buffer is its own size.
+                    let len = len as usize;
+                    message.reserve(len);
+                    let start = message.len();
+                    let here = (self.end - self.pos).min(len);
+                    message.extend_from_slice(&self.buf[self.pos..self.pos + here]);
+                    self.pos += here;
+                    let mut rest = (len - here) as u64;
+                    while rest > 0 {
+                        let n = (&mut self.io).take(rest).read_buf(&mut message).await?;
+                        if n == 0 {
+                            return Err(ReadError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+                        }
+                        rest -= n as u64;
+                    }
+                    unmask(&mut message[start..], mask);
+                    if !fin {
+                        self.partial = Some((text, message));
+                    } else if text {
+                        return Ok(Read::Text);
+                    } else {
+                        return Ok(Read::Binary(message.freeze()));
+                    }
+                }
+                _ => return Err(ReadError::Protocol("reserved opcode")),
+            }
+        }
+    }
+}
+
+/// XORs `data` (a frame's payload from its start) with the client's masking key.
+fn unmask(data: &mut [u8], mask: [u8; 4]) {
+    let wide = u64::from_ne_bytes([
+        mask[0], mask[1], mask[2], mask[3], mask[0], mask[1], mask[2], mask[3],
+    ]);
+    let mut chunks = data.chunks_exact_mut(8);
+    for c in &mut chunks {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(c);
+        c.copy_from_slice(&(u64::from_ne_bytes(w) ^ wide).to_ne_bytes());
+    }
+    // What is left starts at a multiple of 8, so at mask offset 0.
+    for (i, b) in chunks.into_remainder().iter_mut().enumerate() {
+        *b ^= mask[i & 3];
+    }
+}
+
+/// The write half of a shard socket as tungstenite's stream: tungstenite only writes to it
+/// (the socket's frames are read by a [`FrameReader`] on the read half); a read is refused.
+pub struct WriteOnly<W>(W);
+
+impl<W: Unpin> AsyncRead for WriteOnly<W> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+        _: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Err(std::io::Error::other(
+            "a shard socket's frames are read by its FrameReader",
+        )))
+    }
+}
+
+impl<W: AsyncWrite + Unpin> AsyncWrite for WriteOnly<W> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.0).poll_write(cx, buf)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.0).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.0.is_write_vectored()
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.0).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.0).poll_shutdown(cx)
+    }
+}
+
+/// An upgraded shard socket's two halves: frames in through a [`FrameReader`], frames out
+/// through tungstenite (which fragments nothing itself; see [`binary`]).
+pub struct Socket {
+    /// Reads the client's frames.
+    pub reader: FrameReader<ReadHalf<Upgraded>>,
+    /// Writes the server's frames.
+    pub writer: WebSocketStream<WriteOnly<WriteHalf<Upgraded>>>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A client frame as RFC 6455 lays it out, masked with `mask`.
+    fn client_frame(fin: bool, opcode: u8, payload: &[u8], mask: [u8; 4]) -> Vec<u8> {
+        let mut f = vec![if fin { 0x80 } else { 0 } | opcode];
+        match payload.len() {
+            n if n < 126 => f.push(0x80 | n as u8),
+            n if n < 65_536 => {
+                f.push(0x80 | 126);
+                f.extend_from_slice(&(n as u16).to_be_bytes());
+            }
+            n => {
+                f.push(0x80 | 127);
+                f.extend_from_slice(&(n as u64).to_be_bytes());
+            }
+        }
+        f.extend_from_slice(&mask);
+        f.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+        f
+    }
+
+    async fn read_all(bytes: &[u8], max: usize) -> Vec<std::result::Result<Read, String>> {
+        let mut r = FrameReader::new(bytes, max, max);
+        let mut out = Vec::new();
+        loop {
+            match r.next().await {
+                Ok(Read::Close) => {
+                    out.push(Ok(Read::Close));
+                    break;
+                }
+                Ok(m) => out.push(Ok(m)),
+                Err(e) => {
+                    out.push(Err(format!("{e:?}")));
+                    break;
+                }
+            }
+            assert_eq!(r.buf.len(), READ_CHUNK, "the read buffer keeps its size");
+        }
+        out
+    }
+
+    #[tokio::test]
+    async fn the_reader_takes_what_a_tungstenite_client_sends() {
+        use futures_util::SinkExt;
+        let (client_io, server_io) = tokio::io::duplex(1 << 16);
+        let big: Vec<u8> = (0..200_000u32).map(|i| (i * 31 % 251) as u8).collect();
+        let small = b"pull".to_vec();
+        let sent = big.clone();
+        let client = tokio::spawn(async move {
+            let mut ws = WebSocketStream::from_raw_socket(client_io, Role::Client, None).await;
+            ws.send(Message::Binary(sent.into())).await.unwrap();
+            ws.send(Message::Ping(vec![1, 2, 3].into())).await.unwrap();
+            ws.send(Message::Text("not the protocol".into()))
+                .await
+                .unwrap();
+            ws.send(Message::Binary(small.into())).await.unwrap();
+            // A message in fragments with a Ping between them (RFC 6455 5.4).
+            for m in [
+                Message::Frame(Frame::message(
+                    vec![7u8; 10],
+                    OpCode::Data(Data::Binary),
+                    false,
+                )),
+                Message::Ping(vec![9].into()),
+                Message::Frame(Frame::message(
+                    vec![8u8; 5],
+                    OpCode::Data(Data::Continue),
+                    true,
+                )),
+            ] {
+                ws.send(m).await.unwrap();
+            }
+            ws.close(None).await.unwrap();
+            ws
+        });
+        let mut r = FrameReader::new(server_io, 1 << 20, 1 << 20);
+        assert_eq!(r.next().await.unwrap(), Read::Binary(big.into()));
+        assert_eq!(r.next().await.unwrap(), Read::Ping(vec![1, 2, 3].into()));
+        assert_eq!(r.next().await.unwrap(), Read::Text);
+        assert_eq!(
+            r.next().await.unwrap(),
+            Read::Binary(b"pull".to_vec().into())
+        );
+        assert_eq!(r.next().await.unwrap(), Read::Ping(vec![9].into()));
+        let mut joined = vec![7u8; 10];
+        joined.extend([8u8; 5]);
+        assert_eq!(r.next().await.unwrap(), Read::Binary(joined.into()));
+        assert_eq!(r.next().await.unwrap(), Read::Close);
+        assert_eq!(r.buf.len(), READ_CHUNK);
+        drop(client.await.unwrap());
+    }
+
+    #[tokio::test]
+    async fn the_reader_refuses_what_a_client_may_not_send_and_bounds_sizes() {
+        let m = [1, 2, 3, 4];
+        let err = |v: &[std::result::Result<Read, String>], what: &str| matches!(v.last(), Some(Err(e)) if e.contains(what));
+        // Unmasked.
+        let mut f = client_frame(true, 2, b"abc", m);
+        f[1] &= 0x7f;
+        f.drain(2..6);
+        assert!(err(&read_all(&f, 100).await, "unmasked"));
+        // Reserved bits, reserved opcode, a long or fragmented control frame.
+        let mut f = client_frame(true, 2, b"abc", m);
+        f[0] |= 0x40;
+        assert!(err(&read_all(&f, 100).await, "reserved bits"));
+        assert!(err(
+            &read_all(&client_frame(true, 3, b"x", m), 100).await,
+            "reserved opcode"
+        ));
+        assert!(err(
+            &read_all(&client_frame(true, 9, &[0; 126], m), 1000).await,
+            "control"
+        ));
+        assert!(err(
+            &read_all(&client_frame(false, 9, b"x", m), 100).await,
+            "control"
+        ));
+        // Continuations out of place.
+        assert!(err(
+            &read_all(&client_frame(true, 0, b"x", m), 100).await,
+            "continuation"
+        ));
+        let mut f = client_frame(false, 2, b"x", m);
+        f.extend(client_frame(true, 2, b"y", m));
+        assert!(err(&read_all(&f, 100).await, "inside a fragmented"));
+        // A frame over the limit, and a message whose fragments add up over it.
+        assert!(err(
+            &read_all(&client_frame(true, 2, &[0; 101], m), 100).await,
+            "TooLarge"
+        ));
+        let mut f = client_frame(false, 2, &[0; 60], m);
+        f.extend(client_frame(true, 0, &[0; 60], m));
+        assert!(err(&read_all(&f, 100).await, "TooLarge(120)"));
+        // The stream ending between frames is a close; inside one, an error.
+        let f = client_frame(true, 2, &[5; 5000], m);
+        let v = read_all(&f, 10_000).await;
+        assert_eq!(v[0], Ok(Read::Binary(vec![5; 5000].into())));
+        assert_eq!(v[1], Ok(Read::Close));
+        assert!(err(&read_all(&f[..3000], 10_000).await, "UnexpectedEof"));
+        assert!(err(&read_all(&f[..5], 10_000).await, "UnexpectedEof"));
+        // Every length encoding, every alignment of the mask.
+        for n in [
+            0, 1, 7, 8, 9, 125, 126, 127, 4095, 4096, 65_535, 65_536, 70_001,
+        ] {
+            let payload: Vec<u8> = (0..n).map(|i| (i % 253) as u8).collect();
+            let v = read_all(&client_frame(true, 2, &payload, [9, 8, 7, 6]), 1 << 20).await;
+            assert_eq!(v[0], Ok(Read::Binary(payload.into())), "{n} bytes");
+        }
+    }
 
     fn joined(msgs: &[Message]) -> Vec<u8> {
         let mut joined = Vec::new();
