@@ -570,3 +570,26 @@ async fn int8_push_with_code_minus_128() {
     });
     rejected(true, bad, ErrorCode::Malformed, 9).await;
 }
+
+/// A worker that closes its socket gets the shard's Close back (RFC 6455 5.5.1), before and
+/// after its Hello: the shard reads frames itself (server/src/shard/upgrade.rs) and must still
+/// answer the closing handshake, or a browser's `close` event says the close was not clean.
+#[tokio::test]
+async fn a_close_from_the_worker_is_answered_with_a_close() {
+    use futures_util::StreamExt;
+    let running = server(config()).await;
+    let plain = connect(&running, 0).await;
+    let me = join(&running.url()).await.worker_id;
+    let (shaken, _) = handshake(&running, me, 1).await;
+    for (what, mut ws) in [("before its Hello", plain), ("after its Hello", shaken)] {
+        ws.close(None).await.expect("close sent");
+        let reply = tokio::time::timeout(std::time::Duration::from_secs(5), ws.next())
+            .await
+            .unwrap_or_else(|_| panic!("{what}: no reply to the close within 5 s"));
+        assert!(
+            matches!(reply, Some(Ok(Message::Close(_)))),
+            "{what}: the shard answered a close with {reply:?}"
+        );
+    }
+    running.stop().await.expect("clean shutdown");
+}

@@ -86,6 +86,10 @@ pub async fn serve<Si, St>(
     let mut unauthenticated = conn.as_ref().and_then(|c| c.slot.clone());
     // Frames taken in a row without waiting (and without flushing the replies).
     let mut batched = 0usize;
+    // The peer ended the connection (its Close frame, or the end of the stream): answered with
+    // a Close of ours at the end (RFC 6455 5.5.1: an endpoint that receives a Close it did not
+    // start sends one back), as tungstenite's reader did before the shard read frames itself.
+    let mut peer_closed = false;
     // The reputation's quarantine epoch last seen: the worker is re-checked when it moves,
     // and a move wakes the waits below.
     let mut quarantine_epoch = u64::MAX;
@@ -261,14 +265,23 @@ pub async fn serve<Si, St>(
                 session.handle_frame(&mut access, &bytes, now)
             }
             Inbound::Text => session.handle_text(&mut access, now),
-            Inbound::Closed => session.handle_close(&mut access),
+            Inbound::Closed => {
+                peer_closed = true;
+                session.handle_close(&mut access);
+            }
         }
     }
     // Records of a close the peer started (Left) still reach the registry.
     perform(&mut session, &mut tx, &shard, &registry).await;
-    // The last replies (an error frame before a close), within a second for a peer that
-    // stopped reading.
-    let _ = tokio::time::timeout(Duration::from_secs(1), tx.flush()).await;
+    // The last replies (an error frame before a close, the Close echoed to a peer that
+    // closed), within a second for a peer that stopped reading.
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        if peer_closed {
+            let _ = tx.feed(Outbound::Close(String::new())).await;
+        }
+        tx.flush().await
+    })
+    .await;
 }
 
 /// Resolves when the reputation's quarantine epoch moves; never without a reputation (or once
