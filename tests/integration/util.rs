@@ -253,9 +253,18 @@ pub fn mnist() -> TrainTest {
     .clone()
 }
 
-/// Server defaults with evaluation every half second.
+/// Server defaults with evaluation every half second, and spot checks off.
+///
+/// Why off: `serve` spot-checks by default since issue 21 (`--spot-check auto`), and most
+/// tests here speak the protocol with raw frames that carry no push tag (a spot-checking
+/// shard refuses those, `protocol`), count exact versions and acceptances, or test a defence
+/// that spot checks would pre-empt (a sign-flipper the robust rules must handle is quarantined
+/// by its first check). A test of spot checks turns them on itself (`cfg.spot.fraction`);
+/// `spotcheck::a_default_server_spot_checks_and_checks_new_identities_first` tests the real
+/// defaults, and the `attacks`, `training` and `lm` tests that spawn `crowdgrad serve` run them.
 pub fn config() -> ServeConfig {
     let mut c = ServeConfig::defaults(mnist_dir());
+    c.spot.fraction = 0.0;
     c.eval_every = Duration::from_millis(500);
     c.web_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../web");
     c
