@@ -61,10 +61,13 @@
 //! place if the push is drawn and gives it back at once if not. So a push is refused `busy`
 //! only when no place came free within [`PLACE_WAIT`], and the workers are paced at the
 //! checker's rate instead: backpressure, as everywhere else in the server. That is the cost
-//! and it is real: at 0.5 on the 2-core bench machine the honest workers push about half as
-//! many rounds as without checks (docs/benchmarks.md, "Attacks"); on a real deployment the
-//! volunteers' compute is elsewhere and the server's cores are the checker's. More checker
-//! threads were not added: on this machine they would take the same cores from the workers.
+//! and it is real: at 0.5 on the 2-core bench machine (4 worker processes, the server and
+//! the checker on the same cores, other builds running: load average 11–21) 4 honest workers
+//! got 25,959 pushes in through a clean 20 s run against 33,468 with checks off and 32,052 at
+//! the default 0.02 (docs/benchmarks.md, "Attacks"): about a fifth fewer at 0.5, within the
+//! noise at 0.02. On a real deployment the volunteers' compute is elsewhere and the server's
+//! cores are the checker's. More checker threads were not added: on this machine they would
+//! take the same cores from the workers, and at the default rate one thread is far from full.
 //! - Fairness: workers on probation hold at most [`PROBATION_QUEUE`] (half) of the places
 //!   together and one each, so a crowd of fresh identities waits among itself and the other
 //!   half stays free for vouched workers; one worker holds at most [`QUEUE_PER_WORKER`].
