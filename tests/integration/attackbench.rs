@@ -5,8 +5,9 @@
 //! Asserted on behaviour only (what the server answered, as the bench printed it), never on a
 //! time: a push frame replayed on a new connection and the same gradient under new request ids
 //! are refused on both servers (`holds`); a push tagged 200 versions back is refused
-//! `too_stale` by the spot-checking server (`holds`), and the default server, which keeps no
-//! versions, says so (`-`, no claim).
+//! `too_stale` by both (`holds`): the default server spot-checks too since issue 21
+//! (`--spot-check auto`), so it keeps versions and the claim is made for it (it said `- (no
+//! spot checks ...)` when it kept none).
 
 use crate::util::{mnist_dir, Proc};
 use std::time::Duration;
@@ -60,8 +61,8 @@ async fn bench_attack_prints_its_verdicts_for_replays_and_stale_tags() {
         out.contains("push tagged") && out.contains(": too_stale;"),
         "{out}"
     );
-    assert!(
-        row(&out, "stale tag (200 back)", "default").contains("| - (no spot checks"),
-        "{out}"
+    assert_eq!(
+        row(&out, "stale tag (200 back)", "default"),
+        "| stale tag (200 back) | default | holds |"
     );
 }

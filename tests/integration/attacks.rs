@@ -508,7 +508,7 @@ async fn issue_21_poison_on_rounds_the_old_rule_left_unsampled_is_caught() {
 async fn issue_21_a_push_tagged_older_than_the_checkers_history_is_refused() {
     let mut cfg = attack_config();
     cfg.spot.fraction = 0.01;
-    cfg.spot.history = 4;
+    cfg.spot.history = Some(4);
     let running = server(cfg).await;
     let url = running.url();
     let w = honest(&url, "a", 60);
@@ -616,7 +616,7 @@ async fn poison_run(poisoner: Poisoner, rollback: bool, history: usize) -> Poiso
     cfg.spot.fraction = 0.5;
     cfg.spot.quarantine.rejections = 5;
     cfg.spot.rollback = rollback;
-    cfg.spot.history = history;
+    cfg.spot.history = Some(history);
     let running = server(cfg).await;
     let url = running.url();
     let paced = |name: &str, steps: u64| {

@@ -491,6 +491,64 @@ async fn untagged_pushes_are_refused_when_the_shards_spot_check() {
     plain.stop().await.expect("stops");
 }
 
+/// Issue 21: a server with `serve`'s defaults spot-checks (`--spot-check auto` where the
+/// process holds the shards and the data), keeps a history scaled to the model, asks for push
+/// tags, and checks every push of a new identity (probation) before it is checked at the
+/// default rate: honest workers pass and are vouched for, and a noise worker is quarantined by
+/// its first push's check.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_default_server_spot_checks_and_checks_new_identities_first() {
+    let mut cfg = ServeConfig::defaults(crate::util::mnist_dir());
+    cfg.eval_every = Duration::from_millis(500);
+    use crowdgrad::defence::spotcheck::PROBATION_CHECKS;
+    assert_eq!(
+        cfg.spot.fraction,
+        crowdgrad::config::defence::DEFAULT_FRACTION
+    );
+    let running = server(cfg).await;
+    let url = running.url();
+    let s = status(&url).await;
+    assert_eq!(
+        s["spot_checks"]["fraction"].as_f64(),
+        Some(crowdgrad::config::defence::DEFAULT_FRACTION)
+    );
+    // mlp:128 on MNIST: 64 versions (26 MB) fit the automatic budget.
+    assert_eq!(s["spot_checks"]["history"].as_u64(), Some(64));
+    let a = honest(&url, "a", 60);
+    let b = honest(&url, "b", 60);
+    let vouched = |s: &serde_json::Value| {
+        s["reputation"]["workers"].as_object().map_or(0, |w| {
+            w.values()
+                .filter(|r| r["spot_passed"].as_u64() >= Some(PROBATION_CHECKS))
+                .count()
+        })
+    };
+    let s = wait_for(
+        &url,
+        Duration::from_secs(90),
+        "both workers vouched for",
+        |s| vouched(s) >= 2 || s["spot_checks"]["failed"].as_u64().unwrap_or(0) > 0,
+    )
+    .await;
+    assert_eq!(s["spot_checks"]["failed"].as_u64(), Some(0), "{s}");
+    // Probation checks every push until 4 passed: far more than the 2% of the pushes the
+    // default rate alone would draw.
+    assert_eq!(vouched(&s), 2, "{}", s["reputation"]);
+    assert!(s["spot_checks"]["vouched"].as_u64() >= Some(2), "{s}");
+    let noise = attack(&running, "noise-default", Fault::Noise, 40).await;
+    assert_caught(
+        &running,
+        &noise,
+        "noise-default",
+        2,
+        "default server, noise",
+    )
+    .await;
+    a.kill();
+    b.kill();
+    running.stop().await.expect("stops");
+}
+
 /// The margin, measured: with the tolerances opened wide (nothing is quarantined), 120 rounds
 /// of the shuffled-label worker next to 100 of an honest one, every round checked. Every one of its
 /// checks is far outside the default tolerances, every honest one far inside.

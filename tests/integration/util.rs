@@ -254,14 +254,31 @@ pub fn mnist() -> TrainTest {
 }
 
 /// The flags the in-process tests' servers add to `serve`'s defaults: gradient pushes
-/// (H = 1) and no egress budget. The tests count frames, versions and refusals per push, and
-/// a server paced under `--local-steps auto` (serve's default since issue 18) would make
-/// those counts depend on each worker's speed; the tests of local steps and pacing set their
-/// own, and tests/integration/training.rs runs `serve` with its real defaults.
-pub const TEST_FLAGS: [&str; 4] = ["--local-steps", "1", "--egress-budget", "off"];
+/// (H = 1), no egress budget and no spot checks.
+///
+/// - H = 1 and no budget: the tests count frames, versions and refusals per push, and a server
+///   paced under `--local-steps auto` (serve's default since issue 18) would make those counts
+///   depend on each worker's speed; the tests of local steps and pacing set their own.
+/// - Spot checks off: `serve` spot-checks by default since issue 21 (`--spot-check auto`), and
+///   most tests here speak the protocol with raw frames that carry no push tag (a
+///   spot-checking shard refuses those, `protocol`), count exact versions and acceptances, or
+///   test a defence that spot checks would pre-empt (a sign-flipper the robust rules must
+///   handle is quarantined by its first check). A test of spot checks turns them on itself
+///   (`cfg.spot.fraction`).
+///
+/// The real defaults are run by
+/// `spotcheck::a_default_server_spot_checks_and_checks_new_identities_first` and by the
+/// `attacks`, `training`, `durability` and `lm` tests that spawn `crowdgrad serve`.
+pub const TEST_FLAGS: [&str; 6] = [
+    "--local-steps",
+    "1",
+    "--egress-budget",
+    "off",
+    "--spot-check",
+    "0",
+];
 
-/// Server defaults at H = 1 without pacing ([`TEST_FLAGS`]), with evaluation every half
-/// second.
+/// Server defaults with [`TEST_FLAGS`] and evaluation every half second.
 pub fn config() -> ServeConfig {
     let mut c = ServeConfig::with_flags(mnist_dir(), &TEST_FLAGS).expect("valid test flags");
     c.eval_every = Duration::from_millis(500);

@@ -166,6 +166,10 @@ impl Topology {
                 flags.extend(["--max-connections".to_string(), conns.to_string()]);
             }
             flags.extend(budget);
+            // The volunteers push synthetic gradients without push tags: a spot-checking shard
+            // (serve's default `--spot-check auto` where it holds the data) refuses those, and
+            // a recomputation would quarantine every one. Shard processes run no checks.
+            flags.extend(["--spot-check".to_string(), "0".to_string()]);
         }
         let mut serve = flags.clone();
         serve.extend(args.serve_args.iter().cloned());

@@ -218,7 +218,10 @@ pub fn flood_run(
     limits: &'static str,
     attacked: bool,
 ) -> Result<FloodRun> {
-    let mut serve: Vec<String> = Vec::new();
+    // The limits, as recorded before issue 21's defaults: spot checks off (the flooder's raw
+    // pushes carry no tag, and a spot-checking shard would close it at its first push rather
+    // than the limits hold it). `serve_args` may turn them on again.
+    let mut serve: Vec<String> = vec!["--spot-check".into(), "0".into()];
     match limits {
         "off" => serve.extend(LIMITS_OFF.iter().map(|s| s.to_string())),
         "tight" => serve.extend(["--push-rate".to_string(), args.tight_push_rate.to_string()]),

@@ -272,6 +272,9 @@ pub async fn roundtrip(data: TrainTest, params: usize, iters: usize) -> Result<R
     cfg.training.optimizer.rule = crowdgrad_core::optim::Rule::Sgd;
     cfg.training.optimizer.lr = 1e-9;
     cfg.eval_every = Duration::from_secs(3600);
+    // The wire's round trip, not the spot checker: its raw push carries no tag, which a
+    // spot-checking shard (the default since issue 21) refuses.
+    cfg.spot.fraction = 0.0;
     let server = crate::start(
         "127.0.0.1:0"
             .parse()

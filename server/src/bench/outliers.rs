@@ -101,7 +101,15 @@ impl Drop for Children {
 }
 
 fn one(exe: &Path, args: &OutliersArgs, spacing: u32, attack: Option<&str>) -> Result<OutlierRun> {
-    let mut serve = vec!["--norm-clip-spacing".to_string(), spacing.to_string()];
+    // The norm bound alone, as recorded before issue 21's defaults: spot checks off (they
+    // would quarantine the attacker, and the bound is what is measured). `serve_args` may
+    // turn them on again.
+    let mut serve = vec![
+        "--norm-clip-spacing".to_string(),
+        spacing.to_string(),
+        "--spot-check".to_string(),
+        "0".to_string(),
+    ];
     serve.extend(args.serve_args.iter().cloned());
     let server = Server::start(exe, &args.data_dir, &serve, &[])?;
     let mut kids = Children(Vec::new());

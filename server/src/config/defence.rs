@@ -32,14 +32,37 @@ impl Default for QuarantinePolicy {
 pub const DEFAULT_COSINE: f64 = 0.99;
 /// Default `--spot-check-norm-tol`.
 pub const DEFAULT_NORM_TOL: f64 = 0.05;
+/// `--spot-check auto` where this process holds the shards and the data: the fraction of a
+/// vouched worker's pushes checked (a worker on probation is checked at least at
+/// `PROBATION_RATE`, `crate::defence::spotcheck`). A 2-shard round is then recomputed for
+/// about 4% of rounds: the checker costs about 4% of the crowd's compute on one thread.
+pub const DEFAULT_FRACTION: f64 = 0.02;
+/// `--spot-check-history auto`: the versions kept are what fits in this many bytes
+/// (`history × parameters × 4`), between [`MIN_AUTO_HISTORY`] and [`MAX_AUTO_HISTORY`]:
+/// 64 versions of the MLP (26 MB), 20 of the default gpt (3.3 MB each).
+pub const HISTORY_BYTES: usize = 64 << 20;
+/// The fewest versions `--spot-check-history auto` keeps, whatever the model's size: fewer
+/// would refuse honest pushes `too_stale` at ordinary staleness.
+pub const MIN_AUTO_HISTORY: usize = 8;
+/// The most versions `--spot-check-history auto` keeps (the fixed default before issue 21's
+/// defaults: enough for the staleness of a few dozen workers).
+pub const MAX_AUTO_HISTORY: usize = 64;
+
+/// `--spot-check-history auto` for a model of `params` parameters ([`HISTORY_BYTES`]).
+pub fn auto_history(params: usize) -> usize {
+    (HISTORY_BYTES / params.max(1).saturating_mul(4)).clamp(MIN_AUTO_HISTORY, MAX_AUTO_HISTORY)
+}
 
 /// Flags of `crowdgrad serve` for spot checks and quarantine.
 #[derive(Debug, Clone, Args)]
 pub struct SpotArgs {
-    /// Fraction of pushes the server recomputes and compares with what the worker sent
-    /// (e.g. 0.01); 0 turns spot checks off. With it on, every push must carry a push tag.
-    #[arg(long, default_value_t = 0.0)]
-    pub spot_check: f64,
+    /// Fraction of pushes the server recomputes and compares with what the worker sent; 0
+    /// turns spot checks off. `auto`: 0.02 when this process holds the shards and the data,
+    /// 0 with --shard-urls (the coordinator does not see those pushes). A worker's first 4
+    /// checks are drawn at a rate of at least 0.5 (probation). With it on, every push must
+    /// carry a push tag.
+    #[arg(long, default_value = "auto")]
+    pub spot_check: String,
     /// A spot check passes when the cosine similarity of the pushed and the recomputed slice
     /// is at least this.
     #[arg(long, default_value_t = DEFAULT_COSINE)]
@@ -49,8 +72,9 @@ pub struct SpotArgs {
     pub spot_check_norm_tol: f64,
     /// Versions of every shard's parameters kept for spot checks and rollbacks (memory: this
     /// × parameters × 4 bytes); a push read from an older version is refused too_stale.
-    #[arg(long, default_value_t = 64)]
-    pub spot_check_history: usize,
+    /// `auto`: what fits in 64 MiB, 8 to 64 versions (64 of the MLP, 20 of the default gpt).
+    #[arg(long, default_value = "auto")]
+    pub spot_check_history: String,
     /// Do not roll shards back when a failed spot check quarantines a worker. By default
     /// every shard is rolled back to the version before the poisoner's first applied push,
     /// if --spot-check-history still holds it (the honest pushes since are undone too);
@@ -81,8 +105,9 @@ pub struct SpotConfig {
     pub cosine: f64,
     /// Largest relative norm difference that passes.
     pub norm_tol: f64,
-    /// Versions kept per shard.
-    pub history: usize,
+    /// Versions kept per shard; `None`: `--spot-check-history auto` ([`auto_history`] of the
+    /// model's size, worked out when the checker starts).
+    pub history: Option<usize>,
     /// Roll a shard back past a quarantined poisoner's pushes (`--spot-check-rollback`).
     pub rollback: bool,
     /// When refusals quarantine.
@@ -95,7 +120,7 @@ impl Default for SpotConfig {
             fraction: 0.0,
             cosine: DEFAULT_COSINE,
             norm_tol: DEFAULT_NORM_TOL,
-            history: 64,
+            history: None,
             rollback: true,
             quarantine: QuarantinePolicy::default(),
         }
@@ -103,18 +128,38 @@ impl Default for SpotConfig {
 }
 
 impl SpotArgs {
-    /// Checks the flags.
+    /// Checks the flags. `local_shards`: this process holds the shards and the data (no
+    /// `--shard-urls`), which is where `--spot-check auto` turns spot checks on.
     ///
     /// # Errors
     /// [`Error::Config`] naming the bad flag.
-    pub fn check(&self) -> Result<SpotConfig> {
+    pub fn check(&self, local_shards: bool) -> Result<SpotConfig> {
         let bad = |m: String| Err(Error::Config(m));
-        if !(0.0..=1.0).contains(&self.spot_check) {
-            return bad(format!(
-                "--spot-check {} must be a fraction in [0, 1]",
-                self.spot_check
-            ));
-        }
+        let fraction = match self.spot_check.trim() {
+            "auto" if local_shards => DEFAULT_FRACTION,
+            "auto" => 0.0,
+            f => match f.parse::<f64>() {
+                Ok(f) if (0.0..=1.0).contains(&f) => f,
+                _ => {
+                    return bad(format!(
+                        "--spot-check {} must be auto or a fraction in [0, 1]",
+                        self.spot_check
+                    ))
+                }
+            },
+        };
+        let history = match self.spot_check_history.trim() {
+            "auto" => None,
+            h => match h.parse::<usize>() {
+                Ok(h) if (1..=4096).contains(&h) => Some(h),
+                _ => {
+                    return bad(format!(
+                        "--spot-check-history {} must be auto or in 1..=4096",
+                        self.spot_check_history
+                    ))
+                }
+            },
+        };
         if !(-1.0..=1.0).contains(&self.spot_check_cosine) {
             return bad(format!(
                 "--spot-check-cosine {} must be in [-1, 1]",
@@ -127,12 +172,6 @@ impl SpotArgs {
                 self.spot_check_norm_tol
             ));
         }
-        if !(1..=4096).contains(&self.spot_check_history) {
-            return bad(format!(
-                "--spot-check-history {} must be in 1..=4096",
-                self.spot_check_history
-            ));
-        }
         if !(self.quarantine_window.is_finite()
             && self.quarantine_window > 0.0
             && self.quarantine_window <= 86_400.0)
@@ -143,10 +182,10 @@ impl SpotArgs {
             ));
         }
         Ok(SpotConfig {
-            fraction: self.spot_check,
+            fraction,
             cosine: self.spot_check_cosine,
             norm_tol: self.spot_check_norm_tol,
-            history: self.spot_check_history,
+            history,
             rollback: !self.no_spot_check_rollback,
             quarantine: QuarantinePolicy {
                 rejections: self.quarantine_rejections,

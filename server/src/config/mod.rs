@@ -852,7 +852,7 @@ impl ServeArgs {
             ledger: self.ledger,
             admin_token,
             spot: {
-                let spot = self.spot.check()?;
+                let spot = self.spot.check(self.shard_urls.is_empty())?;
                 if spot.fraction > 0.0 && !self.shard_urls.is_empty() {
                     return bad(
                         "--spot-check needs the shards in this process (not --shard-urls)".into(),

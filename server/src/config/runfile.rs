@@ -32,6 +32,8 @@ pub enum Kind {
     NotBool,
     /// An integer or a string (`local_steps = 4` or `"auto"`).
     IntOrStr,
+    /// A number or a string (`spot_check = 0.05` or `"auto"`).
+    FloatOrStr,
     /// An array of strings (a comma-separated flag).
     List,
     /// A model: its text, or its layers as an array of layer texts and one-key tables
@@ -131,7 +133,7 @@ pub const KEYS: &[Key] = &[
     key("limits.hello_timeout", "hello_timeout", Kind::Float),
     key("limits.header_timeout", "header_timeout", Kind::Float),
     key("limits.trust_proxy", "trust_proxy", Kind::Bool),
-    key("defence.spot_check", "spot_check", Kind::Float),
+    key("defence.spot_check", "spot_check", Kind::FloatOrStr),
     key(
         "defence.spot_check_cosine",
         "spot_check_cosine",
@@ -145,7 +147,7 @@ pub const KEYS: &[Key] = &[
     key(
         "defence.spot_check_history",
         "spot_check_history",
-        Kind::Int,
+        Kind::IntOrStr,
     ),
     key(
         "defence.spot_check_rollback",
@@ -220,6 +222,10 @@ fn flag_values(k: &Key, value: &toml::Value, file: &Path) -> Result<Vec<String>>
         (Kind::IntOrStr, V::Integer(i)) if *i >= 0 => vec![i.to_string()],
         (Kind::IntOrStr, V::String(s)) => vec![s.clone()],
         (Kind::IntOrStr, _) => return wrong("an integer or a string"),
+        (Kind::FloatOrStr, V::Integer(i)) => vec![i.to_string()],
+        (Kind::FloatOrStr, V::Float(f)) => vec![f.to_string()],
+        (Kind::FloatOrStr, V::String(s)) => vec![s.clone()],
+        (Kind::FloatOrStr, _) => return wrong("a number or a string"),
         (Kind::List, V::Array(a)) => {
             let mut out = Vec::new();
             for v in a {
@@ -414,6 +420,7 @@ fn table_of(cmd: &Command, m: &ArgMatches) -> toml::Table {
             Kind::Bool => V::Boolean(first == "true"),
             Kind::NotBool => V::Boolean(first != "true"),
             Kind::IntOrStr => first.parse().map_or(V::String(first), V::Integer),
+            Kind::FloatOrStr => first.parse().map_or(V::String(first), V::Float),
             Kind::List => V::Array(
                 raw.iter()
                     .flat_map(|s| s.split(','))

@@ -287,7 +287,9 @@ impl Reputation {
     }
 
     /// Lifts the refusal of `identity`'s joins (and the quarantine of its workers). Returns
-    /// whether it was refused.
+    /// whether anything was lifted: its joins were refused or one of its workers was
+    /// quarantined (an identity whose workers are all in good standing is not quarantined:
+    /// false, and the admin API answers 404 as documented).
     pub fn lift_identity(&self, identity: &str) -> bool {
         let workers: Vec<u64> = {
             let mut g = self.lock();
@@ -296,7 +298,7 @@ impl Reputation {
             let ws: Vec<u64> = g
                 .workers
                 .iter()
-                .filter(|(_, r)| r.identity.as_deref() == Some(identity))
+                .filter(|(_, r)| r.identity.as_deref() == Some(identity) && r.quarantined.is_some())
                 .map(|(id, _)| *id)
                 .collect();
             if !was && ws.is_empty() {
@@ -470,6 +472,31 @@ mod tests {
         assert_eq!(r.quarantined(7), None);
         assert_eq!(r.identity_quarantined("volunteer-7"), None);
         assert!(!r.lift(7));
+    }
+
+    /// Lifting an identity that is not quarantined lifts nothing: false, which the admin
+    /// API answers 404 (docs/protocol.md, `POST /api/admin/unquarantine`). It returned true
+    /// (200) whenever the identity had a worker on record, quarantined or not.
+    #[test]
+    fn lifting_an_identity_in_good_standing_lifts_nothing() {
+        let r = Reputation::new(QuarantinePolicy::default());
+        r.bind(7, "volunteer-7");
+        r.checked(
+            7,
+            CheckResult::Passed(CheckFigures {
+                cosine: 1.0,
+                norm_ratio: 1.0,
+            }),
+        );
+        let e0 = r.epoch();
+        assert!(!r.lift_identity("volunteer-7"), "nothing was quarantined");
+        assert!(!r.lift_identity("nobody"), "an identity never seen");
+        assert_eq!(r.epoch(), e0, "nothing moved");
+        r.checked(7, CheckResult::Failed("cosine 0.1".into(), None));
+        assert!(r.lift_identity("volunteer-7"));
+        assert_eq!(r.quarantined(7), None);
+        assert_eq!(r.identity_quarantined("volunteer-7"), None);
+        assert!(!r.lift_identity("volunteer-7"), "already lifted");
     }
 
     #[test]

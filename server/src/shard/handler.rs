@@ -262,7 +262,39 @@ pub async fn serve<Si, St>(
                     },
                     _ => (bytes, now),
                 };
-                session.handle_frame(&mut access, &bytes, now)
+                // Pacing (crate::defence::spotcheck): a push is fed holding a place in the
+                // spot checker's queue, waited for while the checker is behind, so a push
+                // drawn for a check is checked rather than refused `busy`.
+                let mut now = now;
+                let spot = shard.defence().and_then(|d| d.spot.clone());
+                if let (Some(spot), Some(worker), true) = (spot, session.worker(), is_push(&bytes))
+                {
+                    let placed = spot.try_place(worker) || {
+                        if !flush(&mut tx).await {
+                            session.handle_close(&mut access);
+                            continue;
+                        }
+                        let p = tokio::select! {
+                            biased;
+                            _ = shutdown.changed() => false,
+                            p = spot.wait_place(worker, crate::defence::spotcheck::PLACE_WAIT) => p,
+                        };
+                        now = shard.now();
+                        p
+                    };
+                    if placed {
+                        access.placed(worker);
+                    }
+                    if let Some(d) = shard.defence() {
+                        // Quarantined while it waited (its last check failed): not taken.
+                        if d.reputation.quarantined(worker).is_some() {
+                            access.unplace();
+                            continue;
+                        }
+                    }
+                }
+                session.handle_frame(&mut access, &bytes, now);
+                access.unplace();
             }
             Inbound::Text => session.handle_text(&mut access, now),
             Inbound::Closed => {

@@ -506,6 +506,7 @@ impl Shard {
             registry,
             held: None,
             drawn: None,
+            placed: None,
         }
     }
 }
@@ -539,6 +540,29 @@ pub struct Access<'a> {
     /// The worker whose push holds a place in the spot checker's queue, from
     /// [`ShardAccess::sample`] to [`ShardAccess::take_sample`].
     drawn: Option<u64>,
+    /// The worker for whose next push the driver took a place in the spot checker's queue
+    /// ([`Access::placed`]): used by [`ShardAccess::sample`] if the push is drawn, given back
+    /// otherwise.
+    placed: Option<u64>,
+}
+
+impl Access<'_> {
+    /// The driver took a place in the spot checker's queue for `worker`'s push it feeds next
+    /// (`crate::defence::spotcheck`, "Pacing").
+    pub fn placed(&mut self, worker: u64) {
+        self.unplace();
+        self.placed = Some(worker);
+    }
+
+    /// Gives back a place the last push fed did not use (it was refused before it was
+    /// sampled, or never reached sampling).
+    pub fn unplace(&mut self) {
+        if let Some(w) = self.placed.take() {
+            if let Some(s) = self.shard.defence().and_then(|d| d.spot.as_ref()) {
+                s.cancel(w);
+            }
+        }
+    }
 }
 
 impl ShardAccess for Access<'_> {
@@ -639,8 +663,13 @@ impl ShardAccess for Access<'_> {
         digest: u64,
         tag: &crowdgrad_core::wire::PushTag,
     ) -> Sampling {
+        let placed = self.placed == Some(worker);
+        if placed {
+            // Used or given back by `sample`.
+            self.placed = None;
+        }
         let answer = match self.shard.defence().and_then(|d| d.spot.as_ref()) {
-            Some(s) => s.sample(worker, request_id, digest, tag),
+            Some(s) => s.sample(worker, request_id, digest, tag, placed),
             None => Sampling::No,
         };
         if answer == Sampling::Yes {

@@ -331,13 +331,20 @@ pub(super) fn spot_summary(status: &serde_json::Value) -> String {
     }
     let n = |k: &str| s[k].as_u64().unwrap_or(0);
     format!(
-        "sampled {}, passed {}, failed {}, dropped (queue) {}, refused_version {}, skipped_version {}",
+        "fraction {}, history {}, sampled {}, passed {}, failed {}, refused busy {}, dropped (queue) {}, refused_version {}, skipped_version {}, rollbacks {} ({} versions undone, {} poisoned), healed {}",
+        s["fraction"].as_f64().unwrap_or(0.0),
+        n("history"),
         n("sampled"),
         n("passed"),
         n("failed"),
+        n("refused_busy"),
         n("dropped_queue"),
         n("refused_version"),
-        n("skipped_version")
+        n("skipped_version"),
+        n("rollbacks"),
+        n("versions_undone"),
+        n("poisoned_undone"),
+        n("healed")
     )
 }
 

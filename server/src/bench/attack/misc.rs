@@ -208,8 +208,9 @@ pub(super) async fn stale(ctx: &Ctx, mode: Mode) -> Result<Verdict> {
         spot_summary(&s)
     );
     // Without spot checks nothing holds versions: a push 200 versions stale is asynchronous
-    // SGD's ordinary stale gradient, and the issue claims nothing for it.
-    let verdict = if mode == Mode::Default {
+    // SGD's ordinary stale gradient, and the issue claims nothing for it. (A default server
+    // spot-checks since `--spot-check auto`: then the claim holds for it too.)
+    let verdict = if s["spot_checks"].is_null() {
         format!(
             "- (no spot checks: {})",
             if applied {

@@ -1,6 +1,8 @@
 //! `crowdgrad bench attack` (issue 21): every attack of the issue against real `crowdgrad
-//! serve` children on 127.0.0.1, a default server and a spot-checking one (`--spot-check 0.5
-//! --quarantine-rejections 5`), and what happened, in figures; a summary table at the end.
+//! serve` children on 127.0.0.1, a default server (which spot-checks 2% of pushes and every
+//! push of a new identity since `--spot-check auto`) and one checking half of all pushes
+//! (`--spot-check 0.5 --quarantine-rejections 5`), and what happened, in figures; a summary
+//! table at the end.
 //!
 //! The printed, measured counterpart of `tests/integration/attacks.rs`. Honest workers are
 //! real `crowdgrad work` processes; attackers speak the documented protocol

@@ -332,7 +332,9 @@ pub(super) async fn unsampled(ctx: &Ctx, mode: Mode, clean: f64) -> Result<Verdi
             format!("accuracy {accuracy:.2}% more than 1 pt below clean {clean:.2}%"),
         ),
     ];
-    if mode == Mode::Spot {
+    // Claimed wherever the server spot-checks: the default server too since `--spot-check
+    // auto` (issue 21).
+    if !status["spot_checks"].is_null() {
         claims.push((
             caught.is_some() && quarantined >= 1,
             "the poisoner was not quarantined".into(),
