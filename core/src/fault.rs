@@ -43,11 +43,20 @@ pub enum Fault {
     /// Colluding workers: every faulty worker sends the same vector to a shard, scaled by S
     /// (how they agree on it: [`Collusion`]).
     Collude(f32),
+    /// All-zero pushes: harmless to the parameters, they try to drag a norm reference
+    /// built from every push down to 0, so that honest pushes look like outliers (issue 21's
+    /// sybils). The shard's guard applies them and notes them nowhere.
+    Zeros,
+    /// Gaussian noise of S times the gradient's L2 norm: no signal, and far over any honest
+    /// norm for a large S; it tries to lift a norm reference built from every push (issue 21's
+    /// sybils). `huge:1` is `noise`.
+    Huge(f32),
 }
 
 impl Fault {
     /// Parses `nan`, `inf`, `noise`, `scale:F`, `signflip:S`, `replay`, `wrong_shard`,
-    /// `shuffled_labels` or `collude:S` (`signflip` and `collude` alone: S = 1).
+    /// `shuffled_labels`, `collude:S`, `zeros` or `huge:S` (`signflip` and `collude` alone:
+    /// S = 1).
     ///
     /// # Errors
     /// [`Error::Config`] on anything else or a factor that is not finite (S must be > 0).
@@ -55,7 +64,7 @@ impl Fault {
         let t = text.trim();
         let bad = || {
             Error::Config(format!(
-                "unknown --fault {t:?}: use nan, inf, noise, scale:F, signflip:S, replay, wrong_shard, shuffled_labels or collude:S (S > 0)"
+                "unknown --fault {t:?}: use nan, inf, noise, scale:F, signflip:S, replay, wrong_shard, shuffled_labels, collude:S, zeros or huge:S (S > 0)"
             ))
         };
         let factor = |s: Option<&str>, positive: bool| match s.map(str::parse::<f32>) {
@@ -77,6 +86,8 @@ impl Fault {
             ("scale", Some(_)) => Ok(Fault::Scale(factor(arg, false)?)),
             ("signflip", _) => Ok(Fault::SignFlip(factor(arg, true)?)),
             ("collude", _) => Ok(Fault::Collude(factor(arg, true)?)),
+            ("zeros", None) => Ok(Fault::Zeros),
+            ("huge", Some(_)) => Ok(Fault::Huge(factor(arg, true)?)),
             _ => Err(bad()),
         }
     }
@@ -94,6 +105,8 @@ impl std::fmt::Display for Fault {
             Fault::WrongShard => write!(f, "wrong_shard"),
             Fault::ShuffledLabels => write!(f, "shuffled_labels"),
             Fault::Collude(x) => write!(f, "collude:{x}"),
+            Fault::Zeros => write!(f, "zeros"),
+            Fault::Huge(x) => write!(f, "huge:{x}"),
         }
     }
 }
@@ -128,6 +141,17 @@ pub fn collusion_vector(seed: u64, shard: u32, len: usize, norm: f32) -> Vec<f32
     z.iter()
         .map(|v| (v * f64::from(norm) / zn) as f32)
         .collect()
+}
+
+/// Replaces `g` by Gaussian noise of `factor` times its L2 norm ([`Fault::Noise`],
+/// [`Fault::Huge`]).
+fn noise_of_norm(g: &mut [f32], factor: f64, rng: &mut Rng) {
+    let norm = g.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>().sqrt() * factor;
+    let z: Vec<f64> = g.iter().map(|_| rng.normal()).collect();
+    let zn = z.iter().map(|v| v * v).sum::<f64>().sqrt().max(1e-30);
+    for (o, v) in g.iter_mut().zip(z) {
+        *o = (v * norm / zn) as f32;
+    }
 }
 
 /// A copy of `data` with its labels permuted by `rng` (Fisher-Yates): the images stay in
@@ -211,14 +235,9 @@ impl Faults {
                     f32::NEG_INFINITY
                 };
             }
-            Fault::Noise => {
-                let norm = g.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>().sqrt();
-                let z: Vec<f64> = g.iter().map(|_| rng.normal()).collect();
-                let zn = z.iter().map(|v| v * v).sum::<f64>().sqrt().max(1e-30);
-                for (o, v) in g.iter_mut().zip(z) {
-                    *o = (v * norm / zn) as f32;
-                }
-            }
+            Fault::Noise => noise_of_norm(&mut g, 1.0, rng),
+            Fault::Huge(f) => noise_of_norm(&mut g, f64::from(f), rng),
+            Fault::Zeros => g.fill(0.0),
             Fault::Scale(f) => g.iter_mut().for_each(|v| *v *= f),
             Fault::SignFlip(f) => g.iter_mut().for_each(|v| *v *= -f),
             Fault::Replay => match self.first.get_mut(p).and_then(|v| v.get_mut(s)) {
@@ -298,6 +317,8 @@ mod tests {
             "wrong_shard",
             "shuffled_labels",
             "collude:3",
+            "zeros",
+            "huge:100",
         ] {
             let f = Fault::parse(t).expect(t);
             assert_eq!(Fault::parse(&f.to_string()).unwrap(), f);
@@ -309,6 +330,10 @@ mod tests {
             "signflip:-1",
             "signflip:0",
             "collude:inf",
+            "zeros:1",
+            "huge",
+            "huge:0",
+            "huge:nan",
             "scale",
             "bogus",
         ] {
@@ -332,6 +357,12 @@ mod tests {
         let n = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>().sqrt();
         let noisy = grad(&out).1;
         assert!((n(&noisy) - n(&g)).abs() < 1e-4 && noisy != g);
+        let (out, bad) = f.corrupt(0, push(1, 3, &g), Fault::Zeros, &mut rng);
+        assert!(bad);
+        assert_eq!(grad(&out), (1, vec![0.0; 4]));
+        let (out, _) = f.corrupt(0, push(1, 3, &g), Fault::Huge(100.0), &mut rng);
+        let huge = grad(&out).1;
+        assert!((n(&huge) / n(&g) - 100.0).abs() < 1e-3, "{huge:?}");
         let (out, _) = f.corrupt(0, push(1, 3, &g), Fault::WrongShard, &mut rng);
         assert_eq!(grad(&out), (2, g.to_vec()));
         // Replay: the first push as it is, then its values again.

@@ -92,14 +92,29 @@ pub struct SimArgs {
     /// noise with the gradient's norm), `scale:F` (the gradient times F), `signflip:S` (times
     /// -S), `replay` (every push repeats the worker's first one), `wrong_shard` (pushes
     /// addressed to the next shard), `shuffled_labels` (honest gradients of the worker's data
-    /// with its labels permuted) or `collude:S` (all faulty workers send the same vector:
-    /// -S x the gradient of the first of them to push from that version).
+    /// with its labels permuted), `collude:S` (all faulty workers send the same vector:
+    /// -S x the gradient of the first of them to push from that version), `zeros` (all-zero
+    /// pushes) or `huge:S` (Gaussian noise of S x the gradient's norm).
     #[arg(long, default_value = "nan")]
     pub fault: String,
+    /// Sybils (issue 21): this many extra, fresh identities join at --sybil-at and push as
+    /// --sybil-fault says. They go through the shards' guard like anyone (a new identity is
+    /// on probation: no say in the norm reference until 16 nonzero pushes accepted over 10 s),
+    /// their examples do not count in --samples, and the report splits pushes into honest and
+    /// sybil ones.
+    #[arg(long, default_value_t = 0)]
+    pub sybils: usize,
+    /// Simulated second at which the sybils join.
+    #[arg(long, default_value_t = 0.0)]
+    pub sybil_at: f64,
+    /// What the sybils push: any --fault kind, e.g. `zeros`, `huge:S` (noise of S x the honest
+    /// gradient's norm) or `signflip:S` (poison: their own honest gradient times -S).
+    #[arg(long, default_value = "zeros")]
+    pub sybil_fault: String,
     /// Run one simulation per value: PARAM=V1,V2,... with PARAM one of consistency (or mode),
     /// workers, ssp, staleness, lr, faulty, fault, dropout-every, dropout-kind, delay-ms,
     /// step-ms, batch-size, aggregation, local-steps, inner-lr, pull-encoding, push-encoding,
-    /// overlap.
+    /// overlap, sybils, sybil-at, sybil-fault.
     /// Separate values with `;` when they contain commas (staleness=accept;drop:8,scale).
     #[arg(long)]
     pub sweep: Option<String>,
@@ -228,6 +243,12 @@ pub struct SimConfig {
     pub faulty: f64,
     /// What they push.
     pub fault: Fault,
+    /// Sybils: fresh identities joining at [`SimConfig::sybil_at`].
+    pub sybils: usize,
+    /// When the sybils join, simulated seconds.
+    pub sybil_at: f64,
+    /// What the sybils push.
+    pub sybil_fault: Fault,
     /// SSP heartbeat timeout, seconds.
     pub heartbeat: f64,
     /// sync:K straggler timeout, seconds.
@@ -309,10 +330,10 @@ impl SimArgs {
             away: self.away,
             dropout_kind,
             faulty: self.faulty,
-            fault: Fault::parse(&self.fault).map_err(|e| match e {
-                crowdgrad_core::Error::Config(m) => Error::Config(m),
-                e => Error::Core(e),
-            })?,
+            fault: parse_fault(&self.fault, "--fault")?,
+            sybils: self.sybils,
+            sybil_at: self.sybil_at,
+            sybil_fault: parse_fault(&self.sybil_fault, "--sybil-fault")?,
             heartbeat: t.heartbeat_timeout,
             sync_timeout: t.sync_timeout,
             exchange: t.exchange,
@@ -321,6 +342,15 @@ impl SimArgs {
         cfg.validate()?;
         Ok(cfg)
     }
+}
+
+/// Parses a fault kind for `flag` (core's list, [`Fault::parse`]).
+fn parse_fault(text: &str, flag: &str) -> Result<Fault> {
+    Fault::parse(text).map_err(|e| match e {
+        crowdgrad_core::Error::Config(m) if flag == "--fault" => Error::Config(m),
+        crowdgrad_core::Error::Config(m) => Error::Config(m.replacen("--fault", flag, 1)),
+        e => Error::Core(e),
+    })
 }
 
 impl SimConfig {
@@ -421,6 +451,12 @@ impl SimConfig {
         if !(finite(self.faulty) && (0.0..=1.0).contains(&self.faulty)) {
             return bad(format!("--faulty {} must be in [0, 1]", self.faulty));
         }
+        if self.sybils > 1024 {
+            return bad(format!("--sybils {} must be in 0..=1024", self.sybils));
+        }
+        if !(finite(self.sybil_at) && (0.0..=1e7).contains(&self.sybil_at)) {
+            return bad(format!("--sybil-at {} must be in [0, 1e7]", self.sybil_at));
+        }
         for (flag, v) in [
             ("--heartbeat-timeout", self.heartbeat),
             ("--sync-timeout", self.sync_timeout),
@@ -485,6 +521,24 @@ impl SimConfig {
                 (_, f) => format!(" ({f})"),
             };
             parts.push(format!("{share}faulty{kind}"));
+        }
+        if self.sybils > 0 || param.starts_with("sybil") {
+            let n = if param == "sybils" {
+                String::new()
+            } else {
+                format!("{} ", self.sybils)
+            };
+            let fault = if param == "sybil-fault" {
+                String::new()
+            } else {
+                format!(" ({})", self.sybil_fault)
+            };
+            let at = if param == "sybil-at" {
+                String::new()
+            } else {
+                format!(" from {} s", self.sybil_at)
+            };
+            parts.push(format!("{n}sybils{fault}{at}"));
         }
         if let Some(every) = self.dropout_every {
             let kind = match self.dropout_kind {

@@ -12,7 +12,7 @@
 //! reconnect after a lost session with core's [`Backoff`], the one every worker uses.
 
 use super::config::{DropoutKind, SimConfig, SpeedDist};
-use super::report::{ReadRecord, Row, SimResult, Totals, WorkerSummary};
+use super::report::{PushCounts, ReadRecord, Row, SimResult, Totals, WorkerSummary};
 use super::shard::{Output, ShardDriver};
 use crate::error::{Error, Result};
 use crate::support::data::TrainTest;
@@ -137,6 +137,8 @@ struct Session {
     compute_dur: Time,
     paused: Option<Paused>,
     steps_before: u64,
+    /// When it joined (the admission's probation counts sessions younger than it).
+    joined: Time,
     /// When the worker's timer is armed for (a [`Event::WorkerTimer`] is scheduled).
     hold: Option<Time>,
 }
@@ -146,6 +148,11 @@ struct Participant {
     partition: usize,
     mean_step: f64,
     faulty: bool,
+    /// A sybil (`--sybils`): joins at `--sybil-at`, never leaves, pushes per
+    /// `--sybil-fault`, and its examples do not count in the budget.
+    sybil: bool,
+    /// What it does to its pushes (faulty workers and sybils).
+    fault: Option<super::config::Fault>,
     step_rng: Rng,
     net_rng: Rng,
     life_rng: Rng,
@@ -272,18 +279,34 @@ impl<'a> Engine<'a> {
         for &i in &order[..n_faulty.min(cfg.workers)] {
             faulty[i] = true;
         }
-        let people = (0..cfg.workers)
+        // Sybils come after the workers, with speeds of their own stream: adding them
+        // changes no draw of the workers'.
+        let mut sybil_speeds = stream(cfg.seed, 9, 0);
+        let people = (0..cfg.workers + cfg.sybils)
             .map(|i| {
+                let sybil = i >= cfg.workers;
+                let speeds = if sybil {
+                    &mut sybil_speeds
+                } else {
+                    &mut speeds
+                };
                 let factor = match cfg.speed {
                     SpeedDist::Fixed => 1.0,
                     SpeedDist::Uniform { spread } => 1.0 + spread * (2.0 * speeds.next_f64() - 1.0),
-                    SpeedDist::LogNormal { sigma } => mean_one_lognormal(&mut speeds, sigma),
+                    SpeedDist::LogNormal { sigma } => mean_one_lognormal(speeds, sigma),
                 };
                 let i64 = i as u64;
+                let faulty = !sybil && faulty[i];
                 Participant {
                     partition: i % cfg.partitions,
                     mean_step: cfg.step_time * factor,
-                    faulty: faulty[i],
+                    faulty,
+                    sybil,
+                    fault: if sybil {
+                        Some(cfg.sybil_fault)
+                    } else {
+                        faulty.then_some(cfg.fault)
+                    },
                     step_rng: stream(cfg.seed, 3, i64),
                     net_rng: stream(cfg.seed, 4, i64),
                     life_rng: stream(cfg.seed, 5, i64),
@@ -297,8 +320,9 @@ impl<'a> Engine<'a> {
                     sessions: 0,
                 }
             })
-            .collect();
-        let faults = Faults::new(cfg, &parts, &faulty)?;
+            .collect::<Vec<Participant>>();
+        let kinds: Vec<_> = people.iter().map(|p| p.fault).collect();
+        let faults = Faults::new(cfg, &parts, &kinds)?;
         let zeno = if matches!(cfg.aggregation, Aggregation::Zeno { .. }) {
             let mut t = train.clone();
             t.set_normalize(&spec.normalize)?;
@@ -428,8 +452,13 @@ impl<'a> Engine<'a> {
         for p in 0..self.people.len() {
             let t = self.token();
             self.people[p].return_token = t;
+            let at = if self.people[p].sybil {
+                ns(self.cfg.sybil_at)
+            } else {
+                0
+            };
             self.schedule(
-                0,
+                at,
                 Event::Return {
                     participant: p,
                     token: t,
@@ -578,6 +607,12 @@ impl Engine<'_> {
             updates: self.shards.iter().map(|s| s.driver.state().version()).sum(),
             accepted: self.totals.accepted,
             rejected: self.totals.rejected,
+            sybil_accepted: self.totals.sybil_pushes.accepted,
+            sybil_rejected: self.totals.sybil_pushes.rejected(),
+            norm_reference: {
+                let now = self.now_s();
+                self.shards[0].driver.norm_reference(now).unwrap_or(0.0)
+            },
             workers_online: self
                 .people
                 .iter()
@@ -592,6 +627,12 @@ impl Engine<'_> {
             .shards
             .iter()
             .map(|s| s.driver.state().version())
+            .collect();
+        let now = self.now_s();
+        self.totals.trust = self
+            .shards
+            .iter()
+            .map(|s| s.driver.state().trust_counts(now))
             .collect();
         self.totals.shard_pending = self
             .shards
@@ -608,6 +649,7 @@ impl Engine<'_> {
                     index,
                     mean_step_s: p.mean_step,
                     faulty: p.faulty,
+                    sybil: p.sybil,
                     partition: p.partition,
                     sessions: p.sessions,
                     steps: st.steps,

@@ -95,10 +95,19 @@ pub fn cli(args: &SimArgs) -> Result<()> {
     for (i, (label, cfg)) in runs.iter().enumerate() {
         eprintln!("[{}/{n}] {label}: {}", i + 1, cfg.describe());
         let quiet = args.quiet;
+        let sybils = cfg.sybils > 0;
         let r = run_with(cfg, &data, &mut |row: &Row| {
             if !quiet {
+                let sybil = if sybils {
+                    format!(
+                        "  sybils accepted {} rejected {}  norm ref {:.4}",
+                        row.sybil_accepted, row.sybil_rejected, row.norm_reference
+                    )
+                } else {
+                    String::new()
+                };
                 eprintln!(
-                    "  samples {:>8}  sim {:>8.1} s  accuracy {:6.2}%  loss {:.4}  staleness {:5.2}  updates {}  rejected {}  online {}",
+                    "  samples {:>8}  sim {:>8.1} s  accuracy {:6.2}%  loss {:.4}  staleness {:5.2}  updates {}  rejected {}  online {}{sybil}",
                     row.samples,
                     row.sim_time_s,
                     row.test_accuracy * 100.0,
@@ -122,6 +131,9 @@ pub fn cli(args: &SimArgs) -> Result<()> {
         };
         write_run(&dir, &title, &r)?;
         eprintln!("  {}", r.digest());
+        if let Some(line) = r.sybil_digest() {
+            eprintln!("  {line}");
+        }
         if r.totals.stalled {
             eprintln!(
                 "  warning: the run stalled (no step completed for a long time); stopped early"
@@ -203,7 +215,7 @@ mod tests {
         assert_eq!(c.partitions, c.workers);
         assert_eq!(c.optimizer.lr, 0.05);
         type Edit = fn(&mut SimArgs);
-        let cases: [(&str, Edit); 19] = [
+        let cases: [(&str, Edit); 23] = [
             ("workers", |a| a.workers = 0),
             ("consistency", |a| a.training.consistency = "bsp".into()),
             ("staleness", |a| a.training.staleness = "drop".into()),
@@ -225,6 +237,10 @@ mod tests {
             ("samples", |a| a.samples = Some(0)),
             ("seconds", |a| a.sim_seconds = Some(f64::INFINITY)),
             ("momentum", |a| a.training.momentum = Some(0.5)),
+            ("sybils", |a| a.sybils = 5000),
+            ("sybil at", |a| a.sybil_at = f64::NAN),
+            ("sybil fault", |a| a.sybil_fault = "huge".into()),
+            ("sybil fault", |a| a.sybil_fault = "zero".into()),
         ];
         for (what, f) in cases {
             let mut a = args();
@@ -261,6 +277,17 @@ mod tests {
         assert_eq!(runs[2].1.exchange.push_encoding.name(), "int8_block");
         let runs = sweep_configs(&a, "inner-lr=0.001,0.003").unwrap();
         assert_eq!(runs[1].1.exchange.local.inner.lr, 0.003);
+        // Issue 21: sybils are sweepable, and the error names --sybil-fault.
+        let runs = sweep_configs(&a, "sybil-fault=zeros;huge:100;signflip:5").unwrap();
+        assert_eq!(runs[1].1.sybil_fault, Fault::Huge(100.0));
+        assert!(runs[0]
+            .1
+            .describe_except("sybil-fault")
+            .contains("sybils from 0 s"));
+        let runs = sweep_configs(&a, "sybils=0,40").unwrap();
+        assert_eq!((runs[0].1.sybils, runs[1].1.sybils), (0, 40));
+        let e = parse(&["--sybil-fault", "lots"]).check().unwrap_err();
+        assert!(e.to_string().contains("--sybil-fault"), "{e}");
         let runs = sweep_configs(&a, "overlap=on,off").unwrap();
         assert!(runs[0].1.exchange.local.overlap && !runs[1].1.exchange.local.overlap);
         for bad in [

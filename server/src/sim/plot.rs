@@ -209,6 +209,9 @@ mod tests {
                 updates: i,
                 accepted: i,
                 rejected: 0,
+                sybil_accepted: 0,
+                sybil_rejected: 0,
+                norm_reference: 0.0,
                 workers_online: 1,
             })
             .collect();

@@ -36,8 +36,10 @@ pub struct WorkerSummary {
     pub index: usize,
     /// Its mean step time, seconds.
     pub mean_step_s: f64,
-    /// Whether it is faulty.
+    /// Whether it is faulty (`--faulty`).
     pub faulty: bool,
+    /// Whether it is a sybil (`--sybils`).
+    pub sybil: bool,
     /// Data partition.
     pub partition: usize,
     /// Sessions (joins).
@@ -50,6 +52,61 @@ pub struct WorkerSummary {
     pub pushes_rejected: u64,
     /// Pushes lost with a connection.
     pub pushes_lost: u64,
+}
+
+/// What one group of participants (the workers, or the sybils) got from the shards.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct PushCounts {
+    /// Push frames that reached a shard (and other frames refused there).
+    pub pushes: u64,
+    /// Accepted (applied or buffered; zero pushes included).
+    pub accepted: u64,
+    /// Accepted after being scaled down to the norm bound (a trusted worker's rare outlier).
+    pub clipped: u64,
+    /// Refusals by error code name (`out_of_bounds`, `replayed`, `not_finite`, ...).
+    pub refused: BTreeMap<String, u64>,
+}
+
+impl PushCounts {
+    pub(super) fn reject(&mut self, code: crowdgrad_core::wire::ErrorCode) {
+        *self.refused.entry(code.name().to_string()).or_insert(0) += 1;
+    }
+
+    /// Refused frames.
+    pub fn rejected(&self) -> u64 {
+        self.refused.values().sum()
+    }
+
+    /// Accepted / pushes (1 when there were none).
+    pub fn acceptance(&self) -> f64 {
+        if self.pushes == 0 {
+            1.0
+        } else {
+            self.accepted as f64 / self.pushes as f64
+        }
+    }
+
+    /// `A of N accepted (P%)[, refused: reason n, ...]`.
+    pub fn describe(&self) -> String {
+        let mut s = format!(
+            "{} of {} accepted ({:.2}%)",
+            self.accepted,
+            self.pushes,
+            self.acceptance() * 100.0
+        );
+        if self.clipped > 0 {
+            let _ = write!(s, ", {} of them scaled to the bound", self.clipped);
+        }
+        if !self.refused.is_empty() {
+            let r: Vec<String> = self
+                .refused
+                .iter()
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect();
+            let _ = write!(s, "; refused: {}", r.join(", "));
+        }
+        s
+    }
 }
 
 /// Totals of a run.
@@ -67,8 +124,20 @@ pub struct Totals {
     pub rejected: u64,
     /// Rejections by error code name (`too_stale`, `not_finite`, ...).
     pub rejected_by_reason: BTreeMap<String, u64>,
-    /// Push frames corrupted by faulty workers (sent).
+    /// Push frames corrupted by faulty workers (sent; sybils' not included).
     pub faulty_pushes: u64,
+    /// The workers' pushes (honest and `--faulty` ones), as the shards answered them.
+    pub worker_pushes: PushCounts,
+    /// The sybils' pushes.
+    pub sybil_pushes: PushCounts,
+    /// Training examples the sybils computed (not in [`Totals::samples`], not in the budget).
+    pub sybil_samples: u64,
+    /// Joins refused by the server's admission bound (new identities against established
+    /// ones, `crate::registry::admission`); the participant tries again 5 s later.
+    pub joins_refused: u64,
+    /// Per shard at the end: workers with a say in the norm reference, and workers on
+    /// probation (`crowdgrad_core::session::ShardState::trust_counts`).
+    pub trust: Vec<(usize, usize)>,
     /// Each shard's final version.
     pub shard_versions: Vec<u64>,
     /// Sync mode: gradients each shard still had buffered at the end.
@@ -150,7 +219,12 @@ impl SimResult {
     /// One line about the workers and rejections: step-time spread, faulty workers, sessions,
     /// rejections by reason.
     pub fn digest(&self) -> String {
-        let mut steps: Vec<f64> = self.workers.iter().map(|w| w.mean_step_s).collect();
+        let mut steps: Vec<f64> = self
+            .workers
+            .iter()
+            .filter(|w| !w.sybil)
+            .map(|w| w.mean_step_s)
+            .collect();
         steps.sort_by(f64::total_cmp);
         let ms = |i: usize| steps.get(i).map_or(0.0, |s| s * 1e3);
         let mut s = format!(
@@ -163,7 +237,12 @@ impl SimResult {
         if faulty > 0 {
             let _ = write!(s, "; {faulty} faulty");
         }
-        let sessions: u32 = self.workers.iter().map(|w| w.sessions).sum();
+        let sessions: u32 = self
+            .workers
+            .iter()
+            .filter(|w| !w.sybil)
+            .map(|w| w.sessions)
+            .sum();
         let _ = write!(s, "; {sessions} sessions");
         if !self.totals.rejected_by_reason.is_empty() {
             let reasons: Vec<String> = self
@@ -175,6 +254,25 @@ impl SimResult {
             let _ = write!(s, "; rejected: {}", reasons.join(", "));
         }
         s
+    }
+
+    /// With sybils: one line on what the workers' and the sybils' pushes got, and trust at
+    /// the end (shard 0). `None` without sybils.
+    pub fn sybil_digest(&self) -> Option<String> {
+        let c = &self.config;
+        if c.sybils == 0 {
+            return None;
+        }
+        let (trusted, probation) = self.totals.trust.first().copied().unwrap_or_default();
+        Some(format!(
+            "workers' pushes: {}; {} sybils ({}, from {} s): {}; joins refused {}; shard 0 at the end: {trusted} trusted, {probation} on probation",
+            self.totals.worker_pushes.describe(),
+            c.sybils,
+            c.sybil_fault,
+            c.sybil_at,
+            self.totals.sybil_pushes.describe(),
+            self.totals.joins_refused,
+        ))
     }
 
     /// Simulated seconds per wall-clock second.
@@ -217,7 +315,7 @@ impl SummaryLine {
 /// `summary.csv`: deterministic (no wall-clock figures).
 pub fn summary_csv(lines: &[SummaryLine]) -> String {
     let mut s = String::from(
-        "label,final_accuracy,final_loss,samples_to_95,sim_s_to_95,samples,sim_seconds,updates,accepted,rejected,mean_staleness,max_staleness\n",
+        "label,final_accuracy,final_loss,samples_to_95,sim_s_to_95,samples,sim_seconds,updates,accepted,rejected,mean_staleness,max_staleness,worker_acceptance,sybil_pushes,sybil_accepted\n",
     );
     for l in lines {
         let (a, b) = l.to_95.map_or((String::new(), String::new()), |(n, t)| {
@@ -226,7 +324,7 @@ pub fn summary_csv(lines: &[SummaryLine]) -> String {
         let t = &l.totals;
         let _ = writeln!(
             s,
-            "{},{:.6},{:.6},{a},{b},{},{:.3},{},{},{},{:.4},{}",
+            "{},{:.6},{:.6},{a},{b},{},{:.3},{},{},{},{:.4},{},{:.6},{},{}",
             csv_field(&l.label),
             l.final_accuracy,
             l.final_loss,
@@ -236,7 +334,10 @@ pub fn summary_csv(lines: &[SummaryLine]) -> String {
             t.accepted,
             t.rejected,
             t.mean_staleness(),
-            t.staleness_max
+            t.staleness_max,
+            t.worker_pushes.acceptance(),
+            t.sybil_pushes.pushes,
+            t.sybil_pushes.accepted
         );
     }
     s

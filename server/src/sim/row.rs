@@ -25,18 +25,25 @@ pub struct Row {
     pub accepted: u64,
     /// Push frames rejected so far (too stale, late, not finite...), summed over shards.
     pub rejected: u64,
+    /// Of `accepted`, the sybils' (`--sybils`).
+    pub sybil_accepted: u64,
+    /// Of `rejected`, the sybils'.
+    pub sybil_rejected: u64,
+    /// Shard 0's norm reference at this moment (the per-step norm a push is bounded by, over
+    /// `--norm-bound`); 0 before anything is known.
+    pub norm_reference: f32,
     /// Workers online (connected and not paused) at this moment.
     pub workers_online: usize,
 }
 
 /// The columns of `run.csv`.
-pub const CSV_HEADER: &str = "samples,sim_time_s,test_loss,test_accuracy,eval_examples,mean_staleness,max_staleness,updates,accepted,rejected,workers_online";
+pub const CSV_HEADER: &str = "samples,sim_time_s,test_loss,test_accuracy,eval_examples,mean_staleness,max_staleness,updates,accepted,rejected,workers_online,sybil_accepted,sybil_rejected,norm_reference";
 
 impl Row {
     pub(super) fn csv_line(&self, out: &mut String) {
         let _ = writeln!(
             out,
-            "{},{:.6},{:.6},{:.6},{},{:.4},{},{},{},{},{}",
+            "{},{:.6},{:.6},{:.6},{},{:.4},{},{},{},{},{},{},{},{:.6}",
             self.samples,
             self.sim_time_s,
             self.test_loss,
@@ -47,7 +54,10 @@ impl Row {
             self.updates,
             self.accepted,
             self.rejected,
-            self.workers_online
+            self.workers_online,
+            self.sybil_accepted,
+            self.sybil_rejected,
+            self.norm_reference
         );
     }
 }

@@ -93,6 +93,12 @@ impl ShardDriver {
         &self.host.state
     }
 
+    /// The shard's norm reference at `now` ([`ShardState::norm_reference`]): what the
+    /// report shows, never a worker.
+    pub fn norm_reference(&mut self, now: f64) -> Option<f32> {
+        self.host.state.norm_reference(now)
+    }
+
     /// `zeno`: the shard's slice of the validation gradient ([`ShardState::set_reference`]).
     pub fn set_reference(&mut self, slice: &[f32]) {
         self.host.state.set_reference(slice);

@@ -4,7 +4,7 @@ use super::config::*;
 use crate::error::{Error, Result};
 
 /// Names of the parameters `--sweep` accepts.
-pub const SWEEP_PARAMS: [&str; 19] = [
+pub const SWEEP_PARAMS: [&str; 22] = [
     "consistency",
     "mode",
     "workers",
@@ -24,6 +24,9 @@ pub const SWEEP_PARAMS: [&str; 19] = [
     "pull-encoding",
     "push-encoding",
     "overlap",
+    "sybils",
+    "sybil-at",
+    "sybil-fault",
 ];
 
 /// Expands `--sweep PARAM=V1,V2,...` over `base`: one `(label, config)` per value, in order.
@@ -82,6 +85,9 @@ pub fn sweep_configs(base: &SimArgs, spec: &str) -> Result<Vec<(String, SimConfi
             "push-encoding" => a.training.push_encoding = v.into(),
             "overlap" if v == "on" || v == "off" => a.training.overlap = v.into(),
             "overlap" => return Err(num("overlap (use on or off)")),
+            "sybils" => a.sybils = v.parse().map_err(|_| num("sybil count"))?,
+            "sybil-at" => a.sybil_at = v.parse().map_err(|_| num("number of seconds"))?,
+            "sybil-fault" => a.sybil_fault = v.into(),
             _ => a.training.batch_size = v.parse().map_err(|_| num("batch size"))?,
         }
         let cfg = a

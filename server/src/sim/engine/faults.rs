@@ -39,14 +39,18 @@ pub(super) struct Faults {
 }
 
 impl Faults {
-    /// The fault state for participants whose `faulty[i]` is set; participant i trains on
-    /// `parts[i % parts.len()]`.
-    pub(super) fn new(cfg: &SimConfig, parts: &[Dataset], faulty: &[bool]) -> Result<Self> {
-        let shuffled = faulty
+    /// The fault state for participants whose `faults[i]` is set (faulty workers and
+    /// sybils); participant i trains on `parts[i % parts.len()]`.
+    pub(super) fn new(
+        cfg: &SimConfig,
+        parts: &[Dataset],
+        faults: &[Option<Fault>],
+    ) -> Result<Self> {
+        let shuffled = faults
             .iter()
             .enumerate()
             .map(|(i, &f)| {
-                if !(f && cfg.fault == Fault::ShuffledLabels) {
+                if f != Some(Fault::ShuffledLabels) {
                     return Ok(None);
                 }
                 let part = &parts[i % parts.len()];
@@ -57,7 +61,7 @@ impl Faults {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
-            core: CoreFaults::new(Collusion::Shared, faulty.len(), cfg.shards),
+            core: CoreFaults::new(Collusion::Shared, faults.len(), cfg.shards),
             shuffled,
         })
     }

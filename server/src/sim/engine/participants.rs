@@ -2,12 +2,20 @@
 //! reconnect backoff, driving core's `Worker` the way `crate::worker` does.
 
 use super::*;
+use crate::registry::admission;
+
+/// Seconds a refused join waits before it tries again (the server's retry-after).
+const JOIN_RETRY_S: f64 = 5.0;
 
 impl Engine<'_> {
     pub(super) fn schedule_leave(&mut self, p: usize) {
         let Some(every) = self.cfg.dropout_every else {
             return;
         };
+        if self.people[p].sybil {
+            // Sybils stay for good once they joined.
+            return;
+        }
         let t = self.token();
         let person = &mut self.people[p];
         person.leave_token = t;
@@ -41,7 +49,37 @@ impl Engine<'_> {
         Ok(())
     }
 
+    /// The server's join admission (issue 21, `crate::registry::admission`): whether one more
+    /// identity may join now, with the sessions younger than its probation counted as new and
+    /// the older ones with a push accepted as established.
+    fn admitted(&self) -> bool {
+        let probation = ns(admission::PROBATION_S);
+        let (mut new, mut established) = (0, 0);
+        for s in self.people.iter().filter_map(|q| q.session.as_ref()) {
+            if self.now.saturating_sub(s.joined) < probation {
+                new += 1;
+            } else if s.worker.stats().pushes_accepted > 0 {
+                established += 1;
+            }
+        }
+        admission::admits(new, established)
+    }
+
     pub(super) fn start_session(&mut self, p: usize) -> Result<()> {
+        if !self.admitted() {
+            // Refused (429 with a retry-after of 5 s on the server): it tries again then.
+            self.totals.joins_refused += 1;
+            let t = self.token();
+            self.people[p].return_token = t;
+            self.schedule(
+                self.now + ns(JOIN_RETRY_S),
+                Event::Return {
+                    participant: p,
+                    token: t,
+                },
+            );
+            return Ok(());
+        }
         let id = self.next_worker_id;
         self.next_worker_id += 1;
         let person = &self.people[p];
@@ -80,6 +118,7 @@ impl Engine<'_> {
         let person = &mut self.people[p];
         person.sessions += 1;
         person.session = Some(Box::new(Session {
+            joined: self.now,
             steps_before: person.stats.steps,
             worker,
             conns,
@@ -216,7 +255,6 @@ impl Engine<'_> {
     }
 
     pub(super) fn flush_outbox(&mut self, p: usize) {
-        let fault = self.cfg.fault;
         loop {
             let person = &mut self.people[p];
             let Some(s) = person.session.as_mut() else {
@@ -233,11 +271,13 @@ impl Engine<'_> {
                 }
                 return;
             };
-            let frame = if person.faulty {
+            let frame = if let Some(fault) = person.fault {
                 let (f, corrupted) =
                     self.faults
                         .corrupt(p, out.frame, fault, &mut person.fault_rng);
-                self.totals.faulty_pushes += u64::from(corrupted);
+                if !person.sybil {
+                    self.totals.faulty_pushes += u64::from(corrupted);
+                }
                 f
             } else {
                 out.frame
@@ -310,6 +350,14 @@ impl Engine<'_> {
         s.worker.set_time(secs(self.now));
         let report = s.worker.step()?;
         s.worker.observe_compute(secs(s.compute_dur));
+        if self.people[p].sybil {
+            // Sybils' examples are not part of the budget (it is the workers' training), and
+            // their steps do not keep a run whose workers stalled going.
+            self.totals.sybil_samples += report.samples as u64;
+            self.flush_outbox(p);
+            self.maybe_compute(p);
+            return Ok(());
+        }
         self.totals.samples += report.samples as u64;
         self.totals.steps += 1;
         self.last_step_at = self.now;

@@ -32,16 +32,37 @@ impl Engine<'_> {
     }
 
     pub(super) fn count(&mut self, shard: usize, conn: u64, record: Record) {
+        // Whose push: a sybil's or a worker's (the connection's participant).
+        let sybil = self.shards[shard]
+            .links
+            .get(&conn)
+            .is_some_and(|c| self.people[c.participant].sybil);
         let t = &mut self.totals;
+        fn group(t: &mut Totals, sybil: bool) -> &mut PushCounts {
+            if sybil {
+                &mut t.sybil_pushes
+            } else {
+                &mut t.worker_pushes
+            }
+        }
         let reject = |t: &mut Totals, code: ErrorCode| {
             t.rejected += 1;
             *t.rejected_by_reason
                 .entry(code.name().to_string())
                 .or_insert(0) += 1;
+            group(t, sybil).reject(code);
         };
         match record {
-            Record::Pushed { outcome, .. } => {
+            Record::Pushed {
+                outcome, clipped, ..
+            } => {
                 t.pushes += 1;
+                let g = group(t, sybil);
+                g.pushes += 1;
+                if !matches!(outcome, Outcome::Rejected { .. }) {
+                    g.accepted += 1;
+                    g.clipped += u64::from(clipped);
+                }
                 match outcome {
                     Outcome::Applied { staleness, .. } => {
                         t.accepted += 1;
@@ -58,7 +79,10 @@ impl Engine<'_> {
                     Outcome::Rejected { code, .. } => reject(t, code),
                 }
             }
-            Record::Rejected { code, .. } => reject(t, code),
+            Record::Rejected { code, .. } => {
+                group(t, sybil).pushes += 1;
+                reject(t, code);
+            }
             Record::Pulled {
                 worker,
                 version,
