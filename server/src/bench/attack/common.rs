@@ -44,15 +44,24 @@ impl Mode {
         }
     }
 
-    /// The `serve` flags of this mode.
+    /// The `serve` flags of this mode: the server's defaults (spot checks `auto`, probation,
+    /// the norm reference, every limit) at gradient pushes without pacing,
+    /// `--local-steps 1 --egress-budget off`, for both modes. The attackers here speak
+    /// gradient pushes: their oracle computes a batch's gradient, which is an honest push at
+    /// H = 1 and not under `serve`'s default `auto`, where a round's push is the inner
+    /// optimizer's pseudo-gradient (a spot check of the oracle's "honest" push would fail, and
+    /// quarantine and roll back the attacker for the wrong reason).
     pub fn flags(self) -> Vec<String> {
-        match self {
-            Mode::Default => Vec::new(),
-            Mode::Spot => ["--spot-check", "0.5", "--quarantine-rejections", "5"]
-                .iter()
-                .map(|s| (*s).to_string())
-                .collect(),
-        }
+        let exchange = ["--local-steps", "1", "--egress-budget", "off"];
+        let spot: &[&str] = match self {
+            Mode::Default => &[],
+            Mode::Spot => &["--spot-check", "0.5", "--quarantine-rejections", "5"],
+        };
+        exchange
+            .iter()
+            .chain(spot)
+            .map(|s| (*s).to_string())
+            .collect()
     }
 }
 

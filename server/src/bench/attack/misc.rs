@@ -161,13 +161,9 @@ pub(super) async fn sockets(ctx: &Ctx, mode: Mode) -> Result<Verdict> {
 
 /// One honest worker trains 300 steps; then a push tagged (and based) 200 versions back.
 pub(super) async fn stale(ctx: &Ctx, mode: Mode) -> Result<Verdict> {
-    // Gradient pushes (H = 1): the honest worker's 300 steps must make over 200 versions, so
-    // that a tag 200 back names one the checker no longer holds; under `serve`'s default
-    // `auto` they make a handful, and 200 back is version 0, still held.
-    let h1: Vec<String> = ["--local-steps", "1", "--egress-budget", "off"]
-        .map(String::from)
-        .into();
-    let server = ctx.serve(mode, &h1)?;
+    // At H = 1 (Mode::flags) the honest worker's 300 steps make over 200 versions, so a tag
+    // 200 back names one the checker no longer holds.
+    let server = ctx.serve(mode, &[])?;
     let addr = server.addr;
     let mut kids = Children(vec![
         ctx.work(&server.url, &["--name", "honest-0", "--steps", "300"])?

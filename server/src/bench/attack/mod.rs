@@ -2,7 +2,10 @@
 //! serve` children on 127.0.0.1, a default server (which spot-checks 2% of pushes and every
 //! push of a new identity since `--spot-check auto`) and one checking half of all pushes
 //! (`--spot-check 0.5 --quarantine-rejections 5`), and what happened, in figures; a summary
-//! table at the end.
+//! table at the end. Both servers run at gradient pushes without pacing (`--local-steps 1
+//! --egress-budget off`, [`common::Mode::flags`]): the attackers' oracle computes gradients,
+//! which are honest pushes at H = 1 only; `serve`'s default `--local-steps auto` (issue 18) is
+//! not what this bench attacks.
 //!
 //! The printed, measured counterpart of `tests/integration/attacks.rs`. Honest workers are
 //! real `crowdgrad work` processes; attackers speak the documented protocol
@@ -78,7 +81,8 @@ pub struct AttackArgs {
     #[arg(long)]
     pub quick: bool,
     /// The servers to attack (comma-separated): `default` (serve's defaults) and `spot`
-    /// (`--spot-check 0.5 --quarantine-rejections 5`).
+    /// (`--spot-check 0.5 --quarantine-rejections 5`), both at `--local-steps 1
+    /// --egress-budget off` (the attackers push gradients).
     #[arg(long, value_delimiter = ',', default_value = "default,spot")]
     pub servers: Vec<String>,
     /// Honest `crowdgrad work` processes in the sybil and poison runs (1-16).
