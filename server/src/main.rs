@@ -247,7 +247,7 @@ fn main() -> anyhow::Result<()> {
         } => crowdgrad::bench::outliers::cli(&args)?,
         Cmd::Bench {
             command: BenchCmd::Crowd(args),
-        } => crowdgrad::bench::crowd::cli(&args)?,
+        } => crowdgrad::bench::crowdrun::cli(&args)?,
         Cmd::Bench {
             command: BenchCmd::Checkpoint(args),
         } => crowdgrad::bench::checkpoint::cli(&args)?,

@@ -17,7 +17,8 @@
 //! - after everyone left, the server's fds are back within [`FD_SLACK`] of the idle server's.
 
 use crate::util::{binary, mnist_dir};
-use crowdgrad::bench::crowd::{crowd, CrowdArgs};
+use crowdgrad::bench::crowd::CrowdArgs;
+use crowdgrad::bench::crowdrun::crowd;
 
 /// KiB of server RSS per connected volunteer above the idle baseline: about 2x the 97
 /// measured, below the 218 of tungstenite's growing read buffer.

@@ -35,9 +35,6 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-/// Most generator child processes.
-pub const MAX_GENERATORS: usize = 16;
-
 /// The prefix of a child generator's lines on its stdout.
 const LINE: &str = "crowd-generator ";
 

@@ -24,6 +24,7 @@ pub mod checkpoint;
 pub mod churn;
 pub mod crowd;
 mod crowdprocs;
+pub mod crowdrun;
 pub mod flood;
 pub mod ledger;
 pub mod link;
