@@ -78,20 +78,23 @@ impl Topology {
     pub fn start(exe: &Path, args: &CrowdArgs, shards: usize) -> Result<Self> {
         let n = args.volunteers;
         let exe = args.server_binary.as_deref().unwrap_or(exe);
-        // One address for the whole crowd: the per-IP limits are lifted, the totals sized to it.
-        let mut flags: Vec<String> = [
-            "--max-connections-per-ip",
-            "0",
-            "--max-connections-per-prefix",
-            "0",
-            "--join-rate",
-            "0",
-            "--push-rate-per-ip",
-            "0",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+        // One address for the whole crowd: the per-IP limits are lifted (a shard process has
+        // no joins, so no --join-rate), the totals sized to it.
+        let per_ip = |joins: bool| -> Vec<String> {
+            let mut f = vec![
+                "--max-connections-per-ip",
+                "0",
+                "--max-connections-per-prefix",
+                "0",
+                "--push-rate-per-ip",
+                "0",
+            ];
+            if joins {
+                f.extend(["--join-rate", "0"]);
+            }
+            f.into_iter().map(String::from).collect()
+        };
+        let mut flags = per_ip(true);
         if n > 10_000 {
             flags.extend(["--max-workers".to_string(), (n + 64).to_string()]);
         }
@@ -111,17 +114,7 @@ impl Topology {
             let secret = format!("crowd-bench-{:x}-{nanos:x}", std::process::id());
             env.push(("CROWDGRAD_RUN_SECRET".to_string(), secret));
             env.push(("RUST_LOG".to_string(), "warn".to_string()));
-            shard_flags = [
-                "--max-connections-per-ip",
-                "0",
-                "--max-connections-per-prefix",
-                "0",
-                "--push-rate-per-ip",
-                "0",
-            ]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
+            shard_flags = per_ip(false);
             shard_flags.extend([
                 "--max-connections".to_string(),
                 (n + 256).to_string(),
