@@ -274,10 +274,10 @@ async fn credit_survives_a_kill_9_and_restart_of_serve() {
     assert!(Path::new(ck).join("ledger.sqlite").is_file());
 }
 
-/// With `--shard-urls` the coordinator keeps its ledger in `--ledger PATH`: an identity that
-/// joined is still there after a kill -9 and restart of the coordinator. (Samples are pushed
-/// to the shard processes, which do not report them to the coordinator: only joins are
-/// credited in this mode.)
+/// With `--shard-urls` the coordinator keeps its ledger in `--ledger PATH`, and credits the
+/// samples of pushes applied by the shard processes, which report them in their feeds
+/// (`GET /api/feed`, only with the coordinator's token): a `crowdgrad work`'s credit and an
+/// identity's joins are still there after a kill -9 and restart of the coordinator.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_coordinators_ledger_survives_a_restart_with_shard_urls() {
     let dir = util::scratch("ledger", "remote");
@@ -325,10 +325,67 @@ async fn the_coordinators_ledger_survives_a_restart_with_shard_urls() {
     }
     let b = board(&url, identity).await;
     assert_eq!(b["you"]["sessions"], 2, "{b}");
+    // Nobody but the coordinator takes a shard's feed (a take acknowledges batches).
+    let shard0 = urls
+        .split(',')
+        .next()
+        .expect("a shard")
+        .replace("ws://", "http://");
+    for bearer in [None, Some("0".repeat(64))] {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .build()
+            .into();
+        let mut req = agent.get(format!("{shard0}/api/feed?boot=1&ack=99"));
+        if let Some(b) = &bearer {
+            req = req.header("authorization", &format!("Bearer {b}"));
+        }
+        let code = tokio::task::spawn_blocking(move || req.call().map(|r| r.status().as_u16()))
+            .await
+            .expect("join")
+            .expect("shard answers");
+        assert_eq!(code, 401, "{bearer:?}");
+    }
+    let mut worker = Proc::crowdgrad(
+        "work-remote",
+        &["work", "--server", &url, "--id", identity, "--quiet"],
+    );
+    let started = Instant::now();
+    let credited = loop {
+        let b = board(&url, identity).await;
+        if b["you"]["samples"].as_u64() >= Some(2_000)
+            && b["you"]["pushes_accepted"].as_u64() > Some(0)
+        {
+            break b;
+        }
+        assert!(worker.running(), "worker exited: {}", worker.stderr());
+        assert!(
+            started.elapsed() < Duration::from_secs(90),
+            "no credit from the shard processes' feeds: {b}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    // The coordinator's worker record counts the pushes the shards applied.
+    let (code, page) = util::get(format!("{url}/api/workers?limit=100")).await;
+    assert_eq!(code, 200);
+    let page: serde_json::Value = serde_json::from_slice(&page).expect("workers JSON");
+    assert!(
+        page["workers"]
+            .as_array()
+            .is_some_and(|w| w.iter().any(|w| w["pushes_applied"].as_u64() > Some(0))),
+        "{page}"
+    );
     first.kill();
+    worker.kill();
     let (second, url2) = serve("coordinator-again", &args);
     let url2 = url2.unwrap_or_else(|| panic!("restart failed: {}", second.stderr()));
     let b = board(&url2, identity).await;
-    assert_eq!(b["you"]["sessions"], 2, "{b}");
+    assert!(b["you"]["sessions"].as_u64() >= Some(3), "{b}");
+    for k in ["samples", "pushes_accepted"] {
+        assert!(
+            b["you"][k].as_u64() >= credited["you"][k].as_u64(),
+            "{k}: before {credited}, after {b}"
+        );
+    }
     assert_eq!(b["total"], 1);
 }

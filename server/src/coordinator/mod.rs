@@ -317,7 +317,9 @@ pub async fn run(
     *app.experiments.lock().unwrap_or_else(|p| p.into_inner()) = first;
     if let Some(r) = app.remote.clone() {
         let stop = app.shutdown.clone();
-        tokio::spawn(async move { r.monitor(stop).await });
+        let registry = app.registry.clone();
+        let token = credential::coordinator_token(app.secret.as_bytes());
+        tokio::spawn(async move { r.monitor(stop, registry, token).await });
     }
     if let Some(r) = &restored {
         resume_ledger(&mut ledger_db, ledger.seq(), r);

@@ -1,9 +1,13 @@
 //! The coordinator's view of remote shards (`crowdgrad serve --shard-urls ws://h1:p1,...`):
-//! where workers find them, whether each answers with the run's layout, and their parameters
-//! for the evaluator. Every request has a timeout; a shard that does not answer is reported
-//! down on `/readyz`, `/api/status` and `/metrics`, never waited for.
+//! where workers find them, whether each answers with the run's layout, their parameters for
+//! the evaluator, and what the workers' pushes did there (each shard's feed,
+//! [`crate::registry::feed`], applied to this registry: the ledger's credit and the join
+//! admission's established workers). Every request has a timeout; a shard that does not
+//! answer is reported down on `/readyz`, `/api/status` and `/metrics`, never waited for.
 
 use crate::error::{Error, Result};
+use crate::registry::feed::{Batch, Cursor};
+use crate::registry::Registry;
 use crate::shard::report::ShardReport;
 use crowdgrad_core::partition::KeyRange;
 use crowdgrad_core::spec::ShardInfo;
@@ -15,8 +19,12 @@ use std::time::{Duration, Instant};
 pub const CHECK_TIMEOUT: Duration = Duration::from_secs(2);
 /// Timeout of one parameter fetch.
 pub const FETCH_TIMEOUT: Duration = Duration::from_secs(10);
-/// Period of the health checks.
+/// Period of the health checks (and of the feed's takes).
 pub const CHECK_EVERY: Duration = Duration::from_secs(1);
+/// Timeout of one take of a shard's feed.
+pub const FEED_TIMEOUT: Duration = Duration::from_secs(5);
+/// Largest feed answer read (a batch of `feed::MAX_BATCH` workers is about 8 MB of JSON).
+const FEED_LIMIT: u64 = 32 << 20;
 
 /// One remote shard's health as last checked.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -51,6 +59,8 @@ struct Remote {
     http: String,
     range: KeyRange,
     health: Mutex<Health>,
+    /// The last feed batch applied from it.
+    cursor: Mutex<Cursor>,
 }
 
 /// The remote shards of a run.
@@ -121,6 +131,7 @@ impl RemoteShards {
                     ws,
                     http,
                     range: *r,
+                    cursor: Mutex::default(),
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -213,10 +224,45 @@ impl RemoteShards {
         None
     }
 
-    /// Checks every [`CHECK_EVERY`] until `shutdown` flips.
-    pub async fn monitor(&self, mut shutdown: tokio::sync::watch::Receiver<bool>) {
+    /// Takes every shard's feed once, concurrently, with `token`
+    /// ([`crate::support::credential::coordinator_token`]), and applies each new batch to
+    /// `registry` ([`Registry::tallied`]). A shard that does not answer keeps its batch for
+    /// the next take.
+    pub async fn take_feeds(&self, registry: &Registry, token: &str) {
+        let takes = self.shards.iter().map(|r| async move {
+            let (boot, ack) = r.cursor.lock().unwrap_or_else(|p| p.into_inner()).query();
+            let url = format!("{}/api/feed?boot={boot}&ack={ack}", r.http);
+            let got = get_with(url, FEED_TIMEOUT, FEED_LIMIT, Some(token.to_string())).await;
+            let batch = got.and_then(|(body, _)| {
+                serde_json::from_slice::<Batch>(&body)
+                    .map_err(|e| Error::Http(format!("bad /api/feed reply: {e}")))
+            });
+            match batch {
+                Ok(b) => {
+                    let fresh = r.cursor.lock().unwrap_or_else(|p| p.into_inner()).fresh(&b);
+                    if fresh {
+                        for (worker, t) in &b.workers {
+                            registry.tallied(*worker, t);
+                        }
+                    }
+                }
+                Err(e) => tracing::debug!(shard = r.id, error = %e, "feed not taken"),
+            }
+        });
+        futures_util::future::join_all(takes).await;
+    }
+
+    /// Checks every [`CHECK_EVERY`], and takes the feeds into `registry` with `token`
+    /// ([`RemoteShards::take_feeds`]), until `shutdown` flips.
+    pub async fn monitor(
+        &self,
+        mut shutdown: tokio::sync::watch::Receiver<bool>,
+        registry: Registry,
+        token: String,
+    ) {
         loop {
             self.check().await;
+            self.take_feeds(&registry, &token).await;
             tokio::select! {
                 _ = tokio::time::sleep(CHECK_EVERY) => {}
                 _ = shutdown.changed() => return,
@@ -261,16 +307,27 @@ impl RemoteShards {
 /// GET `url` with a global `timeout` and a body `limit`: the body and the
 /// `x-crowdgrad-versions` header as a number.
 async fn get(url: String, timeout: Duration, limit: u64) -> Result<(Vec<u8>, Option<u64>)> {
+    get_with(url, timeout, limit, None).await
+}
+
+/// [`get`] with an `Authorization: Bearer` token.
+async fn get_with(
+    url: String,
+    timeout: Duration,
+    limit: u64,
+    bearer: Option<String>,
+) -> Result<(Vec<u8>, Option<u64>)> {
     tokio::task::spawn_blocking(move || -> Result<(Vec<u8>, Option<u64>)> {
         let agent: ureq::Agent = ureq::Agent::config_builder()
             .timeout_global(Some(timeout))
             .http_status_as_error(false)
             .build()
             .into();
-        let mut resp = agent
-            .get(&url)
-            .call()
-            .map_err(|e| Error::Http(format!("{url}: {e}")))?;
+        let mut req = agent.get(&url);
+        if let Some(t) = &bearer {
+            req = req.header("authorization", &format!("Bearer {t}"));
+        }
+        let mut resp = req.call().map_err(|e| Error::Http(format!("{url}: {e}")))?;
         let status = resp.status();
         let version = resp
             .headers()

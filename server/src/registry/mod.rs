@@ -11,6 +11,7 @@
 //! dashboard tick ([`Registry::summary`]) walks every worker under the lock pulls and pushes
 //! take.
 
+pub mod feed;
 pub mod ledger;
 pub mod metrics;
 pub mod partition;
@@ -283,6 +284,9 @@ struct Inner {
     /// Workers by kind, kept as they join, connect and are forgotten, so the status never
     /// walks every worker under this lock.
     tally: Tally,
+    /// A shard process's report of the workers' pushes to its coordinator ([`feed`]); `None`
+    /// elsewhere.
+    feed: Option<feed::Feed>,
 }
 
 /// [`WorkerTotals`] kept up to date one event at a time (issue 18: the status and the
@@ -659,6 +663,40 @@ impl Registry {
         }
         if let Some(id) = worker {
             g.ledger.pushed(id, outcome, samples, nonzero);
+            if let Some(f) = &mut g.feed {
+                f.pushed(id, outcome, samples, nonzero);
+            }
+        }
+    }
+
+    /// Keeps a [`feed`] of the workers' pushes for a coordinator from now on (a shard
+    /// process), numbered for the process start `boot`.
+    pub fn keep_feed(&self, boot: u64) {
+        self.lock().feed = Some(feed::Feed::new(boot));
+    }
+
+    /// The coordinator's take of the feed ([`feed::Feed::take`]); `None` without a feed.
+    pub fn take_feed(&self, boot: u64, ack: u64) -> Option<feed::Batch> {
+        self.lock().feed.as_mut().map(|f| f.take(boot, ack))
+    }
+
+    /// A shard process reported what `worker`'s pushes did there ([`feed`]): its counters,
+    /// when it was last seen, and the ledger's credit, as if the pushes had come here. The
+    /// shards' own counters are not touched (a coordinator shows remote shards as they report
+    /// themselves). An unknown or forgotten worker changes nothing.
+    pub fn tallied(&self, worker: u64, t: &feed::Tally) {
+        let mut g = self.lock();
+        let Some(w) = g.workers.get_mut(&worker) else {
+            return;
+        };
+        let c = &mut w.counters;
+        c.pushes_applied = c.pushes_applied.saturating_add(t.accepted);
+        c.pushes_rejected = c.pushes_rejected.saturating_add(t.rejected);
+        c.samples = c.samples.saturating_add(t.samples);
+        w.last_seen = Some(Instant::now());
+        g.ledger.tallied(worker, t.accepted, t.rejected, t.credited);
+        if let Some(s) = t.compute_s {
+            g.ledger.reported(worker, s);
         }
     }
 
@@ -747,6 +785,9 @@ impl Registry {
     ) {
         let mut g = self.lock();
         g.ledger.reported(worker, report.compute_s);
+        if let Some(f) = &mut g.feed {
+            f.reported(worker, report.compute_s);
+        }
         let Some(w) = g.workers.get_mut(&worker) else {
             return;
         };

@@ -4,6 +4,9 @@
 //! [`Shard`]), plus:
 //! - `GET /api/params`: the shard's values, raw f32 LE (header `x-crowdgrad-versions`);
 //! - `GET /api/shard`: what the coordinator checks and shows ([`ShardReport`]);
+//! - `GET /api/feed?boot=B&ack=S`: what the workers' pushes did here since the coordinator last
+//!   took it ([`crate::registry::feed`]), for its ledger and join admission; only with the
+//!   coordinator's token ([`crate::support::credential::coordinator_token`]), else 401;
 //! - `GET /healthz`, `GET /readyz`, `GET /metrics`.
 //!
 //! Workers join at the coordinator (`crowdgrad serve --shard-urls ...`), which hands them a
@@ -269,6 +272,8 @@ struct ShardProc {
     limits: Arc<crate::support::limits::Limits>,
     metrics: Arc<crate::registry::metrics::Metrics>,
     started: Instant,
+    /// What the coordinator must show to take the feed (`Authorization: Bearer ...`).
+    coordinator_token: String,
 }
 
 /// Serves shard `cfg.index` on `listener` until `shutdown` completes; then tells every worker
@@ -308,9 +313,15 @@ pub async fn run(
     shard.require_credential(cfg.secret.clone());
     shard.expire_credentials(cfg.credential_expiry);
     let (stop_tx, stop_rx) = watch::channel(false);
+    let registry = Registry::new(t.shards, 1 << 20);
+    // Numbers the feed's batches for this start (any value that differs between starts).
+    let boot = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| d.as_nanos() as u64 | 1);
+    registry.keep_feed(boot);
     let proc = Arc::new(ShardProc {
         shard,
-        registry: Registry::new(t.shards, 1 << 20),
+        registry,
         spec,
         shutdown: stop_rx,
         tracker: TaskTracker::new(),
@@ -318,11 +329,13 @@ pub async fn run(
         limits: crate::support::limits::Limits::new(cfg.limits),
         metrics: Arc::default(),
         started: Instant::now(),
+        coordinator_token: crate::support::credential::coordinator_token(&cfg.secret),
     });
     let router = Router::new()
         .route("/ws/shard/{id}", get(ws))
         .route("/api/params", get(params))
         .route("/api/shard", get(report))
+        .route("/api/feed", get(feed))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
@@ -451,6 +464,46 @@ fn shard_report(p: &ShardProc) -> ShardReport {
 
 async fn report(State(p): State<Arc<ShardProc>>) -> Response {
     Json(shard_report(&p)).into_response()
+}
+
+/// The query of `GET /api/feed`.
+#[derive(Debug, serde::Deserialize)]
+struct FeedQuery {
+    #[serde(default)]
+    boot: u64,
+    #[serde(default)]
+    ack: u64,
+}
+
+async fn feed(
+    State(p): State<Arc<ShardProc>>,
+    headers: HeaderMap,
+    query: std::result::Result<
+        axum::extract::Query<FeedQuery>,
+        axum::extract::rejection::QueryRejection,
+    >,
+) -> Response {
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if !crate::support::credential::token_eq(given, &p.coordinator_token) {
+        return error(
+            StatusCode::UNAUTHORIZED,
+            "the feed is the coordinator's: Authorization: Bearer <token derived from the run secret>",
+        );
+    }
+    let Ok(axum::extract::Query(q)) = query else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "query: boot and ack must be unsigned integers",
+        );
+    };
+    match p.registry.take_feed(q.boot, q.ack) {
+        Some(batch) => Json(batch).into_response(),
+        None => error(StatusCode::NOT_FOUND, "no feed"),
+    }
 }
 
 async fn healthz() -> Response {

@@ -30,11 +30,25 @@ pub fn verify(secret: &[u8], worker: u64, cred: &str) -> bool {
     mac(secret, worker).verify_slice(&tag).is_ok()
 }
 
-fn mac(secret: &[u8], worker: u64) -> HmacSha256 {
+/// The token a coordinator shows its shard processes (`Authorization: Bearer`, on their
+/// `GET /api/feed`): the HMAC-SHA256 under the run secret of a label no worker id can
+/// produce, in hex. Only holders of the run secret can take a shard's feed.
+pub fn coordinator_token(secret: &[u8]) -> String {
+    let mut m = keyed(secret);
+    m.update(b"crowdgrad coordinator");
+    let tag = m.finalize().into_bytes();
+    tag.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn keyed(secret: &[u8]) -> HmacSha256 {
     // HMAC takes keys of any length; `new_from_slice` cannot fail for it.
-    let mut m = <HmacSha256 as Mac>::new_from_slice(secret).unwrap_or_else(|_| {
+    <HmacSha256 as Mac>::new_from_slice(secret).unwrap_or_else(|_| {
         <HmacSha256 as Mac>::new_from_slice(&[0u8; 32]).expect("HMAC accepts 32-byte keys")
-    });
+    })
+}
+
+fn mac(secret: &[u8], worker: u64) -> HmacSha256 {
+    let mut m = keyed(secret);
     m.update(b"crowdgrad worker ");
     m.update(&worker.to_le_bytes());
     m

@@ -519,6 +519,25 @@ impl Ledger {
         d.touch(now);
     }
 
+    /// A shard process reported `accepted` and `rejected` pushes of `worker`, `credited` of
+    /// whose samples count ([`crate::registry::feed`]): credited as [`Ledger::pushed`] credits
+    /// them one by one.
+    pub fn tallied(&mut self, worker: u64, accepted: u64, rejected: u64, credited: u64) {
+        let now = unix_now();
+        let Some(identity) = self.seats.get(&worker).map(|s| s.identity.clone()) else {
+            return;
+        };
+        let Some(d) = self.delta(&identity) else {
+            return;
+        };
+        d.accepted = d.accepted.saturating_add(accepted);
+        d.rejected = d.rejected.saturating_add(rejected);
+        if credited > 0 {
+            d.credit(now, credited, 0.0);
+        }
+        d.touch(now);
+    }
+
     /// `worker` reported `compute_s` seconds of computing in its session so far: its identity
     /// is credited the growth, within the bounds of the module doc ("Compute seconds").
     pub fn reported(&mut self, worker: u64, compute_s: f64) {
