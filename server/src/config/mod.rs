@@ -571,6 +571,12 @@ pub struct ServeArgs {
     /// Most workers registered at once (joins beyond it are refused).
     #[arg(long, default_value_t = 10_000)]
     pub max_workers: usize,
+    /// New identities (on probation: joined in the last 30 s, or no push applied yet) admitted
+    /// whatever the number of established workers; beyond it a join waits (429, Retry-After
+    /// 5) until there are fewer on probation than established workers. Raise it only when a
+    /// rush of fresh volunteers is expected: it is how many sybils can join at once.
+    #[arg(long, default_value_t = crate::registry::admission::FLOOR)]
+    pub admission_floor: usize,
     /// Most simultaneous TCP connections, HTTP and WebSocket alike (counted when accepted).
     #[arg(long, default_value_t = 4_096)]
     pub max_connections: usize,
@@ -649,6 +655,8 @@ pub struct ServeConfig {
     pub web_dir: PathBuf,
     /// Registry capacity.
     pub max_workers: usize,
+    /// New identities always admitted (`--admission-floor`, [`crate::registry::admission`]).
+    pub admission_floor: usize,
     /// Connection limit (every TCP connection).
     pub max_connections: usize,
     /// Per-IP, rate and timeout limits.
@@ -736,8 +744,10 @@ impl ServeArgs {
                 self.partitions
             ));
         }
-        if self.max_workers == 0 || self.max_connections == 0 {
-            return bad("--max-workers and --max-connections must be positive".into());
+        if self.max_workers == 0 || self.max_connections == 0 || self.admission_floor == 0 {
+            return bad(
+                "--max-workers, --max-connections and --admission-floor must be positive".into(),
+            );
         }
         let limits = self.limits.check()?;
         let tls = self.tls.check()?;
@@ -844,6 +854,7 @@ impl ServeArgs {
             text: self.text.check()?,
             web_dir: self.web_dir,
             max_workers: self.max_workers,
+            admission_floor: self.admission_floor,
             max_connections: self.max_connections,
             limits,
             tls,

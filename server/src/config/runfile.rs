@@ -108,6 +108,7 @@ pub const KEYS: &[Key] = &[
     key("checkpoint.reshard", "reshard", Kind::Bool),
     key("ledger.path", "ledger", Kind::Str),
     key("limits.max_workers", "max_workers", Kind::Int),
+    key("limits.admission_floor", "admission_floor", Kind::Int),
     key("limits.max_connections", "max_connections", Kind::Int),
     key(
         "limits.max_connections_per_ip",

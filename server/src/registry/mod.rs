@@ -963,19 +963,22 @@ pub mod admission {
     /// own trust rule, `crowdgrad_core::session`'s guard).
     pub const PROBATION_S: f64 = 30.0;
     /// New identities always admitted, whatever the number of established ones (a run starts
-    /// with none established). 1,024: a classroom or a churn test (1,000 joins within
-    /// seconds, tests/integration/churn.rs) starts at once; sybils beyond it wait for the
-    /// established workers they would have to outnumber.
+    /// with none established): the default of `serve --admission-floor`. 1,024: a classroom
+    /// or a churn test (1,000 joins within seconds, tests/integration/churn.rs) starts at
+    /// once; sybils beyond it wait for the established workers they would have to outnumber.
+    /// From a standing start the crowd can then double every [`PROBATION_S`]: 10,000 fresh
+    /// volunteers take about two minutes to join (docs/benchmarks.md, "Crowd").
     pub const FLOOR: usize = 1024;
     /// Beyond [`FLOOR`], at most this many new identities per established worker.
     pub const PER_ESTABLISHED: usize = 1;
 
     /// Whether one more worker may join with `new` on probation and `established` workers:
-    /// `new < max(FLOOR, PER_ESTABLISHED × established)`. A crowd of fresh identities can
-    /// never outnumber the established workers by more than the floor, so sybils must earn
-    /// their standing over time, not by joining fast.
-    pub fn admits(new: usize, established: usize) -> bool {
-        new < FLOOR.max(PER_ESTABLISHED.saturating_mul(established))
+    /// `new < max(floor, PER_ESTABLISHED × established)`, `floor` being [`FLOOR`] unless the
+    /// host set `--admission-floor`. A crowd of fresh identities can never outnumber the
+    /// established workers by more than the floor, so sybils must earn their standing over
+    /// time, not by joining fast.
+    pub fn admits(new: usize, established: usize, floor: usize) -> bool {
+        new < floor.max(PER_ESTABLISHED.saturating_mul(established))
     }
 }
 

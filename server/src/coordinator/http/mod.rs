@@ -137,7 +137,7 @@ async fn join(
     // Issue 21: new identities on probation are bounded by the established ones
     // (crate::registry::admission; docs/protocol.md, "Join").
     let (new, established) = app.registry.probation_counts();
-    if !crate::registry::admission::admits(new, established) {
+    if !crate::registry::admission::admits(new, established, app.cfg.admission_floor) {
         return limited(
             Duration::from_secs(5),
             "too many new workers at once for this run's established ones; retry later",

@@ -62,7 +62,7 @@ impl Engine<'_> {
                 established += 1;
             }
         }
-        admission::admits(new, established)
+        admission::admits(new, established, admission::FLOOR)
     }
 
     pub(super) fn start_session(&mut self, p: usize) -> Result<()> {
