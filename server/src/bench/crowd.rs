@@ -117,6 +117,11 @@ pub struct CrowdArgs {
     /// the crowd's pulls to it (e.g. `400mbit`). Default: the server's (off).
     #[arg(long)]
     pub egress_budget: Option<String>,
+    /// Seconds to wait after everyone left (and the fds fell) before the RSS "after" is read.
+    /// 700 shows the coordinator forgetting the crowd: it keeps a worker's record 10 minutes
+    /// after its last socket closed, and sweeps once a minute. At most 3600.
+    #[arg(long, default_value_t = 10.0)]
+    pub settle_seconds: f64,
     /// Internal: run as one of the child generators of `--generators` (`LO,HI,ADDR,START_MS`).
     #[arg(long, hide = true)]
     pub as_generator: Option<String>,
@@ -139,6 +144,7 @@ impl CrowdArgs {
             shard_processes: false,
             generators: 1,
             egress_budget: None,
+            settle_seconds: 10.0,
             as_generator: None,
             serve_args: Vec::new(),
         }
@@ -157,6 +163,9 @@ impl CrowdArgs {
         }
         if !(self.round_interval >= 0.05 && self.round_interval <= 30.0) {
             return bad("--round-interval must be in [0.05, 30] seconds");
+        }
+        if !(self.settle_seconds >= 0.0 && self.settle_seconds <= 3600.0) {
+            return bad("--settle-seconds must be in [0, 3600]");
         }
         if !(0.0..=1.0).contains(&self.dashboard_fraction) {
             return bad("--dashboard-fraction must be in [0, 1]");

@@ -60,6 +60,9 @@ pub struct ProcFigures {
     pub rss_after_mib: f64,
 }
 
+/// The end of the steady phase measured apart: per-dashboard egress after the run's history.
+pub const LAST_WINDOW: Duration = Duration::from_secs(60);
+
 /// The figures of one phase.
 #[derive(Debug, Clone, Default)]
 pub struct Phase {
@@ -89,6 +92,9 @@ pub struct Phase {
     pub egress_bps: f64,
     /// Per dashboard stream open (egress on dashboards / mean dashboards open).
     pub egress_per_dashboard_bps: f64,
+    /// Steady only: the same over the phase's last [`LAST_WINDOW`] (after all the history the
+    /// run built up, e.g. 30 minutes of evaluations).
+    pub egress_per_dashboard_last_bps: Option<f64>,
     /// Per training socket open.
     pub egress_per_training_bps: f64,
     /// Server ingress, bytes/s: all, per dashboard, per training socket.
@@ -222,8 +228,13 @@ pub fn crowd(exe: &Path, args: &CrowdArgs) -> Result<Crowd> {
         let (mut peak_rss, mut peak_conn) = (0.0f64, 0usize);
         let mut peaks = vec![0.0f64; np];
         let (mut train_sum, mut board_sum, mut ticks) = (0.0, 0.0, 0usize);
+        // Steady: where its last LAST_WINDOW began (time, totals, dashboards summed, ticks).
+        let mut window = None;
         loop {
             let now = Instant::now();
+            if p == 1 && window.is_none() && *end <= now + LAST_WINDOW {
+                window = Some((now, gens.totals(), board_sum, ticks));
+            }
             let rss: Vec<f64> = pids.iter().map(|&q| rss_mib(q)).collect();
             for (k, r) in rss.iter().enumerate() {
                 peaks[k] = peaks[k].max(*r);
@@ -278,6 +289,16 @@ pub fn crowd(exe: &Path, args: &CrowdArgs) -> Result<Crowd> {
         let ingress_train = rate(g1.training_tx, g0.training_tx);
         let ingress_board = rate(g1.dashboard_tx, g0.dashboard_tx);
         let per = |x: f64, n: f64| if n > 0.0 { x / n } else { 0.0 };
+        let last_board = window.and_then(|(at, w, sum0, ticks0)| {
+            let dt = end_s.at?.duration_since(at).as_secs_f64();
+            let n = (board_sum - sum0) / (ticks - ticks0).max(1) as f64;
+            (dt > 1.0).then(|| {
+                per(
+                    g1.dashboard_rx.saturating_sub(w.dashboard_rx) as f64 / dt,
+                    n,
+                )
+            })
+        });
         phases.push(Phase {
             name: PHASES[p],
             seconds: dt,
@@ -292,6 +313,7 @@ pub fn crowd(exe: &Path, args: &CrowdArgs) -> Result<Crowd> {
             fds_end: end_s.fds(),
             egress_bps: egress_train + egress_board + rate(g1.http_rx, g0.http_rx),
             egress_per_dashboard_bps: per(egress_board, boards),
+            egress_per_dashboard_last_bps: last_board,
             egress_per_training_bps: per(egress_train, trains),
             ingress_bps: ingress_train + ingress_board + rate(g1.http_tx, g0.http_tx),
             ingress_per_dashboard_bps: per(ingress_board, boards),
@@ -323,7 +345,7 @@ pub fn crowd(exe: &Path, args: &CrowdArgs) -> Result<Crowd> {
     {
         std::thread::sleep(Duration::from_millis(200));
     }
-    std::thread::sleep(super::churn::AFTER_WAIT);
+    std::thread::sleep(Duration::from_secs_f64(args.settle_seconds));
     let after = Sample::take(&pids, fin.clone());
     let steady_connected = steady_end.gen.connected as f64;
     let steady_dt = phases.get(1).map_or(1.0, |p| p.seconds);
@@ -428,6 +450,11 @@ impl Crowd {
                     bps(p.egress_per_training_bps)
                 )
             },
+        );
+        row(
+            &mut out,
+            "egress per dashboard, the phase's last 60 s",
+            &|p| p.egress_per_dashboard_last_bps.map_or("–".into(), bps),
         );
         row(
             &mut out,
@@ -544,9 +571,10 @@ pub fn cli(args: &CrowdArgs) -> Result<()> {
     println!("server side: {}", c.topology.join(" + "));
     println!(
         "egress budget: {}; largest pace told: {:.1} s",
-        c.egress_budget
-            .as_deref()
-            .unwrap_or("the server's default (off)"),
+        c.egress_budget.clone().unwrap_or_else(|| format!(
+            "the servers' default ({})",
+            crowdgrad_core::shard::pace::DEFAULT_EGRESS_BUDGET
+        )),
         c.pace_max_s
     );
     println!("fd limit (soft): {} → {}", c.nofile.0, c.nofile.1);
@@ -559,8 +587,8 @@ pub fn cli(args: &CrowdArgs) -> Result<()> {
         println!("shard process flags: {}", c.shard_flags.join(" "));
     }
     println!(
-        "idle server side: RSS {:.0} MiB, {} fds; after everyone left: RSS {:.0} MiB, {} fds",
-        c.rss_base_mib, c.fds_base, c.rss_after_mib, c.fds_after
+        "idle server side: RSS {:.0} MiB, {} fds; after everyone left (and {:.0} s more): RSS {:.0} MiB, {} fds",
+        c.rss_base_mib, c.fds_base, args.settle_seconds, c.rss_after_mib, c.fds_after
     );
     println!(
         "joined {}, params received {}, pushes acknowledged {}",
