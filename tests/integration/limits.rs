@@ -76,6 +76,30 @@ async fn joins_and_downloads_per_ip_per_minute_get_429_with_retry_after() {
     running.stop().await.expect("stops");
 }
 
+/// Issue 21's join admission with `--admission-floor 3`: three fresh identities join, the
+/// fourth (from another address, so no per-IP limit is involved) waits with 429 and
+/// `Retry-After: 5`, since nobody is established yet; a refused join registers nothing.
+#[tokio::test]
+async fn new_identities_beyond_the_admission_floor_wait() {
+    let mut cfg = config();
+    cfg.admission_floor = 3;
+    cfg.limits.trust_proxy = true;
+    let running = server(cfg).await;
+    let url = running.url();
+    let join_url = format!("{url}/api/join");
+    for i in 0..3 {
+        let ip = format!("203.0.113.{}", 10 + i);
+        assert_eq!(request(join_url.clone(), true, &ip).await.0, 200);
+    }
+    for ip in ["198.51.100.20", "2001:db8::20"] {
+        let (code, retry) = request(join_url.clone(), true, ip).await;
+        assert_eq!((code, retry.as_deref()), (429, Some("5")), "{ip}");
+    }
+    let s = status(&url).await;
+    assert_eq!(s["totals"]["workers"]["registered"], 3, "{}", s["totals"]);
+    running.stop().await.expect("stops");
+}
+
 /// Connects and reads what the server says before sending anything.
 fn raw_reply(addr: std::net::SocketAddr) -> String {
     let mut s = std::net::TcpStream::connect(addr).expect("connect");

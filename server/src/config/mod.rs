@@ -531,6 +531,10 @@ pub const SERVE_DEFAULTS: CommandDefaults = CommandDefaults {
 /// for lessons and comparisons.
 pub const SERVE_LOCAL_STEPS: &str = "auto";
 
+/// Default `serve --admission-floor`: new identities admitted at once whatever the number of
+/// established workers (the rule is the registry's `admission`).
+pub const ADMISSION_FLOOR: usize = 1024;
+
 /// Flags of `crowdgrad serve`.
 #[derive(Debug, Clone, Args)]
 #[command(mut_arg("shards", |a| a.default_value("2")))] // SERVE_SHARDS
@@ -575,7 +579,7 @@ pub struct ServeArgs {
     /// whatever the number of established workers; beyond it a join waits (429, Retry-After
     /// 5) until there are fewer on probation than established workers. Raise it only when a
     /// rush of fresh volunteers is expected: it is how many sybils can join at once.
-    #[arg(long, default_value_t = crate::registry::admission::FLOOR)]
+    #[arg(long, default_value_t = ADMISSION_FLOOR)]
     pub admission_floor: usize,
     /// Most simultaneous TCP connections, HTTP and WebSocket alike (counted when accepted).
     #[arg(long, default_value_t = 4_096)]

@@ -330,6 +330,7 @@ pub async fn run(
     let evaluator = tokio::spawn(app::evaluator(app.clone()));
     tokio::spawn(dashboard_task(app.clone()));
     tokio::spawn(figures_task(app.clone()));
+    tokio::spawn(sweep_task(app.clone()));
     tokio::spawn(trim::task(app.limits.clone(), app.shutdown.clone()));
     let checkpointer = checkpoints.clone().map(|ck| {
         tokio::spawn(checkpoint::task(
@@ -485,6 +486,24 @@ pub async fn start(addr: SocketAddr, cfg: ServeConfig, data: TrainTest) -> Resul
 
 /// Every [`history::FIGURE_EVERY_S`] seconds until shutdown, one point of the run's figures
 /// ([`history::Figures`]), from the counters the registry and the limits already keep.
+/// Forgets idle workers every [`registry::SWEEP_EVERY`] ([`registry::Registry::forget_idle`]),
+/// until shutdown.
+async fn sweep_task(app: Arc<App>) {
+    let mut shutdown = app.shutdown.clone();
+    let mut every = tokio::time::interval(registry::SWEEP_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.changed() => return,
+            _ = every.tick() => {}
+        }
+        let forgotten = app.registry.forget_idle();
+        if forgotten > 0 {
+            tracing::info!(forgotten, "forgot workers gone for 10 minutes");
+        }
+    }
+}
+
 async fn figures_task(app: Arc<App>) {
     let mut shutdown = app.shutdown.clone();
     let mut every = tokio::time::interval(Duration::from_secs(history::FIGURE_EVERY_S));

@@ -289,6 +289,31 @@ struct Inner {
     feed: Option<feed::Feed>,
 }
 
+impl Inner {
+    /// Forgets the workers with no socket open that were not seen for [`FORGET_AFTER_S`]
+    /// (their records, tallies and ledger seats); how many.
+    fn forget_idle(&mut self, now: Instant) -> usize {
+        let Inner {
+            workers,
+            tally,
+            ledger,
+            ..
+        } = self;
+        let before = workers.len();
+        workers.retain(|id, w| {
+            let keep = w.shards_connected > 0
+                || w.last_seen
+                    .is_none_or(|t| now.duration_since(t).as_secs_f64() < FORGET_AFTER_S);
+            if !keep {
+                tally.forgot(w);
+                ledger.left(*id);
+            }
+            keep
+        });
+        before - workers.len()
+    }
+}
+
 /// [`WorkerTotals`] kept up to date one event at a time (issue 18: the status and the
 /// dashboard tick read it under the lock pulls and pushes take; counting 10,000 workers there
 /// each time held that lock for the whole walk).
@@ -391,6 +416,8 @@ pub struct Registry {
 
 /// Workers not seen for this long while disconnected are forgotten.
 const FORGET_AFTER_S: f64 = 600.0;
+/// How often the coordinator forgets idle workers ([`Registry::forget_idle`]).
+pub const SWEEP_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
 
 impl Registry {
     /// A registry for `shards` shards holding at most `capacity` workers.
@@ -437,16 +464,7 @@ impl Registry {
         let mut g = self.lock();
         let now = Instant::now();
         if g.workers.len() >= self.capacity {
-            let Inner { workers, tally, .. } = &mut *g;
-            workers.retain(|_, w| {
-                let keep = w.shards_connected > 0
-                    || w.last_seen
-                        .is_none_or(|t| now.duration_since(t).as_secs_f64() < FORGET_AFTER_S);
-                if !keep {
-                    tally.forgot(w);
-                }
-                keep
-            });
+            g.forget_idle(now);
             if g.workers.len() >= self.capacity {
                 return None;
             }
@@ -537,6 +555,14 @@ impl Registry {
             }
         }
         (new, established)
+    }
+
+    /// Forgets the workers that left more than 10 minutes ago ([`FORGET_AFTER_S`]) and have
+    /// no socket open, so the memory of a crowd that left goes back (a join does the same
+    /// when the registry is full); returns how many. One pass under the lock, run by the
+    /// coordinator every [`SWEEP_EVERY`].
+    pub fn forget_idle(&self) -> usize {
+        self.lock().forget_idle(Instant::now())
     }
 
     /// True when `id` was handed out and not forgotten.
@@ -968,7 +994,7 @@ pub mod admission {
     /// once; sybils beyond it wait for the established workers they would have to outnumber.
     /// From a standing start the crowd can then double every [`PROBATION_S`]: 10,000 fresh
     /// volunteers take about two minutes to join (docs/benchmarks.md, "Crowd").
-    pub const FLOOR: usize = 1024;
+    pub const FLOOR: usize = crate::config::ADMISSION_FLOOR;
     /// Beyond [`FLOOR`], at most this many new identities per established worker.
     pub const PER_ESTABLISHED: usize = 1;
 
@@ -1177,6 +1203,40 @@ mod tests {
         assert!(r.join(ClientKind::Native, None, 6).is_some());
         assert_eq!(r.summary().1.workers, Some(r.recount()));
         assert_eq!(r.view().2.workers, Some(r.recount()));
+    }
+
+    #[test]
+    fn the_sweep_forgets_workers_gone_for_ten_minutes_with_their_seats() {
+        let r = Registry::new(1, 100);
+        let ids: Vec<u64> = (0..4)
+            .map(|_| r.join(ClientKind::Native, None, 6).expect("room").0)
+            .collect();
+        for (i, &id) in ids.iter().enumerate() {
+            r.identify(
+                id,
+                &format!("sweep-{i}"),
+                ledger::Who::default(),
+                ClientKind::Native,
+            );
+        }
+        r.connection(ids[1], true);
+        {
+            let mut g = r.lock();
+            let past = Instant::now()
+                .checked_sub(std::time::Duration::from_secs_f64(FORGET_AFTER_S + 1.0))
+                .unwrap();
+            // 0 and 1 were last seen long ago; 1 still has a socket open.
+            for id in &ids[..2] {
+                g.workers.get_mut(id).expect("known").last_seen = Some(past);
+            }
+        }
+        assert_eq!(r.with_ledger(|l| l.seats()), 4);
+        assert_eq!(r.forget_idle(), 1);
+        assert!(!r.knows(ids[0]));
+        assert!(ids[1..].iter().all(|&id| r.knows(id)));
+        assert_eq!(r.with_ledger(|l| l.seats()), 3);
+        assert_eq!(r.summary().1.workers, Some(r.recount()));
+        assert_eq!(r.forget_idle(), 0);
     }
 
     #[test]

@@ -519,6 +519,11 @@ impl Ledger {
         d.touch(now);
     }
 
+    /// `worker` was forgotten by the registry: its seat goes (its identity's credit stays).
+    pub fn left(&mut self, worker: u64) {
+        self.seats.remove(&worker);
+    }
+
     /// A shard process reported `accepted` and `rejected` pushes of `worker`, `credited` of
     /// whose samples count ([`crate::registry::feed`]): credited as [`Ledger::pushed`] credits
     /// them one by one.
