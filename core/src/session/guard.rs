@@ -810,6 +810,34 @@ mod tests {
         assert!((after / before - 1.0).abs() < 0.01, "{before} -> {after}");
     }
 
+    /// Issue 21: a local-steps shard divides its rate among the workers pushing now, not
+    /// among those connected: 40 silent sybils leave an honest round whole; a worker counts
+    /// for a while after its push (super::active), and not after its socket closed.
+    #[test]
+    fn issue_21_silent_sybils_do_not_dilute_local_rounds() {
+        let mut b = Bench::new();
+        b.sh.cfg.setup.pseudo_gradients = true;
+        let cfg = *b.sh.config();
+        let mut idle: Vec<ShardSession> = (0..40)
+            .map(|i| {
+                let mut s = ShardSession::new(cfg);
+                s.handle_frame(&mut b.sh, &hello(1, 1000 + i), 0.0);
+                sent(&mut s);
+                s
+            })
+            .collect();
+        assert_eq!(b.sh.connected(), 40);
+        assert_eq!(b.raw(1, &[1.0, -1.0], 1.0), "ack");
+        assert_eq!(b.sh.values().as_slice(), &[-1.0, 1.0], "applied whole");
+        // A second worker pushing within the window: both count, each applied at half.
+        assert_eq!(b.raw(2, &[2.0, -2.0], 2.0), "ack");
+        assert_eq!(b.sh.values().as_slice(), &[-2.0, 2.0]);
+        // Long after worker 1's push, worker 2 alone counts again.
+        assert_eq!(b.raw(2, &[4.0, -4.0], 100.0), "ack");
+        assert_eq!(b.sh.values().as_slice(), &[-6.0, 6.0]);
+        idle.clear();
+    }
+
     /// Issue 21: with the driver's anchor, the reference stays within ANCHOR_SPAN of it
     /// whatever the workers do, and moves with it (re-anchoring after the model changed).
     #[test]

@@ -62,6 +62,7 @@
 //! [`wire::decode`]: crate::wire::decode
 //! [`ErrorCode::is_fatal`]: crate::wire::ErrorCode::is_fatal
 
+pub mod active;
 mod conn;
 mod guard;
 mod setup;

@@ -69,6 +69,9 @@ pub struct ShardState {
     pub(super) last_push_clipped: bool,
     /// Pushes scaled down to the bound so far.
     pub(super) clipped: u64,
+    /// Workers with a recent accepted nonzero push: the K of a local-steps shard's `lr / K`
+    /// ([`super::active`]).
+    active: super::active::ActivePushers,
 }
 
 impl ShardState {
@@ -129,6 +132,7 @@ impl ShardState {
             last_push_nonzero: false,
             last_push_clipped: false,
             clipped: 0,
+            active: Default::default(),
         })
     }
 
@@ -358,6 +362,7 @@ impl ShardState {
             _ => {
                 self.sockets.remove(&worker);
                 self.clock.leave(worker);
+                self.active.left(worker);
             }
         }
         self.epoch += 1;
@@ -479,7 +484,13 @@ impl ShardState {
         }
         self.last_push_clipped = clipped;
         let scale = if self.cfg.setup.pseudo_gradients {
-            1.0 / self.connected.max(1) as f32
+            // lr / K, K the workers pushing now, this one included (super::active): workers
+            // that are connected but do not push do not dilute the others' rounds.
+            if norm > 0.0 {
+                self.active.pushed(worker, now);
+            }
+            let window = super::active::window(self.pace_s());
+            1.0 / self.active.count(now, window) as f32
         } else {
             1.0
         };
