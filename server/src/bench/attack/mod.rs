@@ -22,6 +22,9 @@
 //! Attacks (`--only`):
 //! - `sockets`: 17 addresses × 241 silent TCP connections; an honest status read and join from
 //!   127.1.0.1 while they are held (at 1 s and half-way), and when the server closed each.
+//! - `idle`: `--sybils` sybils join, connect to every shard and push nothing (with local
+//!   steps a shard applies each pseudo-gradient at lr / workers connected: what their
+//!   presence alone costs).
 //! - `zeros`, `huge`, `poison`: `--sybils` sybils push all-zero gradients, norm-1e4 gradients,
 //!   or sign-flipped honest gradients at each `--poison-scales` against `--honest` honest
 //!   workers for `--seconds`; honest acceptance, final accuracy against a clean run of the
@@ -60,8 +63,9 @@ use std::time::Instant;
 use sybil::Push;
 
 /// The attacks, in the order they run.
-pub const ATTACKS: [&str; 9] = [
+pub const ATTACKS: [&str; 10] = [
     "sockets",
+    "idle",
     "zeros",
     "huge",
     "poison",
@@ -79,7 +83,7 @@ pub struct AttackArgs {
     /// too). At most 600.
     #[arg(long, default_value_t = 20.0)]
     pub seconds: f64,
-    /// Run only these attacks (comma-separated): sockets, zeros, huge, poison, unsampled,
+    /// Run only these attacks (comma-separated): sockets, idle, zeros, huge, poison, unsampled,
     /// stale, reports, replays, identity. Default: all.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
@@ -236,13 +240,13 @@ pub async fn attack(args: &AttackArgs) -> Result<Vec<Verdict>> {
         let label = mode.label(exchange);
         let needs_clean = attacks
             .iter()
-            .any(|a| matches!(*a, "zeros" | "huge" | "poison" | "unsampled"));
+            .any(|a| matches!(*a, "idle" | "zeros" | "huge" | "poison" | "unsampled"));
         let mut clean = f64::NAN;
         for &a in &attacks {
             let t = Instant::now();
             if needs_clean
                 && clean.is_nan()
-                && matches!(a, "zeros" | "huge" | "poison" | "unsampled")
+                && matches!(a, "idle" | "zeros" | "huge" | "poison" | "unsampled")
             {
                 match sybil::run(&ctx, mode, Push::Clean).await {
                     Ok(r) => {
@@ -263,6 +267,7 @@ pub async fn attack(args: &AttackArgs) -> Result<Vec<Verdict>> {
                 }
             }
             let pushes: Vec<Push> = match a {
+                "idle" => vec![Push::Idle],
                 "zeros" => vec![Push::Zeros],
                 "huge" => vec![Push::Huge],
                 "poison" => scales.iter().map(|s| Push::Poison(*s)).collect(),

@@ -16,6 +16,8 @@ use std::time::{Duration, Instant};
 pub(super) enum Push {
     /// Nothing: the clean run.
     Clean,
+    /// Sybils connected to every shard that push nothing.
+    Idle,
     /// All-zero gradients (a -0.0 at a moving index, so no two pushes are the same bytes).
     Zeros,
     /// Gradients of norm 1e4 (within the value bound, far over any honest norm).
@@ -28,6 +30,7 @@ impl Push {
     pub fn name(self) -> String {
         match self {
             Push::Clean => "clean".into(),
+            Push::Idle => "sybils: idle".into(),
             Push::Zeros => "sybils: zeros".into(),
             Push::Huge => "sybils: huge".into(),
             Push::Poison(s) => format!("sybils: poison x{s}"),
@@ -52,6 +55,8 @@ pub(super) struct Run {
     pub sybil_h: f64,
     /// The honest workers' H, as their last Reports said.
     pub honest_h: Vec<u64>,
+    /// Workers connected when the honest workers were done (the sybils still in among them).
+    pub connected_end: u64,
 }
 
 /// The H of each honest worker (`honest-…`), from `/api/workers` (their last Report).
@@ -83,7 +88,7 @@ fn honest(ctx: &Ctx, url: &str, n: usize) -> Result<Children> {
 /// The sybils' push `k` on a slice of `len` (`honest`: the honest gradient of that slice).
 fn forge(what: Push, len: usize, k: u64, honest: Option<&[f32]>) -> Vec<f32> {
     match (what, honest) {
-        (Push::Zeros, _) | (Push::Clean, _) => {
+        (Push::Zeros, _) | (Push::Clean, _) | (Push::Idle, _) => {
             let mut g = vec![0.0f32; len];
             if len > 0 {
                 g[(k as usize) % len] = -0.0;
@@ -140,7 +145,9 @@ pub(super) async fn run(ctx: &Ctx, mode: Mode, what: Push) -> Result<Run> {
         _ => None,
     };
     let mut rounds = match sybils.first() {
-        Some(s) if rounds_mode => Some(Rounds::new(&s.joined, ctx.train()?, &s.welcomes())?),
+        Some(s) if rounds_mode && what != Push::Idle => {
+            Some(Rounds::new(&s.joined, ctx.train()?, &s.welcomes())?)
+        }
         _ => None,
     };
     let batch = sybils.first().map_or(1, |s| s.joined.run.batch_size.max(1)) as u32;
@@ -151,7 +158,12 @@ pub(super) async fn run(ctx: &Ctx, mode: Mode, what: Push) -> Result<Run> {
     let deadline = Instant::now() + Duration::from_secs_f64(ctx.seconds + 90.0);
     let mut k = 0u64;
     let mut norms = (0.0f64, 0u64);
-    while !sybils.is_empty() && !kids.all_done() && Instant::now() < deadline {
+    while what == Push::Idle && !kids.all_done() && Instant::now() < deadline {
+        // Connected, silent: only held open.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    while what != Push::Idle && !sybils.is_empty() && !kids.all_done() && Instant::now() < deadline
+    {
         // The sybils collude: the first one still in pulls every shard once a sweep, and
         // all push at the versions it read (so their pushes are fresh, not `too_stale`);
         // poisoners compute the honest gradient (or round) at those parameters.
@@ -264,13 +276,14 @@ pub(super) async fn run(ctx: &Ctx, mode: Mode, what: Push) -> Result<Run> {
         honest_norm: norms.0 / norms.1.max(1) as f64,
         sybil_h: hs.0 as f64 / hs.1.max(1) as f64,
         honest_h: honest_h(addr).await,
+        connected_end: status["workers_connected"].as_u64().unwrap_or(0),
     })
 }
 
 /// The verdict on a sybil run against the clean run's accuracy.
 pub(super) fn verdict(server: String, what: Push, r: &Run, clean: f64, n: usize) -> Verdict {
     let figures = format!(
-        "{}honest {}; accuracy {:.2}% (clean {:.2}%); {} sybils' pushes{}: {} applied of {} ({}); quarantined {}; spot checks: {}; {:.0} s",
+        "{}honest {}; accuracy {:.2}% (clean {:.2}%); {} sybils' pushes{}: {} applied of {} ({}); quarantined {}; connected at the end {}; spot checks: {}; {:.0} s",
         if r.sybil_h > 0.0 || r.honest_h.iter().any(|h| *h > 1) {
             format!(
                 "H: honest {:?}, sybils' mean {:.1}; ",
@@ -292,6 +305,7 @@ pub(super) fn verdict(server: String, what: Push, r: &Run, clean: f64, n: usize)
         r.sybil.total(),
         r.sybil.describe(),
         r.quarantined,
+        r.connected_end,
         r.spot,
         r.seconds
     );
