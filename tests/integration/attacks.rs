@@ -856,3 +856,98 @@ async fn rollback_figures() {
         }
     }
 }
+
+/// Issue 21 at `serve`'s real exchange defaults (`--local-steps auto`, `--egress-budget
+/// 400mbit`; no exchange flag, unlike [`config`]'s H = 1): a poisoner shaped as round pushes
+/// — the real worker (`crowdgrad work`'s code, core's `Worker`) running its rounds of H inner
+/// steps and pushing each round's Δ sign-flipped ×2 with the round's own tag and samples
+/// (`--fault signflip:2`) — against `--spot-check 0.5 --quarantine-rejections 5` with two
+/// honest workers at auto. The spot checker recomputes the round, fails it, quarantines the
+/// poisoner and rolls its applied pushes back; the honest workers keep ≥ 99% of their pushes
+/// (`busy` backpressure aside) and the run ends trained. Fails if round pushes went
+/// unchecked, the check passed the poison, or no rollback undid it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue_21_a_round_push_poisoner_at_local_steps_auto_is_quarantined_and_rolled_back() {
+    let mut cfg = ServeConfig::with_flags(
+        crate::util::mnist_dir(),
+        &["--spot-check", "0.5", "--quarantine-rejections", "5"],
+    )
+    .expect("valid flags");
+    cfg.eval_every = Duration::from_millis(500);
+    assert!(
+        cfg.training.exchange.local.steps.pseudo_gradients(),
+        "serve's default exchange is local steps: {:?}",
+        cfg.training.exchange.local.steps
+    );
+    cfg.limits.max_connections_per_ip = 0;
+    cfg.limits.push_rate_per_ip = 0.0;
+    cfg.limits.join_rate = 0;
+    let running = server(cfg).await;
+    let url = running.url();
+    let timed = |name: &str, seconds: u64| {
+        let mut o = WorkOptions::new(&url);
+        o.duration = Some(Duration::from_secs(seconds));
+        o.name = Some(name.into());
+        o.threads = 1;
+        o
+    };
+    let workers = vec![
+        WorkerThread::spawn(timed("a", 20)),
+        WorkerThread::spawn(timed("b", 20)),
+    ];
+    wait_for(&url, Duration::from_secs(30), "the honest workers", |s| {
+        s["workers_connected"].as_u64().unwrap_or(0) >= 2
+    })
+    .await;
+    // Once the run has learnt something worth wrecking.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let mut o = timed("poisoner", 60);
+    o.fault = Some(Fault::SignFlip(2.0));
+    o.identity = Some("round-poisoner-identity-0123456789".into());
+    let bad = WorkerThread::spawn(o);
+    let s = wait_for(
+        &url,
+        Duration::from_secs(60),
+        "the poisoner's quarantine",
+        |s| s["reputation"]["quarantined"].as_u64().unwrap_or(0) >= 1,
+    )
+    .await;
+    let poison = tokio::task::spawn_blocking(move || bad.join())
+        .await
+        .expect("join");
+    let mut stats = Vec::new();
+    for w in workers {
+        stats.push(finish(w).await);
+    }
+    let (a, r, share) = acceptance(&stats);
+    let acc = accuracy(&url).await;
+    let end = status(&url).await;
+    let spot = &end["spot_checks"];
+    let h: Vec<u32> = stats.iter().map(|s| s.local_steps).collect();
+    let n = |k: &str| spot[k].as_u64().unwrap_or(0);
+    println!(
+        "round poisoner x2 at auto: its pushes accepted {}; honest H {h:?}, {a} accepted / {r} refused ({:.2}%); accuracy {:.2}%; spot checks: sampled {}, passed {}, failed {}, rollbacks {} ({} versions undone, {} poisoned), healed {}, refused busy {}",
+        poison.as_ref().map_or(0, |p| p.stats.pushes_accepted),
+        share * 100.0,
+        acc * 100.0,
+        n("sampled"),
+        n("passed"),
+        n("failed"),
+        n("rollbacks"),
+        n("versions_undone"),
+        n("poisoned_undone"),
+        n("healed"),
+        n("refused_busy"),
+    );
+    assert_eq!(s["reputation"]["quarantined"], 1, "{}", s["reputation"]);
+    assert!(
+        h.iter().all(|&h| h >= 1) && stats.iter().all(|s| s.rounds > 0),
+        "the honest workers pushed rounds: {stats:?}"
+    );
+    assert!(spot["failed"].as_u64().unwrap_or(0) >= 1, "{spot}");
+    assert!(spot["rollbacks"].as_u64().unwrap_or(0) >= 1, "{spot}");
+    assert!(spot["poisoned_undone"].as_u64().unwrap_or(0) >= 1, "{spot}");
+    assert!(share >= 0.99, "honest acceptance {share}: {stats:?}");
+    assert!(acc > 0.85, "the run trains on: {acc}");
+    running.stop().await.expect("stops");
+}

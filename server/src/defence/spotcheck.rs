@@ -126,6 +126,18 @@
 //! caught, and rolled back, from its first logged push on). Counted: `rollbacks`,
 //! `versions_undone`, `poisoned_undone`, `healed`.
 //!
+//! Rollbacks never restore what an earlier rollback undid: every rollback's range
+//! `(target, before]` is kept ([`UNDONE_KEPT`] a shard), and a later target inside one is
+//! moved down to that range's target (repeatedly). Without it, two poisoners whose first
+//! pushes made versions 10 and 11 were rolled back one after the other to version 9 and then
+//! to version 10, the parameters **with** the first poisoner's push: its poison came back.
+//! With gradient pushes (H = 1) that is one poisoned gradient; under `--local-steps auto` it
+//! is a poisoned round of up to thousands of inner steps (found with `crowdgrad bench attack
+//! --local-steps auto`, where 40 sybils with one round pushed each are judged one after the
+//! other; docs/benchmarks.md "Attacks at serve's real defaults"). Pushes read from undone
+//! versions are still applied (as slightly staler pushes); refusing them was measured there
+//! and cost more honest rounds than it saved.
+//!
 //! # Bounds
 //! Memory: the histories hold at most `history` versions of every shard (the same versions
 //! serve checks and rollbacks), that is
@@ -309,6 +321,9 @@ struct Shared {
     freed: tokio::sync::Notify,
     /// Versions kept per shard (`--spot-check-history`, resolved).
     history: usize,
+    /// Every shard's recent rollbacks, `(target, before)`: the versions `(target, before]`
+    /// were undone (module docs, "Rollback"), at most [`UNDONE_KEPT`], oldest first.
+    undone: Vec<Mutex<VecDeque<(u64, u64)>>>,
     /// The shards, once attached (vouching and rollback need them).
     controls: std::sync::OnceLock<Vec<Box<dyn ShardControl>>>,
 }
@@ -317,6 +332,26 @@ impl std::fmt::Debug for Shared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Shared").field("cfg", &self.cfg).finish()
     }
+}
+
+/// Rollbacks remembered per shard (module docs, "Rollback"): more than the history could
+/// reach back over in the worst case (one rollback per version).
+const UNDONE_KEPT: usize = 256;
+
+/// The version to roll back to for a poisoner whose first logged push produced `first`:
+/// `first − 1`, moved down to the target of any earlier rollback whose undone range
+/// `(target, before]` holds it, repeatedly (the parameters of an undone version carry the
+/// pushes that rollback undid).
+fn below_undone(undone: &VecDeque<(u64, u64)>, first: u64) -> u64 {
+    let mut target = first.saturating_sub(1);
+    // Each step moves the target strictly down, so at most one step per range.
+    for _ in 0..=undone.len() {
+        match undone.iter().find(|&&(t, b)| target > t && target <= b) {
+            Some(&(t, _)) => target = t,
+            None => break,
+        }
+    }
+    target
 }
 
 impl Shared {
@@ -336,29 +371,45 @@ impl Shared {
 
     /// `poisoner` was quarantined for a failed check: every shard where its first applied
     /// push still in the log produced a version whose predecessor the history holds is rolled
-    /// back to that predecessor, published as a new version (module docs, "Rollback"); the
-    /// others are left to heal.
+    /// back to that predecessor (or below the earlier rollbacks whose undone range holds it,
+    /// [`below_undone`]), published as a new version (module docs, "Rollback"); the others are
+    /// left to heal. Pushes of its that an earlier rollback undid do not set the target.
     fn roll_back(&self, poisoner: u64) {
         let Some(shards) = self.controls.get() else {
             return;
         };
         let c = &self.counters;
         for (i, control) in shards.iter().enumerate() {
-            let (first, mine) = {
+            let mine: Vec<u64> = {
                 let Some(a) = self.applied.get(i) else {
                     continue;
                 };
                 let a = a.lock().unwrap_or_else(|p| p.into_inner());
-                let mut mine = a.iter().filter(|(_, w)| *w == poisoner).map(|(v, _)| *v);
-                let Some(first) = mine.next() else {
-                    // Nothing of its in the log: nothing recent to undo here.
+                let mut versions: Vec<u64> = a
+                    .iter()
+                    .filter(|(_, w)| *w == poisoner)
+                    .map(|(v, _)| *v)
+                    .collect();
+                versions.dedup();
+                versions
+            };
+            // Its pushes an earlier rollback already undid are gone: the first one still in
+            // the parameters counts (none: nothing recent of its to undo here), and the
+            // target goes below every undone range.
+            let target = {
+                let Some(u) = self.undone.get(i) else {
                     continue;
                 };
-                let mut versions: Vec<u64> = std::iter::once(first).chain(mine).collect();
-                versions.dedup();
-                (first, versions)
+                let u = u.lock().unwrap_or_else(|p| p.into_inner());
+                let live = mine
+                    .iter()
+                    .copied()
+                    .find(|&v| !u.iter().any(|&(t, b)| v > t && v <= b));
+                let Some(first) = live else {
+                    continue;
+                };
+                below_undone(&u, first)
             };
-            let target = first.saturating_sub(1);
             let values = self.histories.get(i).and_then(|h| {
                 let h = h.lock().unwrap_or_else(|p| p.into_inner());
                 h.iter().find(|(v, _)| *v == target).map(|(_, p)| p.clone())
@@ -377,6 +428,13 @@ impl Shared {
             else {
                 continue;
             };
+            if let Some(u) = self.undone.get(i) {
+                let mut u = u.lock().unwrap_or_else(|p| p.into_inner());
+                if u.len() >= UNDONE_KEPT {
+                    u.pop_front();
+                }
+                u.push_back((target, before));
+            }
             let undone = before.saturating_sub(target);
             let poisoned = mine.iter().filter(|&&v| v > target && v <= before).count() as u64;
             c.rollbacks.fetch_add(1, Ordering::Relaxed);
@@ -525,6 +583,7 @@ impl SpotChecker {
                 .map(|v| Mutex::new(VecDeque::from([v])))
                 .collect(),
             applied: (0..shards).map(|_| Mutex::new(VecDeque::new())).collect(),
+            undone: (0..shards).map(|_| Mutex::new(VecDeque::new())).collect(),
             slots: Mutex::new(Slots::default()),
             freed: tokio::sync::Notify::new(),
             history,
@@ -1247,6 +1306,104 @@ pub fn compare(expected: &[f32], pushed: &[f32]) -> CheckFigures {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 21 (found by `bench attack --local-steps auto`): a rollback never restores
+    /// parameters an earlier rollback undid. Poisoners A (first push made version 10) and B
+    /// (version 11), judged A first: A's rollback restores 9 and publishes 12; B's must not
+    /// restore 10 (9 plus A's push) but 9. A later target outside every undone range stays.
+    #[test]
+    fn a_rollback_never_restores_what_an_earlier_one_undid() {
+        let mut undone = VecDeque::new();
+        assert_eq!(below_undone(&undone, 11), 10, "nothing undone yet");
+        undone.push_back((9, 11));
+        assert_eq!(below_undone(&undone, 11), 9, "10 holds A's push");
+        assert_eq!(below_undone(&undone, 12), 9, "11 too");
+        assert_eq!(below_undone(&undone, 13), 12, "12 is the restored 9: clean");
+        assert_eq!(below_undone(&undone, 10), 9, "the target 9 itself is clean");
+        // A later rollback's range: 13 holds what it undid, 12 (the restored 9) is clean.
+        undone.push_back((12, 14));
+        assert_eq!(below_undone(&undone, 14), 12);
+        // Chains: 7 lies in (6, 8], and 6 in a later, wider (2, 12].
+        let chain = VecDeque::from([(6, 8), (2, 12)]);
+        assert_eq!(below_undone(&chain, 8), 2);
+        assert_eq!(below_undone(&chain, 3), 2);
+        assert_eq!(below_undone(&undone, 1), 0);
+    }
+
+    /// A shard as the checker sees it: its version, and what each rollback restored.
+    #[derive(Default)]
+    struct FakeShard {
+        version: Mutex<u64>,
+        restored: Mutex<Vec<(f32, u64)>>,
+    }
+
+    impl ShardControl for Arc<FakeShard> {
+        fn vouch(&self, _worker: u64) {}
+        fn roll_back(&self, values: Vec<f32>, target: u64, _poisoner: u64) -> Option<(u64, u64)> {
+            let mut v = self.version.lock().unwrap();
+            let before = *v;
+            if before <= target {
+                return None;
+            }
+            *v += 1;
+            self.restored.lock().unwrap().push((values[0], target));
+            Some((before, *v))
+        }
+    }
+
+    /// Issue 21 (found by `bench attack --local-steps auto`): rollbacks against two
+    /// poisoners, end to end on the checker's history and log. Version `v` of the one shard
+    /// holds the value `v`. Poisoner A made version 10, B version 11 and, after A's rollback
+    /// (to 9, published as 13), version 14. A's rollback restores 9; B's restores 13 (the
+    /// restored 9), never 10 (9 plus A's push), which is what it did before the fix.
+    #[test]
+    fn rollbacks_of_two_poisoners_never_bring_the_first_ones_push_back() {
+        let shard = Arc::new(FakeShard::default());
+        let shared = Shared {
+            cfg: SpotConfig::default(),
+            counters: Counters::default(),
+            recent: Mutex::new(VecDeque::new()),
+            reputation: Arc::new(Reputation::new(Default::default())),
+            histories: vec![Mutex::new(VecDeque::new())],
+            applied: vec![Mutex::new(VecDeque::new())],
+            undone: vec![Mutex::new(VecDeque::new())],
+            slots: Mutex::new(Slots::default()),
+            freed: tokio::sync::Notify::new(),
+            history: 64,
+            controls: std::sync::OnceLock::new(),
+        };
+        let _ = shared.controls.set(vec![Box::new(shard.clone())]);
+        let record = |v: u64, value: f32| {
+            shared.histories[0]
+                .lock()
+                .unwrap()
+                .push_back((v, Arc::new(vec![value])));
+        };
+        for v in 0..=12 {
+            record(v, v as f32);
+        }
+        *shard.version.lock().unwrap() = 12;
+        let (a, b) = (100, 200);
+        shared.applied[0].lock().unwrap().extend([(10, a), (11, b)]);
+        shared.roll_back(a);
+        assert_eq!(*shard.restored.lock().unwrap(), vec![(9.0, 9)]);
+        // The rollback published the restored 9 as 13; B pushes again and makes 14.
+        record(13, 9.0);
+        record(14, 14.0);
+        *shard.version.lock().unwrap() = 14;
+        shared.applied[0].lock().unwrap().push_back((14, b));
+        shared.roll_back(b);
+        assert_eq!(
+            *shard.restored.lock().unwrap(),
+            vec![(9.0, 9), (9.0, 13)],
+            "B's rollback restores the restored 9, not version 10 (A's push)"
+        );
+        assert_eq!(shared.counters.rollbacks.load(Ordering::Relaxed), 2);
+        // A third poisoner whose only push an earlier rollback already undid: nothing to do.
+        shared.applied[0].lock().unwrap().push_back((11, 300));
+        shared.roll_back(300);
+        assert_eq!(shard.restored.lock().unwrap().len(), 2);
+    }
 
     #[test]
     fn compare_measures_direction_and_length() {

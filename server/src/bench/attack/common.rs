@@ -11,7 +11,8 @@ use crowdgrad_core::data::{BatchSampler, Dataset};
 use crowdgrad_core::model::{Model, Workspace};
 use crowdgrad_core::spec::{JoinRequest, JoinResponse};
 use crowdgrad_core::wire::{
-    self, ClientKind, ErrorCode, Hello, Message as Frame, PushTag, Report, PROTOCOL_VERSION,
+    self, ClientKind, ErrorCode, Hello, Message as Frame, PushTag, Report, Welcome,
+    PROTOCOL_VERSION,
 };
 use futures_util::{SinkExt, StreamExt};
 use ndarray::Array2;
@@ -35,6 +36,61 @@ pub enum Mode {
     Spot,
 }
 
+/// How the attacked servers exchange with workers (`bench attack --local-steps`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exchange {
+    /// `--local-steps 1 --egress-budget off`: gradient pushes without pacing. The attackers'
+    /// pushes are batch gradients ([`Oracle`]), honest pushes at H = 1 only.
+    Gradients,
+    /// No exchange flag at all: `serve`'s real defaults, `--local-steps auto` and
+    /// `--egress-budget 400mbit`. The attackers' pushes are round pushes formed by core's
+    /// worker ([`super::rounds::Rounds`]).
+    Defaults,
+    /// `--local-steps H` (2 to 10,000), the egress budget at its default; round pushes as
+    /// under [`Exchange::Defaults`].
+    Fixed(u32),
+}
+
+impl Exchange {
+    /// Parses `1`, `auto` or a whole number of local steps from 2 to 10,000.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the value.
+    pub fn parse(text: &str) -> Result<Self> {
+        match text.trim() {
+            "1" => Ok(Exchange::Gradients),
+            "auto" => Ok(Exchange::Defaults),
+            t => match t.parse::<u32>() {
+                Ok(h) if (2..=crowdgrad_core::local::MAX_LOCAL_STEPS).contains(&h) => {
+                    Ok(Exchange::Fixed(h))
+                }
+                _ => Err(Error::Config(format!(
+                    "--local-steps {t}: use 1, auto or a whole number from 2 to {}",
+                    crowdgrad_core::local::MAX_LOCAL_STEPS
+                ))),
+            },
+        }
+    }
+
+    /// Whether workers push round pseudo-gradients (anything but H = 1).
+    pub fn rounds(self) -> bool {
+        self != Exchange::Gradients
+    }
+
+    /// The `serve` flags it takes.
+    fn flags(self) -> Vec<String> {
+        let v: Vec<String> = match self {
+            Exchange::Gradients => vec!["--local-steps", "1", "--egress-budget", "off"]
+                .into_iter()
+                .map(String::from)
+                .collect(),
+            Exchange::Defaults => Vec::new(),
+            Exchange::Fixed(h) => vec!["--local-steps".into(), h.to_string()],
+        };
+        v
+    }
+}
+
 impl Mode {
     /// The name printed (and taken by `--servers`).
     pub fn name(self) -> &'static str {
@@ -44,24 +100,31 @@ impl Mode {
         }
     }
 
-    /// The `serve` flags of this mode: the server's defaults (spot checks `auto`, probation,
-    /// the norm reference, every limit) at gradient pushes without pacing,
-    /// `--local-steps 1 --egress-budget off`, for both modes. The attackers here speak
-    /// gradient pushes: their oracle computes a batch's gradient, which is an honest push at
-    /// H = 1 and not under `serve`'s default `auto`, where a round's push is the inner
-    /// optimizer's pseudo-gradient (a spot check of the oracle's "honest" push would fail, and
-    /// quarantine and roll back the attacker for the wrong reason).
-    pub fn flags(self) -> Vec<String> {
-        let exchange = ["--local-steps", "1", "--egress-budget", "off"];
+    /// The server's name in the verdicts: the mode, and `@auto` or `@H` for round pushes.
+    pub fn label(self, exchange: Exchange) -> String {
+        match exchange {
+            Exchange::Gradients => self.name().into(),
+            Exchange::Defaults => format!("{}@auto", self.name()),
+            Exchange::Fixed(h) => format!("{}@{h}", self.name()),
+        }
+    }
+
+    /// The `serve` flags of this mode under `exchange`: the server's defaults (spot checks
+    /// `auto`, probation, the norm reference, every limit) plus the exchange's flags
+    /// ([`Exchange::flags`]: none at all for the real defaults), and for [`Mode::Spot`]
+    /// `--spot-check 0.5 --quarantine-rejections 5`. With [`Exchange::Gradients`] the
+    /// attackers speak gradient pushes: their oracle computes a batch's gradient, which is an
+    /// honest push at H = 1 and not under `serve`'s default `auto`, where a round's push is
+    /// the inner optimizer's pseudo-gradient (a spot check of the oracle's "honest" push
+    /// would fail there); under the other exchanges they push rounds formed by core's worker.
+    pub fn flags(self, exchange: Exchange) -> Vec<String> {
         let spot: &[&str] = match self {
             Mode::Default => &[],
             Mode::Spot => &["--spot-check", "0.5", "--quarantine-rejections", "5"],
         };
-        exchange
-            .iter()
-            .chain(spot)
-            .map(|s| (*s).to_string())
-            .collect()
+        let mut v = exchange.flags();
+        v.extend(spot.iter().map(|s| (*s).to_string()));
+        v
     }
 }
 
@@ -79,12 +142,14 @@ pub(super) struct Ctx {
     pub sybils: usize,
     /// The training set, loaded once for the gradient oracle.
     pub train: std::sync::OnceLock<Dataset>,
+    /// How the servers exchange (`--local-steps`).
+    pub exchange: Exchange,
 }
 
 impl Ctx {
     /// Starts a `serve` child in `mode` with `extra` flags (before the caller's own).
     pub fn serve(&self, mode: Mode, extra: &[String]) -> Result<Server> {
-        let mut args = mode.flags();
+        let mut args = mode.flags(self.exchange);
         args.extend(extra.iter().cloned());
         args.extend(self.serve_args.iter().cloned());
         Server::start(&self.exe, &self.data_dir, &args, &[])
@@ -389,6 +454,10 @@ pub(super) struct Link {
     pub ws: Ws,
     pub len: usize,
     pub version: u64,
+    /// The shard's Welcome (what round pushes need: spot checks, pacing).
+    pub welcome: Welcome,
+    /// The pace the last Params said, ms (0: none).
+    pub pace_ms: u32,
 }
 
 /// A raw-protocol client: joined from its own loopback address with a valid credential,
@@ -454,6 +523,9 @@ impl Raw {
                 worker_id: self.joined.worker_id,
                 client: ClientKind::Native,
                 credential: self.joined.credential.clone(),
+                // Told the pace, as a worker is (round pushes choose H from it); nothing
+                // makes a client honour it.
+                pacing: true,
                 ..Default::default()
             },
         });
@@ -468,6 +540,8 @@ impl Raw {
                 ws,
                 len: welcome.range.len(),
                 version: welcome.version,
+                welcome,
+                pace_ms: 0,
             }),
             other => Err(Error::WebSocket(format!("expected Welcome, got {other:?}"))),
         }
@@ -478,6 +552,11 @@ impl Raw {
         let l = self.connect(s).await?;
         self.links[s as usize] = l;
         Ok(())
+    }
+
+    /// Every shard's Welcome, in shard order.
+    pub fn welcomes(&self) -> Vec<Welcome> {
+        self.links.iter().map(|l| l.welcome.clone()).collect()
     }
 
     /// Slice length of shard `s`.
@@ -503,9 +582,11 @@ impl Raw {
                     request_id,
                     version,
                     values,
+                    pace_ms,
                     ..
                 }) if request_id == rid => {
                     link.version = version;
+                    link.pace_ms = pace_ms;
                     return Some((version, values.iter().collect()));
                 }
                 Ok(Frame::Error { error, .. }) if error.code.is_fatal() => return None,
@@ -557,10 +638,22 @@ impl Raw {
     /// with `tag`, else a tag as a worker's (the next batch index, the versions last seen):
     /// a spot-checking server refuses untagged pushes.
     pub fn push_frame(&mut self, s: u32, grad: &[f32], tag: Option<&PushTag>) -> (u32, Vec<u8>) {
+        let samples = self.joined.run.batch_size as u32;
+        self.push_frame_of(s, grad, tag, samples)
+    }
+
+    /// [`Raw::push_frame`] claiming `samples` examples (a round of H batches: H × batch
+    /// size).
+    pub fn push_frame_of(
+        &mut self,
+        s: u32,
+        grad: &[f32],
+        tag: Option<&PushTag>,
+        samples: u32,
+    ) -> (u32, Vec<u8>) {
         self.rid = wire::next_request_id(self.rid);
         let rid = self.rid;
         let v = self.links[s as usize].version;
-        let samples = self.joined.run.batch_size as u32;
         let own;
         let tag = match tag {
             Some(t) => t,
@@ -585,6 +678,30 @@ impl Raw {
     pub async fn push(&mut self, s: u32, grad: &[f32], tag: Option<&PushTag>) -> Reply {
         let (rid, f) = self.push_frame(s, grad, tag);
         self.send(s, rid, f).await
+    }
+
+    /// Pushes `grad` on shard `s` claiming `samples` examples ([`Raw::push_frame_of`]).
+    pub async fn push_of(
+        &mut self,
+        s: u32,
+        grad: &[f32],
+        tag: Option<&PushTag>,
+        samples: u32,
+    ) -> Reply {
+        let (rid, f) = self.push_frame_of(s, grad, tag, samples);
+        self.send(s, rid, f).await
+    }
+
+    /// Every shard's version, pace (ms) and values, in shard order, and how long the pulls
+    /// took, seconds (`None` once a socket closed).
+    pub async fn pull_rounds(&mut self) -> Option<(Vec<(u64, u32, Vec<f32>)>, f64)> {
+        let t = Instant::now();
+        let mut out = Vec::new();
+        for s in 0..self.links.len() as u32 {
+            let (v, p) = self.pull(s).await?;
+            out.push((v, self.links[s as usize].pace_ms, p));
+        }
+        Some((out, t.elapsed().as_secs_f64()))
     }
 
     /// Sends a Report on shard `s`; the code of an Error frame that answers it within
@@ -727,8 +844,8 @@ pub(super) fn attacker_addr(i: usize) -> [u8; 4] {
 pub struct Verdict {
     /// The attack.
     pub attack: String,
-    /// The server mode.
-    pub server: &'static str,
+    /// The server ([`Mode::label`]).
+    pub server: String,
     /// What happened, in figures.
     pub figures: String,
     /// `holds`, `FAILS: why`, or `-` where nothing is claimed.

@@ -153,7 +153,7 @@ pub(super) async fn sockets(ctx: &Ctx, mode: Mode) -> Result<Verdict> {
     ));
     Ok(Verdict {
         attack: "silent sockets".into(),
-        server: mode.name(),
+        server: mode.label(ctx.exchange),
         figures,
         verdict: judge(&claims),
     })
@@ -227,7 +227,7 @@ pub(super) async fn stale(ctx: &Ctx, mode: Mode) -> Result<Verdict> {
     };
     Ok(Verdict {
         attack: "stale tag (200 back)".into(),
-        server: mode.name(),
+        server: mode.label(ctx.exchange),
         figures,
         verdict,
     })
@@ -379,7 +379,7 @@ async fn reports_in(ctx: &Ctx, mode: Mode, flags: &[String]) -> Result<Verdict> 
     ));
     Ok(Verdict {
         attack: "reports + kill -9".into(),
-        server: mode.name(),
+        server: mode.label(ctx.exchange),
         figures,
         verdict: judge(&claims),
     })
@@ -427,7 +427,7 @@ pub(super) async fn replays(ctx: &Ctx, mode: Mode) -> Result<Verdict> {
     );
     Ok(Verdict {
         attack: "replays".into(),
-        server: mode.name(),
+        server: mode.label(ctx.exchange),
         figures,
         verdict: judge(&[
             (
@@ -543,7 +543,7 @@ pub(super) async fn identity(ctx: &Ctx, mode: Mode) -> Result<Verdict> {
     );
     Ok(Verdict {
         attack: "public identity".into(),
-        server: mode.name(),
+        server: mode.label(ctx.exchange),
         figures,
         verdict: judge(&[
             (o1.name == owner0.name, format!("renamed to {:?}", o1.name)),

@@ -2,10 +2,15 @@
 //! serve` children on 127.0.0.1, a default server (which spot-checks 2% of pushes and every
 //! push of a new identity since `--spot-check auto`) and one checking half of all pushes
 //! (`--spot-check 0.5 --quarantine-rejections 5`), and what happened, in figures; a summary
-//! table at the end. Both servers run at gradient pushes without pacing (`--local-steps 1
-//! --egress-budget off`, [`common::Mode::flags`]): the attackers' oracle computes gradients,
-//! which are honest pushes at H = 1 only; `serve`'s default `--local-steps auto` (issue 18) is
-//! not what this bench attacks.
+//! table at the end. `--local-steps` says how both servers exchange ([`common::Exchange`]):
+//! `1` (the default) pins them to gradient pushes without pacing (`--local-steps 1
+//! --egress-budget off`), where the attackers' gradient oracle makes honest pushes; `auto`
+//! runs them with no exchange flag at all, `serve`'s real defaults (`--local-steps auto`,
+//! `--egress-budget 400mbit`), and `H` at `--local-steps H`. Under `auto` and `H` the sybils
+//! and poisoners push rounds as an honest worker does: core's own worker state machine runs
+//! the round on the real training set at the parameters they pulled (`rounds.rs`), and they
+//! push its Δ (zeroed, huge, or sign-flipped and scaled) with its tag and `samples` = H ×
+//! batch size. `--local-steps 1,auto` runs both.
 //!
 //! The printed, measured counterpart of `tests/integration/attacks.rs`. Honest workers are
 //! real `crowdgrad work` processes; attackers speak the documented protocol
@@ -17,6 +22,9 @@
 //! Attacks (`--only`):
 //! - `sockets`: 17 addresses × 241 silent TCP connections; an honest status read and join from
 //!   127.1.0.1 while they are held (at 1 s and half-way), and when the server closed each.
+//! - `idle`: `--sybils` sybils join, connect to every shard and push nothing (with local
+//!   steps a shard applies each pseudo-gradient at lr / workers connected: what their
+//!   presence alone costs).
 //! - `zeros`, `huge`, `poison`: `--sybils` sybils push all-zero gradients, norm-1e4 gradients,
 //!   or sign-flipped honest gradients at each `--poison-scales` against `--honest` honest
 //!   workers for `--seconds`; honest acceptance, final accuracy against a clean run of the
@@ -42,9 +50,10 @@
 
 mod common;
 mod misc;
+mod rounds;
 mod sybil;
 
-pub use common::{Mode, Verdict};
+pub use common::{Exchange, Mode, Verdict};
 
 use crate::error::{Error, Result};
 use clap::Args;
@@ -54,8 +63,9 @@ use std::time::Instant;
 use sybil::Push;
 
 /// The attacks, in the order they run.
-pub const ATTACKS: [&str; 9] = [
+pub const ATTACKS: [&str; 10] = [
     "sockets",
+    "idle",
     "zeros",
     "huge",
     "poison",
@@ -73,7 +83,7 @@ pub struct AttackArgs {
     /// too). At most 600.
     #[arg(long, default_value_t = 20.0)]
     pub seconds: f64,
-    /// Run only these attacks (comma-separated): sockets, zeros, huge, poison, unsampled,
+    /// Run only these attacks (comma-separated): sockets, idle, zeros, huge, poison, unsampled,
     /// stale, reports, replays, identity. Default: all.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
@@ -81,10 +91,16 @@ pub struct AttackArgs {
     #[arg(long)]
     pub quick: bool,
     /// The servers to attack (comma-separated): `default` (serve's defaults) and `spot`
-    /// (`--spot-check 0.5 --quarantine-rejections 5`), both at `--local-steps 1
-    /// --egress-budget off` (the attackers push gradients).
+    /// (`--spot-check 0.5 --quarantine-rejections 5`), each under every `--local-steps`.
     #[arg(long, value_delimiter = ',', default_value = "default,spot")]
     pub servers: Vec<String>,
+    /// How the servers exchange (comma-separated, each run in turn): `1` — gradient pushes
+    /// without pacing (`--local-steps 1 --egress-budget off`), `auto` — serve's real defaults
+    /// (no exchange flag: `--local-steps auto`, `--egress-budget 400mbit`), or a whole number
+    /// H of local steps (2-10000). Under `auto` and H the attackers push rounds formed by
+    /// core's worker; stale, reports, replays and identity run at `1` only.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub local_steps: Vec<String>,
     /// Honest `crowdgrad work` processes in the sybil and poison runs (1-16).
     #[arg(long, default_value_t = 4)]
     pub honest: usize,
@@ -103,7 +119,7 @@ pub struct AttackArgs {
 }
 
 impl AttackArgs {
-    fn check(&self) -> Result<(Vec<&'static str>, Vec<Mode>)> {
+    fn check(&self) -> Result<(Vec<&'static str>, Vec<Mode>, Vec<Exchange>)> {
         let bad = |m: String| Err(Error::Config(m));
         if !(self.seconds > 0.0 && self.seconds <= 600.0) {
             return bad(format!("--seconds {} must be in (0, 600]", self.seconds));
@@ -145,7 +161,17 @@ impl AttackArgs {
         if modes.is_empty() {
             return bad("--servers names no server".into());
         }
-        Ok((attacks, modes))
+        let mut exchanges = Vec::new();
+        for l in &self.local_steps {
+            let e = Exchange::parse(l)?;
+            if !exchanges.contains(&e) {
+                exchanges.push(e);
+            }
+        }
+        if exchanges.is_empty() {
+            return bad("--local-steps names no exchange".into());
+        }
+        Ok((attacks, modes, exchanges))
     }
 }
 
@@ -162,7 +188,7 @@ fn print_verdict(v: &Verdict) {
 /// Bad flags or a missing dataset. An attack that fails to run (a server that does not
 /// start, a socket error) is a verdict `ERROR: ...`, and the others still run.
 pub async fn attack(args: &AttackArgs) -> Result<Vec<Verdict>> {
-    let (attacks, modes) = args.check()?;
+    let (attacks, modes, exchanges) = args.check()?;
     common::check_data(&args.data_dir)?;
     let nofile = crate::support::limits::raise_nofile();
     let seconds = if args.quick {
@@ -175,7 +201,8 @@ pub async fn attack(args: &AttackArgs) -> Result<Vec<Verdict>> {
         scales.sort_by(f64::total_cmp);
         scales = scales.last().copied().into_iter().collect();
     }
-    let ctx = Ctx {
+    let mut ctx = Ctx {
+        exchange: Exchange::Gradients,
         exe: std::env::current_exe().map_err(|e| Error::io("current exe", e))?,
         data_dir: args.data_dir.clone(),
         serve_args: args.serve_args.clone(),
@@ -199,29 +226,34 @@ pub async fn attack(args: &AttackArgs) -> Result<Vec<Verdict>> {
         print_verdict(&v);
         out.push(v);
     };
-    let error = |attack: &str, mode: Mode, e: Error| Verdict {
+    let error = |attack: &str, server: String, e: Error| Verdict {
         attack: attack.into(),
-        server: mode.name(),
+        server,
         figures: "-".into(),
         verdict: format!("ERROR: {e}"),
     };
-    for &mode in &modes {
+    for (&exchange, &mode) in exchanges
+        .iter()
+        .flat_map(|e| modes.iter().map(move |m| (e, m)))
+    {
+        ctx.exchange = exchange;
+        let label = mode.label(exchange);
         let needs_clean = attacks
             .iter()
-            .any(|a| matches!(*a, "zeros" | "huge" | "poison" | "unsampled"));
+            .any(|a| matches!(*a, "idle" | "zeros" | "huge" | "poison" | "unsampled"));
         let mut clean = f64::NAN;
         for &a in &attacks {
             let t = Instant::now();
             if needs_clean
                 && clean.is_nan()
-                && matches!(a, "zeros" | "huge" | "poison" | "unsampled")
+                && matches!(a, "idle" | "zeros" | "huge" | "poison" | "unsampled")
             {
                 match sybil::run(&ctx, mode, Push::Clean).await {
                     Ok(r) => {
                         clean = r.accuracy;
                         record(Verdict {
                             attack: "clean".into(),
-                            server: mode.name(),
+                            server: label.clone(),
                             figures: format!(
                                 "honest {}; accuracy {:.2}%; {:.0} s",
                                 r.honest.describe(),
@@ -231,10 +263,11 @@ pub async fn attack(args: &AttackArgs) -> Result<Vec<Verdict>> {
                             verdict: "-".into(),
                         });
                     }
-                    Err(e) => record(error("clean", mode, e)),
+                    Err(e) => record(error("clean", label.clone(), e)),
                 }
             }
             let pushes: Vec<Push> = match a {
+                "idle" => vec![Push::Idle],
                 "zeros" => vec![Push::Zeros],
                 "huge" => vec![Push::Huge],
                 "poison" => scales.iter().map(|s| Push::Poison(*s)).collect(),
@@ -242,11 +275,23 @@ pub async fn attack(args: &AttackArgs) -> Result<Vec<Verdict>> {
             };
             for what in pushes {
                 match sybil::run(&ctx, mode, what).await {
-                    Ok(r) => record(sybil::verdict(mode, what, &r, clean, ctx.sybils)),
-                    Err(e) => record(error(&what.name(), mode, e)),
+                    Ok(r) => record(sybil::verdict(label.clone(), what, &r, clean, ctx.sybils)),
+                    Err(e) => record(error(&what.name(), label.clone(), e)),
                 }
             }
             let one = match a {
+                // Their pushes are H = 1 gradients (the gradient oracle): not honest pushes
+                // under local steps, where a spot check would quarantine them for that.
+                "stale" | "reports" | "replays" | "identity" if exchange.rounds() => {
+                    Some(Ok(Verdict {
+                        attack: a.into(),
+                        server: label.clone(),
+                        figures: "-".into(),
+                        verdict:
+                            "not run: its pushes are H = 1 gradients (run it with --local-steps 1)"
+                                .into(),
+                    }))
+                }
                 "sockets" => Some(misc::sockets(&ctx, mode).await),
                 "unsampled" => Some(sybil::unsampled(&ctx, mode, clean).await),
                 "stale" => Some(misc::stale(&ctx, mode).await),
@@ -257,10 +302,10 @@ pub async fn attack(args: &AttackArgs) -> Result<Vec<Verdict>> {
             };
             match one {
                 Some(Ok(v)) => record(v),
-                Some(Err(e)) => record(error(a, mode, e)),
+                Some(Err(e)) => record(error(a, label.clone(), e)),
                 None => {}
             }
-            eprintln!("[{}] {a}: {:.0} s", mode.name(), t.elapsed().as_secs_f64());
+            eprintln!("[{label}] {a}: {:.0} s", t.elapsed().as_secs_f64());
         }
     }
     Ok(out)

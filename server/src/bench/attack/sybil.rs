@@ -6,6 +6,7 @@ use super::common::{
     attacker_addr, final_accuracy, get_json, judge, norm, pushes_of, spot_summary, wait_status,
     Children, Ctx, Mode, Oracle, Pushes, Raw, Reply, Tally, Verdict,
 };
+use super::rounds::Rounds;
 use crate::error::Result;
 use crowdgrad_core::wire::PushTag;
 use std::time::{Duration, Instant};
@@ -15,6 +16,8 @@ use std::time::{Duration, Instant};
 pub(super) enum Push {
     /// Nothing: the clean run.
     Clean,
+    /// Sybils connected to every shard that push nothing.
+    Idle,
     /// All-zero gradients (a -0.0 at a moving index, so no two pushes are the same bytes).
     Zeros,
     /// Gradients of norm 1e4 (within the value bound, far over any honest norm).
@@ -27,6 +30,7 @@ impl Push {
     pub fn name(self) -> String {
         match self {
             Push::Clean => "clean".into(),
+            Push::Idle => "sybils: idle".into(),
             Push::Zeros => "sybils: zeros".into(),
             Push::Huge => "sybils: huge".into(),
             Push::Poison(s) => format!("sybils: poison x{s}"),
@@ -44,8 +48,29 @@ pub(super) struct Run {
     pub seconds: f64,
     /// The spot checker's counters.
     pub spot: String,
-    /// Mean L2 norm of the honest gradient per shard slice (poison runs; 0 otherwise).
+    /// Mean L2 norm of the honest gradient (or round push) per shard slice (poison runs; 0
+    /// otherwise).
     pub honest_norm: f64,
+    /// Mean H of the sybils' rounds (0 at H = 1 servers).
+    pub sybil_h: f64,
+    /// The honest workers' H, as their last Reports said.
+    pub honest_h: Vec<u64>,
+    /// Workers connected when the honest workers were done (the sybils still in among them).
+    pub connected_end: u64,
+}
+
+/// The H of each honest worker (`honest-…`), from `/api/workers` (their last Report).
+pub(super) async fn honest_h(addr: std::net::SocketAddr) -> Vec<u64> {
+    let Ok(w) = get_json(addr, "/api/workers?limit=1000").await else {
+        return Vec::new();
+    };
+    w["workers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|r| r["name"].as_str().is_some_and(|n| n.starts_with("honest-")))
+        .map(|r| r["exchange"]["local_steps"].as_u64().unwrap_or(0))
+        .collect()
 }
 
 /// The honest workers of a run (`honest-0`, ...), each for `ctx.seconds`.
@@ -63,7 +88,7 @@ fn honest(ctx: &Ctx, url: &str, n: usize) -> Result<Children> {
 /// The sybils' push `k` on a slice of `len` (`honest`: the honest gradient of that slice).
 fn forge(what: Push, len: usize, k: u64, honest: Option<&[f32]>) -> Vec<f32> {
     match (what, honest) {
-        (Push::Zeros, _) | (Push::Clean, _) => {
+        (Push::Zeros, _) | (Push::Clean, _) | (Push::Idle, _) => {
             let mut g = vec![0.0f32; len];
             if len > 0 {
                 g[(k as usize) % len] = -0.0;
@@ -112,40 +137,93 @@ pub(super) async fn run(ctx: &Ctx, mode: Mode, what: Push) -> Result<Run> {
     })
     .await;
     let mut tally = Tally::default();
+    let rounds_mode = ctx.exchange.rounds();
+    // H = 1 servers: a batch gradient (poison only). Round pushes: sybil 0's honest rounds,
+    // formed by core's worker, for every kind (their H and samples are the format).
     let mut oracle = match (what, sybils.first()) {
-        (Push::Poison(_), Some(s)) => Some(Oracle::new(&s.joined, ctx.train()?)?),
+        (Push::Poison(_), Some(s)) if !rounds_mode => Some(Oracle::new(&s.joined, ctx.train()?)?),
         _ => None,
     };
+    let mut rounds = match sybils.first() {
+        Some(s) if rounds_mode && what != Push::Idle => {
+            Some(Rounds::new(&s.joined, ctx.train()?, &s.welcomes())?)
+        }
+        _ => None,
+    };
+    let batch = sybils.first().map_or(1, |s| s.joined.run.batch_size.max(1)) as u32;
+    // Each sybil's batch count, as its tags say (H batches a round).
+    let mut batches = vec![0u64; sybils.len()];
+    let mut hs = (0u64, 0u64);
     let mut alive = vec![true; sybils.len()];
     let deadline = Instant::now() + Duration::from_secs_f64(ctx.seconds + 90.0);
     let mut k = 0u64;
     let mut norms = (0.0f64, 0u64);
-    while !sybils.is_empty() && !kids.all_done() && Instant::now() < deadline {
+    while what == Push::Idle && !kids.all_done() && Instant::now() < deadline {
+        // Connected, silent: only held open.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    while what != Push::Idle && !sybils.is_empty() && !kids.all_done() && Instant::now() < deadline
+    {
         // The sybils collude: the first one still in pulls every shard once a sweep, and
         // all push at the versions it read (so their pushes are fresh, not `too_stale`);
-        // poisoners compute the honest gradient at those parameters.
+        // poisoners compute the honest gradient (or round) at those parameters.
         let Some(first) = alive.iter().position(|a| *a) else {
             break;
         };
-        let Some((params, versions)) = sybils[first].pull_all().await else {
+        let Some((pulled, pull_s)) = sybils[first].pull_rounds().await else {
             alive[first] = false;
             continue;
         };
+        let versions: Vec<u64> = pulled.iter().map(|p| p.0).collect();
         // The newest version seen of each shard: from the pull, then from every Ack.
-        let mut latest = versions;
-        let honest_grad = match oracle.as_mut() {
-            Some(o) => {
-                let g = o.gradient(&params)?;
-                norms.0 += g.iter().map(|s| norm(s)).sum::<f64>() / g.len().max(1) as f64;
-                norms.1 += 1;
-                Some(g)
+        let mut latest = versions.clone();
+        let (honest_grad, samples, round_tag) = match (oracle.as_mut(), rounds.as_mut()) {
+            (Some(o), _) => {
+                let params: Vec<f32> = pulled.iter().flat_map(|p| p.2.iter().copied()).collect();
+                (Some(o.gradient(&params)?), batch, None)
             }
-            None => None,
+            (None, Some(r)) => {
+                let round = r.round(&pulled, pull_s)?;
+                hs.0 += u64::from(r.last_h);
+                hs.1 += 1;
+                let samples = round.first().map_or(batch, |p| p.samples);
+                let tag = round.first().and_then(|p| p.tag.clone());
+                (
+                    Some(round.into_iter().map(|p| p.values).collect::<Vec<_>>()),
+                    samples,
+                    tag,
+                )
+            }
+            (None, None) => (None, batch, None),
         };
+        if let (Push::Poison(_), Some(g)) = (what, honest_grad.as_ref()) {
+            norms.0 += g.iter().map(|s| norm(s)).sum::<f64>() / g.len().max(1) as f64;
+            norms.1 += 1;
+        }
+        let h = u64::from((samples / batch).max(1));
         for (i, sy) in sybils.iter_mut().enumerate() {
             if !alive[i] {
                 continue;
             }
+            for (su, l) in sy.links.iter_mut().enumerate() {
+                l.version = l.version.max(latest[su]);
+            }
+            // A round's tag, the same on every shard: sybil 0's own when it read what the
+            // round read (exactly an honest worker's), else the sybil's batch count and the
+            // versions it pushes at.
+            let tag = rounds_mode.then(|| match &round_tag {
+                Some(t)
+                    if i == 0
+                        && t.versions == sy.links.iter().map(|l| l.version).collect::<Vec<_>>() =>
+                {
+                    t.clone()
+                }
+                _ => PushTag {
+                    batch: batches[i],
+                    versions: sy.links.iter().map(|l| l.version).collect(),
+                },
+            });
+            batches[i] += h;
             for s in 0..sy.links.len() as u32 {
                 k += 1;
                 let g = forge(
@@ -155,8 +233,16 @@ pub(super) async fn run(ctx: &Ctx, mode: Mode, what: Push) -> Result<Run> {
                     honest_grad.as_ref().map(|h| h[s as usize].as_slice()),
                 );
                 let su = s as usize;
-                sy.links[su].version = sy.links[su].version.max(latest[su]);
-                let r = sy.push(s, &g, None).await;
+                let r = match &tag {
+                    Some(t) => {
+                        sy.links[su].version = t.versions[su];
+                        sy.push_of(s, &g, Some(t), samples).await
+                    }
+                    None => {
+                        sy.links[su].version = sy.links[su].version.max(latest[su]);
+                        sy.push(s, &g, None).await
+                    }
+                };
                 latest[su] = latest[su].max(sy.links[su].version);
                 tally.add(&r);
                 if matches!(
@@ -188,13 +274,24 @@ pub(super) async fn run(ctx: &Ctx, mode: Mode, what: Push) -> Result<Run> {
         seconds,
         spot: spot_summary(&status),
         honest_norm: norms.0 / norms.1.max(1) as f64,
+        sybil_h: hs.0 as f64 / hs.1.max(1) as f64,
+        honest_h: honest_h(addr).await,
+        connected_end: status["workers_connected"].as_u64().unwrap_or(0),
     })
 }
 
 /// The verdict on a sybil run against the clean run's accuracy.
-pub(super) fn verdict(mode: Mode, what: Push, r: &Run, clean: f64, n: usize) -> Verdict {
+pub(super) fn verdict(server: String, what: Push, r: &Run, clean: f64, n: usize) -> Verdict {
     let figures = format!(
-        "honest {}; accuracy {:.2}% (clean {:.2}%); {} sybils' pushes{}: {} applied of {} ({}); quarantined {}; spot checks: {}; {:.0} s",
+        "{}honest {}; accuracy {:.2}% (clean {:.2}%); {} sybils' pushes{}: {} applied of {} ({}); quarantined {}; connected at the end {}; spot checks: {}; {:.0} s",
+        if r.sybil_h > 0.0 || r.honest_h.iter().any(|h| *h > 1) {
+            format!(
+                "H: honest {:?}, sybils' mean {:.1}; ",
+                r.honest_h, r.sybil_h
+            )
+        } else {
+            String::new()
+        },
         r.honest.describe(),
         r.accuracy,
         clean,
@@ -208,6 +305,7 @@ pub(super) fn verdict(mode: Mode, what: Push, r: &Run, clean: f64, n: usize) -> 
         r.sybil.total(),
         r.sybil.describe(),
         r.quarantined,
+        r.connected_end,
         r.spot,
         r.seconds
     );
@@ -232,11 +330,15 @@ pub(super) fn verdict(mode: Mode, what: Push, r: &Run, clean: f64, n: usize) -> 
     }
     Verdict {
         attack: what.name(),
-        server: mode.name(),
+        server,
         figures,
         verdict: judge(&claims),
     }
 }
+
+/// Rounds the "unsampled" poisoner pushes honestly before it poisons (round pushes): twice
+/// the 4 checks that end probation (docs/protocol.md §4a), so it is vouched for first.
+const PROBATION_ROUNDS: u64 = 8;
 
 /// The sampling rule before issue 21, as an attacker computed it from the join reply's run
 /// seed (tests/integration/attacks.rs has the same).
@@ -264,42 +366,91 @@ pub(super) async fn unsampled(ctx: &Ctx, mode: Mode, clean: f64) -> Result<Verdi
         s["workers_connected"].as_u64().unwrap_or(0) > ctx.honest as u64
     })
     .await;
-    let mut oracle = Oracle::new(&p.joined, ctx.train()?)?;
     let (seed, worker) = (p.joined.run.seed, p.joined.worker_id);
     let mut tally = Tally::default();
-    let mut batch = 0u64;
+    let mut honest_tally = Tally::default();
     let mut first_push: Option<Instant> = None;
     let mut caught: Option<(f64, u64)> = None;
     let deadline = Instant::now() + Duration::from_secs_f64(ctx.seconds + 90.0);
     let mut k = 0u64;
-    'rounds: while !kids.all_done() && Instant::now() < deadline {
-        while old_rule_samples(seed, worker, batch, 0.5) {
-            batch += 1;
-        }
-        let Some((params, versions)) = p.pull_all().await else {
-            break;
-        };
-        let grads = oracle.gradient(&params)?;
-        let tag = PushTag {
-            batch,
-            versions: versions.clone(),
-        };
-        for (s, g) in grads.iter().enumerate() {
-            k += 1;
-            let bad = forge(Push::Poison(2.0), g.len(), k, Some(g));
-            first_push.get_or_insert_with(Instant::now);
-            let r = p.push(s as u32, &bad, Some(&tag)).await;
-            tally.add(&r);
-            if matches!(
-                r,
-                Reply::Closed | Reply::Refused(crowdgrad_core::wire::ErrorCode::Quarantined)
-            ) {
-                let t = first_push.map_or(0.0, |t| t.elapsed().as_secs_f64());
-                caught = Some((t, tally.total()));
-                break 'rounds;
+    if ctx.exchange.rounds() {
+        // Round pushes: the poisoner runs an honest worker's rounds (core's worker, its own
+        // worker id and partition, so its honest pushes pass any check). It pushes them
+        // honestly for its first PROBATION_ROUNDS rounds (the documented probation checks
+        // every push of a new identity) and afterwards on every round the old public rule
+        // samples; on the others the round sign-flipped ×2, with the round's own tag.
+        let mut rounds = Rounds::new(&p.joined, ctx.train()?, &p.welcomes())?;
+        let mut n = 0u64;
+        'rounds_loop: while !kids.all_done() && Instant::now() < deadline {
+            let Some((pulled, pull_s)) = p.pull_rounds().await else {
+                break;
+            };
+            let round = rounds.round(&pulled, pull_s)?;
+            n += 1;
+            for (s, rp) in round.iter().enumerate() {
+                let sampled = rp
+                    .tag
+                    .as_ref()
+                    .is_none_or(|t| old_rule_samples(seed, worker, t.batch, 0.5));
+                let poison = n > PROBATION_ROUNDS && !sampled;
+                k += 1;
+                let g = if poison {
+                    forge(Push::Poison(2.0), rp.values.len(), k, Some(&rp.values))
+                } else {
+                    rp.values.clone()
+                };
+                if poison {
+                    first_push.get_or_insert_with(Instant::now);
+                }
+                p.links[s].version = rp.version;
+                let r = p.push_of(s as u32, &g, rp.tag.as_ref(), rp.samples).await;
+                if poison {
+                    tally.add(&r);
+                } else {
+                    honest_tally.add(&r);
+                }
+                if matches!(
+                    r,
+                    Reply::Closed | Reply::Refused(crowdgrad_core::wire::ErrorCode::Quarantined)
+                ) {
+                    let t = first_push.map_or(0.0, |t| t.elapsed().as_secs_f64());
+                    caught = Some((t, tally.total()));
+                    break 'rounds_loop;
+                }
             }
         }
-        batch += 1;
+    } else {
+        let mut oracle = Oracle::new(&p.joined, ctx.train()?)?;
+        let mut batch = 0u64;
+        'rounds: while !kids.all_done() && Instant::now() < deadline {
+            while old_rule_samples(seed, worker, batch, 0.5) {
+                batch += 1;
+            }
+            let Some((params, versions)) = p.pull_all().await else {
+                break;
+            };
+            let grads = oracle.gradient(&params)?;
+            let tag = PushTag {
+                batch,
+                versions: versions.clone(),
+            };
+            for (s, g) in grads.iter().enumerate() {
+                k += 1;
+                let bad = forge(Push::Poison(2.0), g.len(), k, Some(g));
+                first_push.get_or_insert_with(Instant::now);
+                let r = p.push(s as u32, &bad, Some(&tag)).await;
+                tally.add(&r);
+                if matches!(
+                    r,
+                    Reply::Closed | Reply::Refused(crowdgrad_core::wire::ErrorCode::Quarantined)
+                ) {
+                    let t = first_push.map_or(0.0, |t| t.elapsed().as_secs_f64());
+                    caught = Some((t, tally.total()));
+                    break 'rounds;
+                }
+            }
+            batch += 1;
+        }
     }
     kids.wait(Duration::from_secs_f64(ctx.seconds + 120.0))
         .await;
@@ -309,12 +460,21 @@ pub(super) async fn unsampled(ctx: &Ctx, mode: Mode, clean: f64) -> Result<Verdi
     let status = get_json(addr, "/api/status").await?;
     let spot = spot_summary(&status);
     let quarantined = status["reputation"]["quarantined"].as_u64().unwrap_or(0);
+    let hs = honest_h(addr).await;
     let figures = format!(
-        "poisoner's pushes: {} ({}); {}; spot checks: {}; honest {}; accuracy {:.2}% (clean {clean:.2}%); {:.0} s",
+        "{}poisoner's poison pushes: {} ({}); its honest pushes: {}; {}; quarantined (server) {quarantined}; spot checks: {}; honest {}; accuracy {:.2}% (clean {clean:.2}%); {:.0} s",
+        if hs.iter().any(|h| *h > 1) {
+            format!("H: honest {hs:?}; ")
+        } else {
+            String::new()
+        },
         tally.total(),
         tally.describe(),
+        honest_tally.describe(),
         match caught {
-            Some((t, n)) => format!("quarantined {t:.2} s after its first push, at push {n}"),
+            Some((t, n)) => format!(
+                "quarantined {t:.2} s after its first poison push, at poison push {n}"
+            ),
             None => "never quarantined".into(),
         },
         spot,
@@ -342,7 +502,7 @@ pub(super) async fn unsampled(ctx: &Ctx, mode: Mode, clean: f64) -> Result<Verdi
     }
     Ok(Verdict {
         attack: "poison on old-unsampled rounds".into(),
-        server: mode.name(),
+        server: mode.label(ctx.exchange),
         figures,
         verdict: judge(&claims),
     })
