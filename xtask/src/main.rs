@@ -52,7 +52,7 @@ const CHROMIUM: &str = "/usr/bin/chromium";
 const CHROMEDRIVER: &str = "/usr/bin/chromedriver";
 const FASHION_MNIST: &str = "/usr/share/datasets/fashion-mnist";
 /// The fuzz crate's targets (fuzz/fuzz_targets/, docs/fuzzing.md), each run by `test`.
-const FUZZ_TARGETS: [&str; 3] = ["frame", "payload", "session"];
+const FUZZ_TARGETS: [&str; 4] = ["frame", "payload", "session", "reader"];
 /// iproute2's `tc`, which shapes the link in tests/integration/link.rs.
 const TC: &str = "/usr/sbin/tc";
 
@@ -458,7 +458,9 @@ impl Xtask {
             c.args(["test", "--workspace", "--release"]);
             x.run_counting(c)
         })?;
-        self.stage("fuzz: frame, payload, session (20 s each)", |x| x.fuzz(20))?;
+        self.stage("fuzz: frame, payload, session, reader (20 s each)", |x| {
+            x.fuzz(20)
+        })?;
         self.stage("wasm tests in headless Chromium", |x| {
             let mut c = x.cargo();
             c.args([
