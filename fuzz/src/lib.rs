@@ -10,6 +10,10 @@
 //!   events decoded from the input ([`Op`]). After every event: the session's output frames
 //!   decode, the parameters stay finite, and an event that applied no push left the parameters
 //!   and version byte-identical (so every rejected push changed nothing).
+//! - [`reader`](reader::reader): any bytes, in any chunks, through the shard socket's own
+//!   WebSocket frame reader (`crowdgrad::shard::upgrade::FrameReader`) under any limits: every
+//!   result is what the bytes say, and memory stays within the reader's stated limits
+//!   (counted by this crate's global allocator, [`reader::Counting`]).
 
 use crowdgrad_core::codec::{Encoding, ErrorFeedback};
 use crowdgrad_core::optim::{OptimizerConfig, Rule};
@@ -17,6 +21,13 @@ use crowdgrad_core::partition::KeyRange;
 use crowdgrad_core::session::{Action, PushGuard, Record, ShardSession, ShardSetup, ShardState};
 use crowdgrad_core::shard::{Consistency, Outcome, StalenessPolicy};
 use crowdgrad_core::wire::{self, Bye, ClientKind, Hello, Message, Report, PROTOCOL_VERSION};
+
+pub mod reader;
+
+/// Counts the allocations of the thread reading in the `reader` target (every other thread and
+/// target passes straight through to the system allocator).
+#[global_allocator]
+static ALLOC: reader::Counting = reader::Counting;
 
 /// Values in the fuzzed shard: small, so one input holds many pushes.
 pub const SHARD_LEN: usize = 8;
@@ -672,6 +683,11 @@ pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
     }
     two.extend([0x10, 0x01, 92, 64, 108, 0x80 | 108]);
     out.push(("session", "sync-two-workers".to_string(), two));
+    out.extend(
+        reader::seeds()
+            .into_iter()
+            .map(|(name, bytes)| ("reader", name, bytes)),
+    );
     out
 }
 
@@ -690,6 +706,7 @@ mod tests {
                     frame(&bytes);
                 }
                 "payload" => payload(&bytes),
+                "reader" => reader::reader(&bytes),
                 _ => session(&bytes),
             }
         }
@@ -756,7 +773,11 @@ mod tests {
     /// The session seeds really apply pushes (so the fuzzer starts from deep states).
     #[test]
     fn session_seeds_apply_pushes() {
-        let (setup, ops) = script(&seeds()[seeds().len() - 6].2);
+        let async_seed = seeds()
+            .into_iter()
+            .find(|(target, name, _)| *target == "session" && name == "async")
+            .expect("the async session seed");
+        let (setup, ops) = script(&async_seed.2);
         assert_eq!(setup.consistency, Consistency::Async);
         assert!(
             ops.iter()

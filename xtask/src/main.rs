@@ -16,6 +16,10 @@
 //!   (`web/pkg/gemm/`, benchmark only), the release server, native `step_time` (AVX2/FMA
 //!   detected) and a second one built with `MMTEST_FEATURE=sse2` (matrixmultiply limited to
 //!   SSE2, wasm SIMD128's width) into `target/sse2`, then `tests/browser/bench-step.mjs ARGS...`.
+//! - `bench-checks [ARGS...]`: build-web, the release server, then
+//!   `tests/browser/bench-checks.mjs ARGS...`: honest browser tabs and `crowdgrad work`
+//!   processes under `--spot-check 1`, per push encoding, until 10,000 checks (issue 21;
+//!   docs/benchmarks.md, "Honest workers over 10,000 spot checks").
 //! - `serve [ARGS...]`: the serving half of setup, build-web, then `crowdgrad serve ARGS...`
 //!   (release).
 //! - `flags`: regenerates docs/flags.md from the clap types (`server/tests/flags.rs`, whose
@@ -47,6 +51,8 @@ const WASM_TARGET: &str = "wasm32-unknown-unknown";
 const CHROMIUM: &str = "/usr/bin/chromium";
 const CHROMEDRIVER: &str = "/usr/bin/chromedriver";
 const FASHION_MNIST: &str = "/usr/share/datasets/fashion-mnist";
+/// The fuzz crate's targets (fuzz/fuzz_targets/, docs/fuzzing.md), each run by `test`.
+const FUZZ_TARGETS: [&str; 4] = ["frame", "payload", "session", "reader"];
 /// iproute2's `tc`, which shapes the link in tests/integration/link.rs.
 const TC: &str = "/usr/sbin/tc";
 
@@ -61,6 +67,10 @@ commands:
   bench-browser [ARGS...]
                    build-web and native step_time (AVX2 and SSE2-only), then the browser step
                    benchmark tests/browser/bench-step.mjs ARGS... (--rounds N, --tab-seconds S)
+  bench-checks [ARGS...]
+                   build-web and the release server, then honest tabs and native workers under
+                   spot checks, per push encoding: tests/browser/bench-checks.mjs ARGS...
+                   (--kind browser|native|both, --checks N, --cap-s S, --local-steps 1|auto)
   test             install what tests need too (Chromium, chromedriver, Fashion-MNIST, iproute2,
                    npm dev packages), then everything CI runs (fmt, clippy, the gemm-crate
                    feature, builds, tests, fuzzing, wasm tests, browser e2e)";
@@ -84,6 +94,7 @@ fn main() -> ExitCode {
         "serve" => x.serve(&args[1..]),
         "flags" => x.flags(),
         "bench-browser" => x.bench_browser(&args[1..]),
+        "bench-checks" => x.bench_checks(&args[1..]),
         "test" => x.test(),
         "help" | "-h" | "--help" => {
             println!("{USAGE}");
@@ -346,6 +357,23 @@ impl Xtask {
         )
     }
 
+    fn bench_checks(&mut self, args: &[String]) -> Result<()> {
+        self.build_web()?;
+        self.stage("release build of the server", |x| {
+            let mut c = x.cargo();
+            c.args(["build", "--release", "-p", "crowdgrad"]);
+            run(c)
+        })?;
+        self.stage(
+            "honest workers under spot checks (tests/browser/bench-checks.mjs)",
+            |x| {
+                let mut c = x.cmd("node");
+                c.arg("tests/browser/bench-checks.mjs").args(args);
+                run(c)
+            },
+        )
+    }
+
     fn test(&mut self) -> Result<()> {
         self.setup()?;
         self.stage("fmt", |x| {
@@ -430,7 +458,9 @@ impl Xtask {
             c.args(["test", "--workspace", "--release"]);
             x.run_counting(c)
         })?;
-        self.stage("fuzz: frame, payload, session (20 s each)", |x| x.fuzz(20))?;
+        self.stage("fuzz: frame, payload, session, reader (20 s each)", |x| {
+            x.fuzz(20)
+        })?;
         self.stage("wasm tests in headless Chromium", |x| {
             let mut c = x.cargo();
             c.args([
@@ -512,7 +542,7 @@ impl Xtask {
         let mut c = self.cargo();
         c.current_dir(&dir).args(["test", "--release"]);
         self.run_counting(c)?;
-        for target in ["frame", "payload", "session"] {
+        for target in FUZZ_TARGETS {
             let scratch = dir.join("target/corpus").join(target);
             fs::create_dir_all(&scratch)
                 .with_context(|| format!("creating {}", scratch.display()))?;

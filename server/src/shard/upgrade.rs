@@ -18,7 +18,7 @@ use axum::body::Body;
 use axum::extract::FromRequestParts;
 use axum::http::{header, request::Parts, HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use crowdgrad_core::session::Outgoing;
 use hyper_util::rt::TokioIo;
 use std::future::Future;
@@ -229,8 +229,11 @@ pub struct FrameReader<R> {
     end: usize,
     max_frame: u64,
     max_message: u64,
-    /// A message arriving in fragments: text or not, and its payload so far.
-    partial: Option<(bool, BytesMut)>,
+    /// A message arriving in fragments: text or not, and its payload so far. A `Vec` grown
+    /// with `reserve_exact`: `BytesMut::reserve` grows by doubling, so a message in fragments
+    /// took up to twice its length, over the message limit (found by the `reader` fuzz target:
+    /// 3,000 + 2,000 bytes under a 5,008-byte limit allocated 6,000).
+    partial: Option<(bool, Vec<u8>)>,
 }
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
@@ -339,15 +342,18 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                                 "a new message inside a fragmented one",
                             ))
                         }
-                        (op, None) => (op == 1, BytesMut::new()),
+                        (op, None) => (op == 1, Vec::new()),
                     };
                     let before = message.len() as u64;
-                    if len > self.max_frame || before + len > self.max_message {
-                        return Err(ReadError::TooLarge(before + len));
+                    // Saturating: `len` is any u64 the peer wrote (found by the `reader` fuzz
+                    // target: a continuation claiming 2^64 - 1 bytes wrapped the sum).
+                    let total = before.saturating_add(len);
+                    if len > self.max_frame || total > self.max_message {
+                        return Err(ReadError::TooLarge(total));
                     }
                     // Exactly this frame's bytes more: the message's buffer is its own size.
                     let len = len as usize;
-                    message.reserve(len);
+                    message.reserve_exact(len);
                     let start = message.len();
                     let here = (self.end - self.pos).min(len);
                     message.extend_from_slice(&self.buf[self.pos..self.pos + here]);
@@ -366,7 +372,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                     } else if text {
                         return Ok(Read::Text);
                     } else {
-                        return Ok(Read::Binary(message.freeze()));
+                        return Ok(Read::Binary(Bytes::from(message)));
                     }
                 }
                 _ => return Err(ReadError::Protocol("reserved opcode")),
@@ -593,6 +599,38 @@ mod tests {
             let v = read_all(&client_frame(true, 2, &payload, [9, 8, 7, 6]), 1 << 20).await;
             assert_eq!(v[0], Ok(Read::Binary(payload.into())), "{n} bytes");
         }
+    }
+
+    /// Found by the `reader` fuzz target (fuzz/, docs/fuzzing.md): a fragment, then a
+    /// continuation whose 64-bit length is 2^64 - 1. The size in the error was `before + len`,
+    /// which overflowed (a panic with overflow checks, a wrapped size without).
+    #[tokio::test]
+    async fn regression_a_continuation_claiming_2_pow_64_bytes_is_too_large_without_overflow() {
+        let m = [1, 2, 3, 4];
+        let mut f = client_frame(false, 2, b"ab", m);
+        f.extend([0x80, 0x80 | 127]);
+        f.extend(u64::MAX.to_be_bytes());
+        f.extend(m);
+        let v = read_all(&f, 100).await;
+        assert_eq!(
+            v.last(),
+            Some(&Err(format!("{:?}", ReadError::TooLarge(u64::MAX))))
+        );
+    }
+
+    /// Found by the `reader` fuzz target's memory check: a message in fragments grew its
+    /// buffer by doubling (`BytesMut::reserve`), 3,000 + 2,000 bytes taking 6,000 under a
+    /// 5,008-byte limit. Each fragment now adds exactly its length.
+    #[tokio::test]
+    async fn regression_a_message_in_fragments_takes_exactly_its_length() {
+        let m = [1, 2, 3, 4];
+        let mut f = client_frame(false, 2, &[7; 3000], m);
+        f.extend(client_frame(false, 0, &[8; 2000], m));
+        f.extend(client_frame(true, 9, b"p", m));
+        let mut r = FrameReader::new(&f[..], 4096, 5008);
+        assert_eq!(r.next().await.unwrap(), Read::Ping(b"p".to_vec().into()));
+        let (_, message) = r.partial.as_ref().expect("the message so far");
+        assert_eq!((message.len(), message.capacity()), (5000, 5000));
     }
 
     fn joined(msgs: &[Message]) -> Vec<u8> {
