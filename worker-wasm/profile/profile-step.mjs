@@ -8,7 +8,9 @@
 //
 //   cargo xtask build-web
 //   node worker-wasm/profile/profile-step.mjs [--model gpt] [--batch 32] [--steps 4]
-//        [--kernel loadsplat] [--pkg web/pkg] [--top 25]
+//        [--kernel loadsplat] [--pkg web/pkg] [--top 25] [--no-profile]
+//
+// `--no-profile` only times the steps (CPU and wall), without the profiler's overhead.
 //
 // The native counterpart is perf over the same Rust code:
 //   perf record target/release/examples/step_time --model gpt --batch 32 --shards 2 --steps 10
@@ -33,6 +35,7 @@ const steps = Number(arg('--steps', 4));
 const kernel = arg('--kernel', 'loadsplat');
 const pkg = path.resolve(arg('--pkg', path.join(ROOT, 'web/pkg')));
 const top = Number(arg('--top', 25));
+const profiling = !argv.includes('--no-profile');
 if (!(batch > 0 && steps > 0 && steps <= 1000 && top > 0)) {
   console.error('profile-step: --batch, --steps (at most 1000) and --top must be positive');
   process.exit(2);
@@ -49,14 +52,20 @@ const w = await import(path.join(pkg, 'crowdgrad_worker_wasm.js'));
 w.initSync({ module: fs.readFileSync(wasmFile) });
 
 const session = new Session();
-session.connect();
-await session.post('Profiler.enable');
-await session.post('Profiler.setSamplingInterval', { interval: 200 });
-await session.post('Profiler.start');
+if (profiling) {
+  session.connect();
+  await session.post('Profiler.enable');
+  await session.post('Profiler.setSamplingInterval', { interval: 200 });
+  await session.post('Profiler.start');
+}
 const cpu0 = process.cpuUsage();
 // bench_step runs 20 warm-up steps before the timed ones (worker-wasm/src/bench.rs).
 const result = JSON.parse(w.bench_step(model, batch, 2, steps, kernel, 'auto'));
 const cpu = process.cpuUsage(cpu0);
+const cpuStepMs = (cpu.user + cpu.system) / 1000 / (20 + steps);
+console.log(`${model}, batch ${batch}, kernel ${kernel}, ${pkg}`);
+console.log(`step() wall median ${result.step_ms_median.toFixed(1)} ms; CPU ${cpuStepMs.toFixed(1)} ms per step (${20 + steps} steps with the warm-up)`);
+if (!profiling) process.exit(0);
 const { profile } = await session.post('Profiler.stop');
 session.disconnect();
 
@@ -79,13 +88,10 @@ for (const [id, us] of selfUs) {
     gemmBy.set(caller, (gemmBy.get(caller) || 0) + us);
   }
 }
-const cpuStepMs = (cpu.user + cpu.system) / 1000 / (20 + steps);
 // The profiler's samples are wall time (a loaded machine stretches them all alike): a
 // function's share of the samples times the CPU time per step.
 const perStep = (us) => ((us / total) * cpuStepMs).toFixed(2).padStart(8);
 const share = (us) => `${((100 * us) / total).toFixed(1).padStart(5)}%`;
-console.log(`${model}, batch ${batch}, kernel ${kernel}, ${pkg}`);
-console.log(`step() wall median ${result.step_ms_median.toFixed(1)} ms; CPU ${cpuStepMs.toFixed(1)} ms per step (${20 + steps} steps with the warm-up)`);
 console.log('\n| share | CPU ms per step | function (self time) |\n|---|---|---|');
 for (const [name, us] of [...fnSelf].sort((a, b) => b[1] - a[1]).slice(0, top)) {
   console.log(`| ${share(us)} | ${perStep(us)} | ${name} |`);
