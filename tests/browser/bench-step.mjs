@@ -7,7 +7,12 @@
 // in-memory loopback shards, and the bundle size.
 //
 //   cargo xtask bench-browser        (builds what it needs, then runs this script)
-//   node tests/browser/bench-step.mjs [--rounds 5] [--tab-seconds 10]
+//   node tests/browser/bench-step.mjs [--rounds 5] [--tab-seconds 10] [--before DIR]
+//
+// `--before DIR` adds another commit's builds to the same rounds, for a before/after of a
+// change: DIR/pkg holds that commit's web/pkg bundle (its .wasm and JS glue; copied to
+// web/pkg/before to be served) and DIR/step_time, if present, its native step_time; they show
+// as the build `simd128 (before)` and native `before`.
 //
 // Needs: web/pkg (cargo xtask build-web; web/pkg/relaxed for the relaxed-SIMD rows, web/pkg/gemm
 // for the gemm crate's row: cargo xtask bench-browser builds both),
@@ -35,6 +40,7 @@ import {
 const NATIVE = {
   avx2: path.join(TARGET, 'release/examples/step_time'),
   sse2: path.join(TARGET, 'sse2/release/examples/step_time'),
+  before: null,
 };
 const LIMIT_S = Number(process.env.BENCH_TIMEOUT_S || 1200);
 
@@ -44,6 +50,10 @@ const flag = (name, def) => {
   return i >= 0 && argv[i + 1] !== undefined ? Number(argv[i + 1]) : def;
 };
 const ROUNDS = flag('--rounds', 5);
+const BEFORE = (() => {
+  const i = argv.indexOf('--before');
+  return i >= 0 ? argv[i + 1] : null;
+})();
 const TAB_S = flag('--tab-seconds', 10);
 // Sparse-input choices timed per kernel: `off` (dense GEMM) and `auto` (sparse when the batch is
 // at most SPARSE_MAX_DENSITY nonzero: the synthetic batches are ~25%). The CNN's first layer
@@ -144,6 +154,20 @@ async function main() {
   if (fs.existsSync(path.join(WEB, 'pkg/gemm/crowdgrad_worker_wasm.js'))) {
     builds.push({ name: 'simd128+gemm-crate', wasm: '/pkg/gemm/crowdgrad_worker_wasm_bg.wasm', glue: '/pkg/gemm/crowdgrad_worker_wasm.js', only: ['gemm'] });
   }
+  if (BEFORE !== null) {
+    const src = path.resolve(BEFORE || '.');
+    const files = ['crowdgrad_worker_wasm_bg.wasm', 'crowdgrad_worker_wasm.js'];
+    for (const f of files) {
+      if (!fs.existsSync(path.join(src, 'pkg', f))) throw new Error(`--before: ${path.join(src, 'pkg', f)} missing`);
+    }
+    const dst = path.join(WEB, 'pkg/before');
+    fs.mkdirSync(dst, { recursive: true });
+    for (const f of files) fs.copyFileSync(path.join(src, 'pkg', f), path.join(dst, f));
+    // The page's default kernel only (and out of the density sweep, like the gemm crate's).
+    builds.unshift({ name: 'simd128 (before)', wasm: '/pkg/before/crowdgrad_worker_wasm_bg.wasm', glue: '/pkg/before/crowdgrad_worker_wasm.js', only: ['loadsplat'] });
+    if (fs.existsSync(path.join(src, 'step_time'))) NATIVE.before = path.join(src, 'step_time');
+  }
+  const natives = ['avx2', 'sse2', 'before'].filter((w) => (w === 'sse2' ? haveSse2 : w === 'before' ? !!NATIVE.before : true));
   const load = os.loadavg().map((l) => l.toFixed(1)).join(' / ');
   log(`load average ${load} on ${os.cpus().length} cores; ${ROUNDS} rounds`);
 
@@ -195,8 +219,7 @@ async function main() {
           ((wasmLoop[key] ||= {})[s.model] ||= []).push(s.loopback_samples_per_sec);
         }
       }
-      for (const which of ['avx2', 'sse2']) {
-        if (which === 'sse2' && !haveSse2) continue;
+      for (const which of natives) {
         for (const m of MODELS) {
           for (const sparse of sparseChoices(m)) {
             const n = await nativeRun(which, m, false, sparse);
@@ -306,12 +329,16 @@ async function main() {
     console.log(`| wasm ${key} | ${fmt(mlp)} | ${x(mlp, 'avx2', sparse, 'mlp:128')} | ${x(mlp, 'sse2', sparse, 'mlp:128')} | ${x(mlp, 'avx2', 'off', 'mlp:128')} | `
       + `${Number.isFinite(cnn) ? fmt(cnn) : ''} | ${x(cnn, 'avx2', sparse, 'cnn')} | ${x(cnn, 'sse2', sparse, 'cnn')} |`);
   }
-  // The gpt (issue 20): wasm against native AVX2, both with the default first-layer choice.
+  // The gpt (issue 20): wasm against native AVX2, both with the default first-layer choice;
+  // with --before, that commit's wasm against its own native too.
   const gptNative = median(((native['avx2/auto'] || {}).gpt) || []);
+  const gptBefore = median(((native['before/auto'] || {}).gpt) || []);
   console.log(`\ngpt (gpt:4,128,4,64, V = 256, batch 32 x 64 tokens): native AVX2 ${fmt(gptNative)} ms per step (${(2048 / (gptNative / 1e3)).toFixed(0)} tokens/s)`);
+  if (Number.isFinite(gptBefore)) console.log(`  native AVX2 (before): ${fmt(gptBefore)} ms per step (${(2048 / (gptBefore / 1e3)).toFixed(0)} tokens/s)`);
   for (const [key, per] of Object.entries(wasm)) {
     const g = median(per.gpt || []);
-    if (Number.isFinite(g)) console.log(`  wasm ${key}: ${fmt(g)} ms per step (${(2048 / (g / 1e3)).toFixed(0)} tokens/s), ${(g / gptNative).toFixed(2)}x native`);
+    const own = key.includes('(before)') && Number.isFinite(gptBefore) ? `, ${(g / gptBefore).toFixed(2)}x native (before)` : '';
+    if (Number.isFinite(g)) console.log(`  wasm ${key}: ${fmt(g)} ms per step (${(2048 / (g / 1e3)).toFixed(0)} tokens/s), ${(g / gptNative).toFixed(2)}x native${own}`);
   }
   console.log('\nsamples/s against the in-memory loopback shards (worker and shards on one thread), MLP:');
   for (const [key, per] of Object.entries(wasmLoop)) if (per['mlp:128']) console.log(`  wasm ${key}: ${median(per['mlp:128']).toFixed(0)}`);

@@ -5,9 +5,10 @@
 //!   which has a lane FMA) spends a lane shuffle on every multiply-accumulate; built with
 //!   `+relaxed-simd` it uses `f32x4.relaxed_madd`.
 //! - [`Gemm::LoadSplat`]: our own kernel in the shape XNNPACK uses for wasm: B in 8-column
-//!   panels (read in place when B is row-major, packed otherwise: the weights of a forward pass
-//!   are read where they are, a transposed weight is packed once per product), A read in place
-//!   (row-major or transposed; a partial last group of rows is packed with zeros), and a 4x8
+//!   panels (read in place when B is row-major and at most one block of `MC` rows of A passes
+//!   over it, as in the MLP's batch of 32; packed once per depth pass otherwise), A read in
+//!   place when row-major, packed a block of `MC` rows at a time when transposed and more than
+//!   one B panel reads it (a partial last group of rows packed with zeros), and a 4x8
 //!   micro-kernel that broadcasts each A scalar with one `v128.load32_splat` and multiply-adds
 //!   it into two B vectors: 8 accumulators, no shuffle in the loop. Depth is cut in passes of
 //!   `KC` (256) like `matrixmultiply`'s, so long sums round like its. On wasm32 with
@@ -123,6 +124,11 @@ const MR: usize = 4;
 const NR: usize = 8;
 /// Rows of A packed at once: `MC x KC` floats (32 KiB) stay in L2 while every B panel passes
 /// over them, and one B panel (`KC x 8`, 8 KiB) stays in L1 across the `MC / MR` micro-panels.
+///
+/// In a `gpt` step (issue 20) packing B for every product of more than `MC` rows, and storing
+/// full tiles as vectors, took the wasm step from 369 to 262 ms of CPU (V8, load ~9):
+/// in place, the panels' rows are `ld` apart, and a transformer's power-of-two widths put
+/// them in a few L1 sets.
 const MC: usize = 32;
 /// Depth of one pass: each output sums `KC` products in a register, then adds them to C
 /// (like `matrixmultiply`'s `kc`), which bounds the packing buffers and keeps long sums (an
@@ -169,6 +175,17 @@ pub(super) mod lanes {
     }
 
     #[inline(always)]
+    pub fn add(a: F4, b: F4) -> F4 {
+        f32x4_add(a, b)
+    }
+
+    /// Writes the four lanes to `s[..4]`; LLVM makes it one `v128.store`.
+    #[inline(always)]
+    pub fn store(v: F4, s: &mut [f32]) {
+        s[..4].copy_from_slice(&to_array(v));
+    }
+
+    #[inline(always)]
     pub fn to_array(v: F4) -> [f32; 4] {
         [
             f32x4_extract_lane::<0>(v),
@@ -207,6 +224,16 @@ pub(super) mod lanes {
             a[2] * b[2] + c[2],
             a[3] * b[3] + c[3],
         ]
+    }
+
+    #[inline(always)]
+    pub fn add(a: F4, b: F4) -> F4 {
+        [a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3]]
+    }
+
+    #[inline(always)]
+    pub fn store(v: F4, s: &mut [f32]) {
+        s[..4].copy_from_slice(&v);
     }
 
     #[inline(always)]
@@ -348,8 +375,12 @@ fn load_splat(
         return;
     }
     let panels = n.div_ceil(NR);
-    // Row-major B is read in place, except a last, partial panel; other layouts are packed.
-    let in_place = bcs == 1;
+    // Row-major B is read in place when one block of A rows passes over it (except a last,
+    // partial panel); else it is packed, once per depth pass: every block of `MC` rows reads
+    // all of it again, and its rows in place are `ld` apart, which for the power-of-two widths
+    // of a transformer (`ld` = 128, 384, 512) falls in a few cache sets and leaves L1 between
+    // micro-panels. Other layouts are always packed.
+    let in_place = bcs == 1 && m <= MC;
     let packed_panels = if in_place {
         usize::from(!n.is_multiple_of(NR))
     } else {
@@ -361,7 +392,14 @@ fn load_splat(
     if s.b.len() < need_b {
         s.b.resize(need_b, lanes::zero());
     }
-    let need_a = MR * kc_max;
+    // A transposed A (every weight gradient's, whose depth is the batch's rows) is packed a
+    // block of `MC` rows at a time when more than one B panel passes over it: in place, each
+    // step reads 4 values from a line `ld` apart, a few L1 sets for a power-of-two `ld`, and
+    // every panel misses again; packed, a micro-panel is one contiguous run. A row-major A is
+    // read in place (4 sequential rows; packing it cost more than it saved), with a partial
+    // last micro-panel packed.
+    let pack_block = panels > 1 && acs != 1;
+    let need_a = if pack_block { MC } else { MR } * kc_max;
     if s.a.len() < need_a {
         s.a.resize(need_a, 0.0);
     }
@@ -386,6 +424,9 @@ fn load_splat(
         while i0 < m {
             let mc = MC.min(m - i0);
             let micro = mc.div_ceil(MR);
+            if pack_block {
+                pack_a(&mut s.a[..micro * MR * kc], ak, ars, acs, kc, i0, mc);
+            }
             for jp in 0..panels {
                 let j0 = jp * NR;
                 let nr = NR.min(n - j0);
@@ -398,10 +439,13 @@ fn load_splat(
                 for ip in 0..micro {
                     let r0 = i0 + ip * MR;
                     let mr = MR.min(m - r0);
-                    // Full micro-panels read A where it is; a last, partial one is packed
-                    // with zero rows (as are layouts with no unit stride, which the model
-                    // does not make).
-                    let source = if mr == MR && acs == 1 {
+                    // A packed block is read from the packing buffer; otherwise full
+                    // micro-panels read A where it is and a last, partial one is packed with
+                    // zero rows (as are layouts with no unit stride, which the model does not
+                    // make).
+                    let source = if pack_block {
+                        PanelA::Packed(&s.a[ip * MR * kc..(ip + 1) * MR * kc])
+                    } else if mr == MR && acs == 1 {
                         PanelA::Rows(&ak[r0 * ars..], ars)
                     } else if mr == MR && ars == 1 {
                         PanelA::Columns(&ak[r0..], acs)
@@ -484,8 +528,24 @@ fn tile(a: impl Iterator<Item = [f32; MR]>, bs: impl Iterator<Item = (F4, F4)>) 
 }
 
 /// Writes the valid `mr x nr` corner of a tile to `c` (row stride `ldc`), adding `c` if `beta`
-/// is 1.
+/// is 1. A full tile's rows are stored (and added) as whole vectors: lane by lane, the store
+/// took as long as a 32-deep tile's products.
+#[inline(always)]
 fn store(acc: &[[F4; 2]; MR], c: &mut [f32], ldc: usize, mr: usize, nr: usize, beta: f32) {
+    if nr == NR {
+        for (r, v) in acc.iter().enumerate().take(mr) {
+            let row = &mut c[r * ldc..r * ldc + NR];
+            let (lo, hi) = row.split_at_mut(4);
+            if beta == 0.0 {
+                lanes::store(v[0], lo);
+                lanes::store(v[1], hi);
+            } else {
+                lanes::store(lanes::add(v[0], lanes::load(lo)), lo);
+                lanes::store(lanes::add(v[1], lanes::load(hi)), hi);
+            }
+        }
+        return;
+    }
     for (r, v) in acc.iter().enumerate().take(mr) {
         let (lo, hi) = (lanes::to_array(v[0]), lanes::to_array(v[1]));
         let row = &mut c[r * ldc..r * ldc + nr];
@@ -514,11 +574,19 @@ fn pack_a(out: &mut [f32], a: &[f32], rs: usize, cs: usize, k: usize, i0: usize,
                 }
             }
         } else if rs == 1 {
-            // Transposed: the MR values of one p are contiguous.
-            for (p, dst) in panel.chunks_exact_mut(MR).enumerate() {
-                let src = &a[p * cs + r0..p * cs + r0 + rows];
-                dst[..rows].copy_from_slice(src);
-                dst[rows..].fill(0.0);
+            // Transposed: the MR values of one p are contiguous. A full panel moves them as a
+            // fixed-size array (one vector load and store; a copy of `rows` values was a
+            // `memcpy` call per step on wasm32, 10% of a `gpt` step).
+            let (steps, _) = panel.as_chunks_mut::<MR>();
+            for (p, dst) in steps.iter_mut().enumerate() {
+                let src = &a[p * cs + r0..];
+                if rows == MR {
+                    dst.copy_from_slice(&src[..MR]);
+                } else {
+                    for (r, d) in dst.iter_mut().enumerate() {
+                        *d = if r < rows { src[r] } else { 0.0 };
+                    }
+                }
             }
         } else {
             for (p, dst) in panel.chunks_exact_mut(MR).enumerate() {
@@ -537,6 +605,15 @@ fn pack_a(out: &mut [f32], a: &[f32], rs: usize, cs: usize, k: usize, i0: usize,
 /// Packs columns `j0..j0 + 8` of B (`[p, j]` at `b[p * rs + j * cs]`), zero past column `n`.
 fn pack_b(out: &mut [F4], b: &[f32], rs: usize, cs: usize, k: usize, j0: usize, n: usize) {
     let nr = NR.min(n - j0);
+    if cs == 1 && nr == NR {
+        // Row-major, a full panel: two vector loads per step.
+        for (p, dst) in out.chunks_exact_mut(2).enumerate().take(k) {
+            let row = &b[p * rs + j0..p * rs + j0 + NR];
+            dst[0] = lanes::load(&row[..4]);
+            dst[1] = lanes::load(&row[4..]);
+        }
+        return;
+    }
     let mut row = [0.0f32; NR];
     for (p, dst) in out.chunks_exact_mut(2).enumerate().take(k) {
         for (j, v) in row.iter_mut().enumerate() {
