@@ -11,7 +11,7 @@
 //!   decode, the parameters stay finite, and an event that applied no push left the parameters
 //!   and version byte-identical (so every rejected push changed nothing).
 //! - [`reader`](reader::reader): any bytes, in any chunks, through the shard socket's own
-//!   WebSocket frame reader (`crowdgrad::shard::upgrade::FrameReader`) under any limits: every
+//!   WebSocket frame reader (server/src/shard/frames.rs, [`frames`]) under any limits: every
 //!   result is what the bytes say, and memory stays within the reader's stated limits
 //!   (counted by this crate's global allocator, [`reader::Counting`]).
 
@@ -22,6 +22,11 @@ use crowdgrad_core::session::{Action, PushGuard, Record, ShardSession, ShardSetu
 use crowdgrad_core::shard::{Consistency, Outcome, StalenessPolicy};
 use crowdgrad_core::wire::{self, Bye, ClientKind, Hello, Message, Report, PROTOCOL_VERSION};
 
+/// The shard socket's frame reader, the server's own source file compiled into this crate:
+/// it names nothing of the server crate (only `bytes` and tokio's `AsyncRead`), so the fuzz
+/// build does not compile the server and its dependencies.
+#[path = "../../server/src/shard/frames.rs"]
+pub mod frames;
 pub mod reader;
 
 /// Counts the allocations of the thread reading in the `reader` target (every other thread and

@@ -1,5 +1,6 @@
 //! The `reader` target: the shard socket's own WebSocket frame reader
-//! (`crowdgrad::shard::upgrade::FrameReader`, RFC 6455 client frames into messages) fed any
+//! (`server/src/shard/frames.rs`, compiled here as [`crate::frames`]: RFC 6455 client frames
+//! into messages) fed any
 //! bytes, delivered in any chunks as a socket would (with `Pending` between reads, and the
 //! stream ending cleanly or with an error), under any frame and message limits.
 //!
@@ -19,7 +20,7 @@
 //! little-endian), `n` (low 3 bits) and `n` chunk sizes (`u16`, 1..=8192, cycled), then the
 //! stream.
 
-use crowdgrad::shard::upgrade::{FrameReader, Read, ReadError, READ_CHUNK};
+use crate::frames::{FrameReader, Read, ReadError, READ_CHUNK};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::future::Future;

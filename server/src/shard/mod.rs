@@ -16,6 +16,7 @@
 
 pub mod demo;
 pub mod expiry;
+pub mod frames;
 pub mod handler;
 pub mod report;
 pub mod socket;
