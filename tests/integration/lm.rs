@@ -33,12 +33,15 @@ fn write_text(dir: &Path) {
 const MODEL: &str = "gpt:1,16,2,16";
 
 /// A real `crowdgrad serve` of the text in `dir` with every push spot-checked, pushes asked in
-/// `encoding`.
+/// `encoding`. Rounds of 4 local steps, not `serve`'s default `auto`: `auto` picks H from the
+/// machine's timing, so how many rounds (and checks) 60 steps make varied with the load (a
+/// loaded run once made 8 of the 10 checks waited for).
 fn serve(dir: &Path, encoding: &str) -> (Proc, String) {
     let mut c = crowdgrad();
     c.args(["serve", "--addr", "127.0.0.1:0", "--no-fetch"])
         .args(["--dataset", "toy-text", "--model", MODEL])
         .args(["--optimizer", "adamw", "--lr", "0.003", "--eval-every", "1"])
+        .args(["--local-steps", "4"])
         .args(["--spot-check", "1", "--push-encoding", encoding])
         .arg("--data-dir")
         .arg(dir);
