@@ -254,6 +254,43 @@ async fn finish(w: WorkerThread) -> crowdgrad_core::worker::WorkerStats {
 
 /// The final test accuracy after the workers are done (an evaluation of the last
 /// parameters).
+/// Two honest workers (`honest`), then after `head_start` a `poisoner`; waits (60 s at most)
+/// for the poisoner's quarantine and for everyone to finish. The status at the quarantine,
+/// the poisoner's summary, and the honest workers' stats.
+async fn honest_pair_and_poisoner(
+    url: &str,
+    honest: [WorkOptions; 2],
+    head_start: Duration,
+    poisoner: WorkOptions,
+) -> (
+    serde_json::Value,
+    crowdgrad::error::Result<crowdgrad::worker::Summary>,
+    Vec<crowdgrad_core::worker::WorkerStats>,
+) {
+    let workers: Vec<WorkerThread> = honest.into_iter().map(WorkerThread::spawn).collect();
+    wait_for(url, Duration::from_secs(30), "the honest workers", |s| {
+        s["workers_connected"].as_u64().unwrap_or(0) >= 2
+    })
+    .await;
+    tokio::time::sleep(head_start).await;
+    let bad = WorkerThread::spawn(poisoner);
+    let s = wait_for(
+        url,
+        Duration::from_secs(60),
+        "the poisoner's quarantine",
+        |s| s["reputation"]["quarantined"].as_u64().unwrap_or(0) >= 1,
+    )
+    .await;
+    let poison = tokio::task::spawn_blocking(move || bad.join())
+        .await
+        .expect("join");
+    let mut stats = Vec::new();
+    for w in workers {
+        stats.push(finish(w).await);
+    }
+    (s, poison, stats)
+}
+
 async fn accuracy(url: &str) -> f64 {
     tokio::time::sleep(Duration::from_millis(700)).await;
     let s = wait_for(url, Duration::from_secs(10), "an evaluation", |s| {
@@ -378,31 +415,15 @@ async fn issue_21_sub_bound_poison_is_quarantined_and_the_run_trains_on() {
         o.step_delay = Duration::from_millis(10);
         o
     };
-    let workers = vec![
-        WorkerThread::spawn(paced("a", 1200)),
-        WorkerThread::spawn(paced("b", 1200)),
-    ];
-    wait_for(&url, Duration::from_secs(30), "the honest workers", |s| {
-        s["workers_connected"].as_u64().unwrap_or(0) >= 2
-    })
-    .await;
     let mut o = paced("poisoner", 300);
     o.fault = Some(Fault::SignFlip(5.0));
-    let bad = WorkerThread::spawn(o);
-    let s = wait_for(
+    let (s, poison, stats) = honest_pair_and_poisoner(
         &url,
-        Duration::from_secs(60),
-        "the poisoner's quarantine",
-        |s| s["reputation"]["quarantined"].as_u64().unwrap_or(0) >= 1,
+        [paced("a", 1200), paced("b", 1200)],
+        Duration::ZERO,
+        o,
     )
     .await;
-    let poison = tokio::task::spawn_blocking(move || bad.join())
-        .await
-        .expect("join");
-    let mut stats = Vec::new();
-    for w in workers {
-        stats.push(finish(w).await);
-    }
     let (a, r, share) = acceptance(&stats);
     let acc = accuracy(&url).await;
     let poison_accepted = poison.as_ref().map_or(0, |p| p.stats.pushes_accepted);
@@ -891,34 +912,17 @@ async fn issue_21_a_round_push_poisoner_at_local_steps_auto_is_quarantined_and_r
         o.threads = 1;
         o
     };
-    let workers = vec![
-        WorkerThread::spawn(timed("a", 20)),
-        WorkerThread::spawn(timed("b", 20)),
-    ];
-    wait_for(&url, Duration::from_secs(30), "the honest workers", |s| {
-        s["workers_connected"].as_u64().unwrap_or(0) >= 2
-    })
-    .await;
-    // Once the run has learnt something worth wrecking.
-    tokio::time::sleep(Duration::from_secs(4)).await;
     let mut o = timed("poisoner", 60);
     o.fault = Some(Fault::SignFlip(2.0));
     o.identity = Some("round-poisoner-identity-0123456789".into());
-    let bad = WorkerThread::spawn(o);
-    let s = wait_for(
+    // The poisoner joins once the run has learnt something worth wrecking.
+    let (s, poison, stats) = honest_pair_and_poisoner(
         &url,
-        Duration::from_secs(60),
-        "the poisoner's quarantine",
-        |s| s["reputation"]["quarantined"].as_u64().unwrap_or(0) >= 1,
+        [timed("a", 20), timed("b", 20)],
+        Duration::from_secs(4),
+        o,
     )
     .await;
-    let poison = tokio::task::spawn_blocking(move || bad.join())
-        .await
-        .expect("join");
-    let mut stats = Vec::new();
-    for w in workers {
-        stats.push(finish(w).await);
-    }
     let (a, r, share) = acceptance(&stats);
     let acc = accuracy(&url).await;
     let end = status(&url).await;

@@ -205,16 +205,8 @@ impl Cursor {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::registry::ledger::tests::applied;
     use crowdgrad_core::wire::ErrorCode;
-
-    fn applied() -> Outcome {
-        Outcome::Applied {
-            version: 1,
-            staleness: 0,
-            lr_scale: 1.0,
-            merged: 1,
-        }
-    }
 
     #[test]
     fn a_lost_answer_is_handed_out_again_and_applied_once() {

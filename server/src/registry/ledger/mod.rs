@@ -740,13 +740,14 @@ pub struct Board {
 pub const BOARD_TEAMS: usize = 10;
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::db::Db;
     use super::*;
     use crowdgrad_core::wire::ErrorCode;
     use std::path::PathBuf;
 
-    fn applied() -> Outcome {
+    /// An applied push's outcome (the registry's tests share it).
+    pub(crate) fn applied() -> Outcome {
         Outcome::Applied {
             version: 1,
             staleness: 0,
