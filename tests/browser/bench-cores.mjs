@@ -24,7 +24,7 @@ import fs from 'node:fs';
 import path from 'node:path';
 import {
   CHROMIUM, SERVER, WEB, deadline, freePort, killChildrenOnExit, openBrowser, runCapture, sleep,
-  startServer, stopChild, tmpDir, waitFor,
+  SENTENCES, startServer, stopChild, tmpDir, waitFor,
 } from './harness.mjs';
 
 const argv = process.argv.slice(2);
@@ -75,7 +75,11 @@ async function main() {
     if (!fs.existsSync(f)) throw new Error(`missing ${f}`);
   }
   const port = await freePort();
-  const server = await startServer(port, 'bench-cores', MODEL_ARGS, { timeoutMs: 120_000, say: log });
+  // The language model reads data/sentences: the default data dir (data/mnist) would get the
+  // corpus fetched into it, and MNIST runs after it would load text (seen once: every test
+  // then trained "mlp 65-128-256").
+  const server = await startServer(port, 'bench-cores', MODEL_ARGS,
+    { timeoutMs: 120_000, say: log, ...(MODEL ? { dataDir: SENTENCES } : {}) });
   const { base, status: st } = server;
   if (RENICE) await renice(String(server.pid));
   const dir = tmpDir('crowdgrad-bench-cores-');

@@ -497,6 +497,24 @@ pub fn ensure(
     text: &TextConfig,
     model: &str,
 ) -> Result<TrainTest> {
+    // A directory with both an image dataset and text is ambiguous: refuse it rather than
+    // guess (the sentences once fetched into data/mnist made every later MNIST run load
+    // text). Nor is the corpus fetched into a directory of images.
+    if path.is_dir() && super::data::files(path).is_some() {
+        if is_text(path) {
+            return Err(Error::Config(format!(
+                "{} holds both image data ({} files) and text ({TRAIN_TXT}, {VALID_TXT}): keep one dataset per directory",
+                path.display(),
+                dataset
+            )));
+        }
+        if dataset == "sentences" {
+            return Err(Error::Config(format!(
+                "--dataset sentences: {} holds image data; give the corpus a directory of its own (--data-dir data/sentences)",
+                path.display()
+            )));
+        }
+    }
     if dataset == "sentences" && !is_text(path) && fetch {
         tracing::info!(dir = %path.display(), "fetching the sentences corpus ({SENTENCES_NPM})");
         fetch_sentences(path)?;
@@ -515,6 +533,33 @@ pub fn default_dir(dataset: &str) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_directory_of_images_and_text_is_refused_and_gets_no_corpus() {
+        let d = temp("both");
+        for n in super::super::data::NPY_FILES {
+            std::fs::write(d.join(n), b"x").unwrap();
+        }
+        let cfg = TextConfig::default();
+        let err = ensure(&d, "sentences", true, &cfg, "gpt")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("holds image data") && err.contains("data/sentences"),
+            "{err}"
+        );
+        assert!(!d.join(TRAIN_TXT).exists(), "nothing fetched");
+        std::fs::write(d.join(TRAIN_TXT), "abc\n").unwrap();
+        std::fs::write(d.join(VALID_TXT), "abc\n").unwrap();
+        let err = ensure(&d, "mnist", false, &cfg, "mlp")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("both image data") && err.contains(TRAIN_TXT),
+            "{err}"
+        );
+        let _ = std::fs::remove_dir_all(&d);
+    }
 
     fn temp(name: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("cg-text-{name}-{}", std::process::id()));
