@@ -729,8 +729,13 @@ async fn issue_21_detected_poison_is_rolled_back() {
     println!("{}", describe("rollback", &r));
     let s = &r.status["spot_checks"];
     assert_eq!(r.status["reputation"]["quarantined"], 1);
-    assert!(s["rollbacks"].as_u64().unwrap_or(0) >= 1, "a rollback: {s}");
-    assert!(s["poisoned_undone"].as_u64().unwrap_or(0) >= 1, "{s}");
+    // The poisoner's first push can also be judged before any of its pushes was applied
+    // (seen once in a full run: 0 applied, quarantined, nothing to undo); then there is no
+    // rollback to see, and the run must simply train on.
+    if r.poisoned > 0 {
+        assert!(s["rollbacks"].as_u64().unwrap_or(0) >= 1, "a rollback: {s}");
+        assert!(s["poisoned_undone"].as_u64().unwrap_or(0) >= 1, "{s}");
+    }
     assert_eq!(s["dropped_queue"], 0, "no check dropped: {s}");
     assert!(r.accuracy > 0.85, "the run trains on: {}", r.accuracy);
 }
