@@ -181,6 +181,10 @@ pub struct Faults {
     /// (with [`Collusion::Seeded`], the version is unused and the vector is the cached
     /// [`collusion_vector`]).
     shared: Vec<Option<(u64, Vec<f32>)>>,
+    /// Pushes each participant sends unchanged before its fault begins ([`Faults::honest_first`]).
+    honest: u64,
+    /// Pushes each participant sent so far (counted up to `honest`).
+    pushed: Vec<u64>,
 }
 
 impl Faults {
@@ -192,7 +196,17 @@ impl Faults {
             collusion,
             first: vec![vec![None; shards]; participants],
             shared: vec![None; shards],
+            honest: 0,
+            pushed: vec![0; participants],
         }
+    }
+
+    /// Every participant's first `pushes` pushes (over all shards) pass unchanged: a patient
+    /// attacker that earns trust with honest pushes before its fault begins (`work
+    /// --fault-after`, issue 21's probation).
+    pub fn honest_first(mut self, pushes: u64) -> Self {
+        self.honest = pushes;
+        self
     }
 
     /// Rewrites a push frame of participant `p` as a worker with `fault` would send it; other
@@ -216,6 +230,12 @@ impl Faults {
         else {
             return (frame, false);
         };
+        if let Some(n) = self.pushed.get_mut(p) {
+            if *n < self.honest {
+                *n += 1;
+                return (frame, false);
+            }
+        }
         let mut g: Vec<f32> = grad.iter().collect();
         if g.is_empty() {
             return (frame, false);
@@ -339,6 +359,22 @@ mod tests {
         ] {
             assert!(matches!(Fault::parse(t), Err(Error::Config(_))), "{t:?}");
         }
+    }
+
+    /// `--fault-after N`: a participant's first N pushes pass unchanged, the rest are faulty.
+    #[test]
+    fn a_patient_participant_sends_its_first_pushes_unchanged() {
+        let g = [1.0f32, -2.0];
+        let mut rng = Rng::new(1);
+        let mut f = Faults::new(Collusion::Shared, 1, 2).honest_first(3);
+        for i in 0..3 {
+            let (out, bad) = f.corrupt(0, push(i % 2, 3, &g), Fault::SignFlip(1.0), &mut rng);
+            assert!(!bad);
+            assert_eq!(grad(&out).1, g.to_vec());
+        }
+        let (out, bad) = f.corrupt(0, push(1, 3, &g), Fault::SignFlip(1.0), &mut rng);
+        assert!(bad);
+        assert_eq!(grad(&out).1, vec![-1.0, 2.0]);
     }
 
     #[test]

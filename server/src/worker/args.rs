@@ -71,6 +71,11 @@ pub struct WorkArgs {
     /// from the run's seed). Applies to every thread.
     #[arg(long)]
     pub fault: Option<String>,
+    /// With --fault: send the first N pushes (over all shards) honestly, then the fault: a
+    /// patient attacker that passes its spot-check probation first. Per thread; restarts
+    /// with a reconnect.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub fault_after: u64,
 }
 
 impl WorkArgs {
@@ -85,6 +90,7 @@ impl WorkArgs {
                 .map_err(|e| Error::Config(format!("--fault: {e}")))?;
             opts.fault = Some(f);
         }
+        opts.fault_after = self.fault_after;
         opts.threads = self.threads.unwrap_or_else(default_threads);
         let secs = |flag: &str, v: f64| {
             if v.is_finite() && (0.05..=86_400.0).contains(&v) {

@@ -47,6 +47,9 @@ pub struct WorkOptions {
     /// with the labels permuted. Nothing in the join or the Hello says so: the server has to
     /// find out by itself. Applies to every thread.
     pub fault: Option<Fault>,
+    /// Pushes sent honestly before the fault begins (`--fault-after`): a patient attacker
+    /// that first earns the server's trust. Per thread and session.
+    pub fault_after: u64,
 }
 
 /// How long the worker waits for the network before it gives the session up and reconnects.
@@ -93,6 +96,7 @@ impl WorkOptions {
             timeouts: Timeouts::default(),
             threads: 1,
             fault: None,
+            fault_after: 0,
         }
     }
 }

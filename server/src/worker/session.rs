@@ -231,13 +231,14 @@ fn shard_urls(worker: &Worker, ws: &str) -> Vec<String> {
 fn push_faults(
     worker: &Worker,
     fault: Option<Fault>,
+    honest_first: u64,
     shards: usize,
 ) -> Option<(Fault, Faults, Rng)> {
     fault.filter(|f| *f != Fault::ShuffledLabels).map(|f| {
         let seed = worker.join_info().run.seed;
         (
             f,
-            Faults::new(Collusion::Seeded(seed), 1, shards),
+            Faults::new(Collusion::Seeded(seed), 1, shards).honest_first(honest_first),
             Rng::new(jitter_seed()),
         )
     })
@@ -279,7 +280,7 @@ pub(super) async fn drive(
     let (step_delay, max_backoff) = (lp.opts.step_delay, lp.opts.max_backoff);
     let shards = shard_urls(worker, lp.ws);
     let id = worker.join_info().worker_id;
-    let mut faulty = push_faults(worker, lp.opts.fault, shards.len());
+    let mut faulty = push_faults(worker, lp.opts.fault, lp.opts.fault_after, shards.len());
     // Connect to every shard concurrently, within the connect deadline, unless told to stop.
     let conns = futures_util::future::join_all(shards.iter().map(|u| connect_shard(net, u)));
     let conns = tokio::select! {
