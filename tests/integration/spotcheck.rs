@@ -367,9 +367,13 @@ async fn a_noise_worker_is_caught_by_its_first_spot_check() {
 /// when the bystanders leave nothing is flushed, so the parameters are the initial ones byte
 /// for byte. (The check of its first shard's slice may fail before its push to the other shard
 /// is taken; that shard then expels it with nothing buffered.)
+/// With `--no-spot-check-hold`: by default a new identity's pushes are held until their
+/// check passes, so its noise is never buffered at all (`attacks::issue_21_a_fresh_...`);
+/// the drop rule is for a worker that passed its probation and then turns.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quarantined_workers_pending_sync_pushes_are_dropped() {
     let mut cfg = spot_config(1.0);
+    cfg.spot.hold = false;
     cfg.training.consistency = crowdgrad_core::shard::Consistency::Sync { k: 3 };
     // Longer than the spot check takes: the round is not forced through meanwhile.
     cfg.training.sync_timeout = 30.0;

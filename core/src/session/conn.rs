@@ -82,6 +82,16 @@ pub enum Record {
         /// Pushes dropped.
         pushes: usize,
     },
+    /// A push of a worker on probation was acknowledged and held for its spot check
+    /// ([`Sampling::Hold`]): not applied now; the checker applies it if it passes.
+    Held {
+        /// The pusher.
+        worker: u64,
+        /// Samples the push claims.
+        samples: u32,
+        /// Bytes of the Push frame.
+        bytes: usize,
+    },
 }
 
 /// One binary message for the driver to send: bytes of its own (`head`), followed, for a
@@ -552,6 +562,84 @@ impl ShardSession {
         true
     }
 
+    /// A push of a worker on probation, drawn for a check ([`Sampling::Hold`], issue 21):
+    /// decoded, handed to the checker as held, acknowledged at the shard's version, and not
+    /// applied. The checker applies it if its check passes ([`ShardState::apply_held`]); a
+    /// failed check quarantines the worker and the push is never applied. So no push of a
+    /// fresh identity moves the model before it was recomputed and found honest.
+    #[allow(clippy::too_many_arguments)]
+    fn hold(
+        &mut self,
+        shard: &mut impl ShardAccess,
+        request_id: u32,
+        base_version: u64,
+        samples: u32,
+        grad: wire::Payload<'_>,
+        tag: Option<wire::PushTag>,
+        bound: f64,
+        carried: f64,
+        frame_bytes: usize,
+        now: f64,
+    ) {
+        let worker = self.worker.unwrap_or_default();
+        let push = Some((samples, frame_bytes));
+        let mut copy = vec![0.0; grad.len()];
+        if let Err(e) = grad.copy_into(&mut copy) {
+            // The place the check held is given back.
+            shard.take_sample(None);
+            return self.fail(
+                shard,
+                request_id,
+                ErrorCode::from(&e),
+                e.to_string(),
+                push,
+                now,
+            );
+        }
+        let Some(tag) = tag else {
+            shard.take_sample(None);
+            let m = "a held push needs a PushTag meta".to_string();
+            return self.fail(shard, request_id, ErrorCode::Protocol, m, push, now);
+        };
+        if let Err((code, m)) =
+            shard.with(|s| s.screen_held(worker, request_id, base_version, &copy, samples))
+        {
+            shard.take_sample(None);
+            return self.fail(shard, request_id, code, m, push, now);
+        }
+        shard.take_sample(Some(SampledPush {
+            worker,
+            shard: self.cfg.id,
+            base_version,
+            samples,
+            tag,
+            pull_encoding: self.pull_encoding,
+            push_encoding: grad.encoding(),
+            error_bound: bound + carried,
+            grad: copy,
+            request_id,
+            held: true,
+            produced: None,
+        }));
+        // The worker's residual moved with the push: as if accepted.
+        self.last_bound = bound;
+        self.accepted_bound = bound;
+        let version = shard.with(|s| s.version());
+        self.actions.push_back(Action::Record(Record::Held {
+            worker,
+            samples,
+            bytes: frame_bytes,
+        }));
+        self.send(wire::encode(&Message::Ack {
+            request_id,
+            shard: self.cfg.id,
+            version,
+            staleness: version
+                .saturating_sub(base_version)
+                .min(u64::from(u32::MAX)) as u32,
+        }));
+    }
+
     fn frame(&mut self, shard: &mut impl ShardAccess, bytes: &[u8], now: f64) {
         let id = self.cfg.id;
         let msg = match wire::decode(bytes, self.cfg.frame_limit()) {
@@ -745,6 +833,20 @@ impl ShardSession {
                 if let Sampling::Busy(m) = sampled {
                     return self.fail(shard, request_id, ErrorCode::Busy, m, push, now);
                 }
+                if sampled == Sampling::Hold {
+                    return self.hold(
+                        shard,
+                        request_id,
+                        base_version,
+                        samples,
+                        grad,
+                        tag,
+                        bound,
+                        carried,
+                        bytes.len(),
+                        now,
+                    );
+                }
                 let (outcome, nonzero, clipped) = shard.with(|s| {
                     let o = s.push(worker, request_id, base_version, grad, samples, now);
                     (o, s.last_push_nonzero, s.last_push_clipped)
@@ -768,6 +870,13 @@ impl ShardSession {
                             push_encoding: grad.encoding(),
                             error_bound: bound + carried,
                             grad: copy,
+                            request_id,
+                            held: false,
+                            produced: match &outcome {
+                                Outcome::Applied { version, .. } => Some(*version),
+                                Outcome::Buffered { version, .. } => Some(version + 1),
+                                Outcome::Rejected { .. } => None,
+                            },
                         }),
                         _ => None,
                     };
@@ -941,6 +1050,59 @@ mod tests {
         s.handle_frame(&mut sh, &tagged(5, 1, &[3.0, 1.0]), 0.0);
         assert_eq!(sent(&mut s), ["ack 5 v2"]);
         assert_eq!(sh.taken.len(), 2);
+    }
+
+    /// Issue 21: a push of a worker on probation drawn for a check (`Sampling::Hold`) is
+    /// acknowledged and handed over as held, and changes nothing until the checker applies
+    /// it (`apply_held`); its bytes are taken at once, so the same gradient pushed again while
+    /// it waits is refused as a replay, and a second apply of it changes nothing more.
+    #[test]
+    fn a_held_push_changes_nothing_until_the_checker_applies_it() {
+        let tagged = |rid: u32, v: u64, g: &[f32]| {
+            let tag = wire::PushTag {
+                batch: u64::from(rid),
+                versions: vec![v],
+            };
+            wire::encode_push_tagged(Encoding::F32, rid, 1, v, 8, g, None, &tag).unwrap()
+        };
+        let mut sh = Checking {
+            state: state(Consistency::Async, 2),
+            answer: Sampling::Hold,
+            taken: Vec::new(),
+        };
+        let mut s = ShardSession::new(*sh.state.config());
+        s.handle_frame(&mut sh, &hello(1, 7), 0.0);
+        assert_eq!(sent(&mut s), ["welcome 1"]);
+        s.handle_frame(&mut sh, &tagged(2, 0, &[1.0, 2.0]), 0.0);
+        assert_eq!(
+            sent(&mut s),
+            ["ack 2 v0"],
+            "acknowledged at the shard's version"
+        );
+        assert_eq!(
+            (sh.state.version(), &sh.state.values()[..]),
+            (0, &[0.0f32, 0.0][..]),
+            "not applied"
+        );
+        let held = sh.taken[0].clone().expect("handed over");
+        assert!(held.held && held.produced.is_none());
+        assert_eq!((held.request_id, &held.grad[..]), (2, &[1.0f32, 2.0][..]));
+        // The same bytes again while it waits: a replay, refused, not handed over.
+        s.handle_frame(&mut sh, &tagged(3, 0, &[1.0, 2.0]), 0.0);
+        assert_eq!(sent(&mut s), ["error 3 replayed"]);
+        assert!(sh.taken[1].is_none());
+        // The check passed: the checker applies it, as SGD at lr 1.
+        let (outcome, nonzero) = sh.state.apply_held(&held, 1.0);
+        assert!(
+            matches!(outcome, Outcome::Applied { version: 1, .. }),
+            "{outcome:?}"
+        );
+        assert!(nonzero);
+        assert_eq!(&sh.state.values()[..], &[-1.0f32, -2.0][..]);
+        // A second apply of the same push is refused: its request id was taken.
+        let (again, _) = sh.state.apply_held(&held, 2.0);
+        assert!(matches!(again, Outcome::Rejected { .. }), "{again:?}");
+        assert_eq!(sh.state.version(), 1);
     }
 
     /// How a row's shard (id 1, two values, plain SGD at learning rate 1) is set up.

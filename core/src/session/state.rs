@@ -64,6 +64,9 @@ pub struct ShardState {
     /// Whether the last push offered had a non-zero gradient (its norm was above 0): what
     /// [`crate::session::Record::Pushed`] carries as `nonzero`.
     pub(super) last_push_nonzero: bool,
+    /// Held pushes screened and not yet applied, (worker, request id), oldest first, at most
+    /// [`MAX_HELD`]: [`ShardState::apply_held`] applies each once.
+    held: std::collections::VecDeque<(u64, u32)>,
     /// Whether the last push was over the norm bound and scaled down to it (guard.rs docs):
     /// what [`crate::session::Record::Pushed`] carries as `clipped`.
     pub(super) last_push_clipped: bool,
@@ -130,6 +133,7 @@ impl ShardState {
             last_digest: 0,
             accepted: 0,
             last_push_nonzero: false,
+            held: std::collections::VecDeque::new(),
             last_push_clipped: false,
             clipped: 0,
             active: Default::default(),
@@ -400,6 +404,81 @@ impl ShardState {
     /// Validates `grad` (length, finite) into scratch, refuses replays (guard.rs module docs)
     /// and outliers, and applies it (rule 1 included).
     #[allow(clippy::too_many_arguments)]
+    /// A held push ([`Sampling::Hold`]) whose spot check passed, applied now as it would have
+    /// been when it arrived: request id and replay checks, the norm bound against the
+    /// reference of now, staleness from its base version, `lr / K`. Returns the outcome and
+    /// whether the gradient was nonzero (the ledger credits only those).
+    pub fn apply_held(&mut self, push: &SampledPush, now: f64) -> (Outcome, bool) {
+        let key = (push.worker, push.request_id);
+        let Some(i) = self.held.iter().position(|k| *k == key) else {
+            self.last_push_nonzero = false;
+            let message = format!(
+                "push {} of worker {} is not held here (applied already, or never screened)",
+                push.request_id, push.worker
+            );
+            return (
+                Outcome::Rejected {
+                    code: ErrorCode::Replayed,
+                    message,
+                },
+                false,
+            );
+        };
+        self.held.remove(i);
+        let bytes: Vec<u8> = push.grad.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let payload = wire::Payload::f32(&bytes);
+        let outcome = self.push_screened(
+            push.worker,
+            push.request_id,
+            push.base_version,
+            payload,
+            push.samples,
+            now,
+            true,
+        );
+        (outcome, self.last_push_nonzero)
+    }
+
+    /// Screens a push about to be held ([`Sampling::Hold`]) as [`ShardState::push`] screens
+    /// any push before it applies it: its request id follows the worker's last, its values
+    /// and sample count are within bounds, and its gradient was not pushed before. Its
+    /// request id and digest are taken now, so a replay of it while it waits for its check
+    /// is refused as one. [`ShardState::apply_held`] does not screen it again.
+    ///
+    /// # Errors
+    /// The refusal's code and message; nothing is taken then but the request id.
+    pub fn screen_held(
+        &mut self,
+        worker: u64,
+        request_id: u32,
+        base_version: u64,
+        grad: &[f32],
+        samples: u32,
+    ) -> Result<(), (ErrorCode, String)> {
+        self.check_request(worker, request_id)
+            .map_err(|m| (ErrorCode::Replayed, m))?;
+        self.scratch.clear();
+        self.scratch.extend_from_slice(grad);
+        let norm = self
+            .guard(samples)
+            .map_err(|m| (ErrorCode::OutOfBounds, m))?;
+        if norm > 0.0 {
+            let d = digest(&self.scratch);
+            if base_version <= self.core.version() && self.seen_digest(worker, d) {
+                return Err((
+                    ErrorCode::Replayed,
+                    "this gradient was pushed before".into(),
+                ));
+            }
+            self.note_digest(worker, d);
+        }
+        if self.held.len() >= MAX_HELD {
+            self.held.pop_front();
+        }
+        self.held.push_back((worker, request_id));
+        Ok(())
+    }
+
     pub(super) fn push(
         &mut self,
         worker: u64,
@@ -409,13 +488,31 @@ impl ShardState {
         samples: u32,
         now: f64,
     ) -> Outcome {
+        self.push_screened(worker, request_id, base_version, grad, samples, now, false)
+    }
+
+    /// [`ShardState::push`]; `screened` when [`ShardState::screen_held`] already took its
+    /// request id and digest.
+    #[allow(clippy::too_many_arguments)]
+    fn push_screened(
+        &mut self,
+        worker: u64,
+        request_id: u32,
+        base_version: u64,
+        grad: Payload<'_>,
+        samples: u32,
+        now: f64,
+        screened: bool,
+    ) -> Outcome {
         self.last_digest = 0;
         self.last_push_clipped = false;
-        if let Err(message) = self.check_request(worker, request_id) {
-            return Outcome::Rejected {
-                code: ErrorCode::Replayed,
-                message,
-            };
+        if !screened {
+            if let Err(message) = self.check_request(worker, request_id) {
+                return Outcome::Rejected {
+                    code: ErrorCode::Replayed,
+                    message,
+                };
+            }
         }
         if let Err(e) = grad.copy_into(&mut self.scratch) {
             return Outcome::Rejected {
@@ -439,7 +536,11 @@ impl ShardState {
         // The same nonzero gradient twice is a replay, whatever its request id or connection.
         // (A push from a future version is left to the core, which refuses it as such.)
         let d = if norm > 0.0 { digest(&self.scratch) } else { 0 };
-        if norm > 0.0 && base_version <= self.core.version() && self.seen_digest(worker, d) {
+        if !screened
+            && norm > 0.0
+            && base_version <= self.core.version()
+            && self.seen_digest(worker, d)
+        {
             return Outcome::Rejected {
                 code: ErrorCode::Replayed,
                 message: "this gradient was pushed before".into(),
@@ -506,7 +607,9 @@ impl ShardState {
                 if !clipped {
                     self.note_accepted(worker, norm, now);
                 }
-                self.note_digest(worker, d);
+                if !screened {
+                    self.note_digest(worker, d);
+                }
             }
             self.last_digest = d;
             self.clock.tick(worker, now);
@@ -596,7 +699,20 @@ pub struct SampledPush {
     pub error_bound: f64,
     /// The decoded gradient slice.
     pub grad: Vec<f32>,
+    /// The push's request id (a held push is applied with it, [`ShardState::apply_held`]).
+    pub request_id: u32,
+    /// Held, not applied: the push of a worker on probation waits for its check's verdict
+    /// ([`Sampling::Hold`]), and the checker applies it if it passes.
+    pub held: bool,
+    /// The version the push produced when it was applied (a `sync:K` push: the version its
+    /// round will produce); `None` when held. A pass marks it verified: a rollback past its
+    /// worker's pushes need not undo it.
+    pub produced: Option<u64>,
 }
+
+/// Held pushes a shard remembers as screened and not yet applied ([`ShardState::screen_held`]):
+/// far more than the checker's queue holds at once (a push that waits longer is applied never).
+pub const MAX_HELD: usize = 4096;
 
 /// The answer to [`ShardAccess::sample`], before a tagged push is applied.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -606,6 +722,10 @@ pub enum Sampling {
     /// Checked: the driver holds a place for the check; the push is applied, then handed
     /// over ([`ShardAccess::take_sample`]).
     Yes,
+    /// Checked before it is applied (a worker on probation, issue 21): the push is
+    /// acknowledged, not applied, and handed over as held ([`SampledPush::held`]); the checker
+    /// applies it with [`ShardState::apply_held`] if it passes, and drops it if it fails.
+    Hold,
     /// Drawn for a check the driver cannot take now (its queue is full): the push is
     /// refused `busy` and not applied; the text says why.
     Busy(String),

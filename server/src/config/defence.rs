@@ -81,6 +81,12 @@ pub struct SpotArgs {
     /// otherwise, and with this flag, the run heals by training on.
     #[arg(long)]
     pub no_spot_check_rollback: bool,
+    /// Apply the pushes of workers on probation (their first 4 checks) before their check,
+    /// as every other checked push, instead of holding them until it passes. For lessons and
+    /// comparisons only: a fresh identity's poison then lands before its verdict and needs a
+    /// rollback (docs/defences.md, "Probation").
+    #[arg(long)]
+    pub no_spot_check_hold: bool,
     /// Quarantine a worker after this many refused frames within --quarantine-window
     /// (too_stale and busy never count, out_of_bounds only with --quarantine-out-of-bounds);
     /// 0 turns it off. A failed spot check always quarantines.
@@ -110,6 +116,9 @@ pub struct SpotConfig {
     pub history: Option<usize>,
     /// Roll a shard back past a quarantined poisoner's pushes (`--spot-check-rollback`).
     pub rollback: bool,
+    /// Hold a worker's pushes on probation until their check passes (`--no-spot-check-hold`
+    /// turns it off).
+    pub hold: bool,
     /// When refusals quarantine.
     pub quarantine: QuarantinePolicy,
 }
@@ -122,6 +131,7 @@ impl Default for SpotConfig {
             norm_tol: DEFAULT_NORM_TOL,
             history: None,
             rollback: true,
+            hold: true,
             quarantine: QuarantinePolicy::default(),
         }
     }
@@ -187,6 +197,7 @@ impl SpotArgs {
             norm_tol: self.spot_check_norm_tol,
             history,
             rollback: !self.no_spot_check_rollback,
+            hold: !self.no_spot_check_hold,
             quarantine: QuarantinePolicy {
                 rejections: self.quarantine_rejections,
                 window: Duration::from_secs_f64(self.quarantine_window),

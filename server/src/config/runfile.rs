@@ -156,6 +156,11 @@ pub const KEYS: &[Key] = &[
         Kind::NotBool,
     ),
     key(
+        "defence.spot_check_hold",
+        "no_spot_check_hold",
+        Kind::NotBool,
+    ),
+    key(
         "defence.quarantine_rejections",
         "quarantine_rejections",
         Kind::Int,

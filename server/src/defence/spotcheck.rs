@@ -30,11 +30,21 @@
 //! - Probation: a worker that has passed fewer than [`PROBATION_CHECKS`] spot checks is
 //!   sampled at [`PROBATION_RATE`] (every push), holds at most [`PROBATION_PER_WORKER`] (one)
 //!   place in the checker's queue, and keeps it until its check's verdict: its next push
-//!   waits until the last was judged ("Pacing" below). So a new identity gets at most one
-//!   push applied unjudged, and a poisoner is quarantined (and that push rolled back where
-//!   the history allows) before its second. At 0.5 with places given back when the checker
-//!   took a job, each of 40 sybils got several poisoned pushes in. Honest newcomers pay
-//!   their first rounds' checks (4 passes: 2 rounds of a 2-shard model), once.
+//!   waits until the last was judged ("Pacing" below).
+//! - **Its pushes are held until they pass** ([`Sampling::Hold`]): screened as any push
+//!   (request id, values, replayed bytes; its digest taken at once, so a replay of it while
+//!   it waits is refused), acknowledged at the shard's version, handed to the checker, and
+//!   applied by the checker only if the check passes (`ShardControl::apply_held`, then booked
+//!   in the registry and ledger as the driver books any push: norm bound, staleness and
+//!   `lr / K` as of then). A failed check drops it. So no push of a fresh identity moves the
+//!   model before it was recomputed and found honest. The rule before (apply, then check)
+//!   let each new identity get one push in unjudged: at `serve`'s default `--local-steps
+//!   auto` that push is a round of up to thousands of inner steps, and 40 sybils, one round
+//!   each, took a 98% run to 37–97.6% (sign flips ×0.5/×2/×9) and huge pushes got 8–18 rounds
+//!   in before the norm bound had a reference (docs/benchmarks.md, "Attacks at serve's real
+//!   defaults"). The cost is the newcomer's: its first rounds land a check later (staler),
+//!   2 rounds of a 2-shard model, once. `--no-spot-check-hold` restores the old rule, for
+//!   lessons and comparisons. Counted: `held`, `held_applied`, `held_dropped`.
 //! - Before a tagged push is applied, the handler takes the parameters its tag names from the
 //!   shards' histories ([`SpotChecker::record`] keeps the last `--spot-check-history` versions
 //!   of every shard; [`SpotChecker::capture`]). A push whose tag names a version no longer kept
@@ -114,6 +124,13 @@
 //! `sync:K` round dropped, and the poisoner's norms out of the reference. Where `f − 1` is no
 //! longer held, the shard is left to heal by training on (`healed`).
 //!
+//! Pushes of the poisoner's that a passed check verified are skipped when the target is
+//! chosen (`verified`, bounded as the log): a patient poisoner's honest probation pushes
+//! (held, checked, then applied) and its later checked-and-passed ones are not poison, and a
+//! target before them would reach further back than the history holds (measured: a patient
+//! round poisoner at auto, rolled back on one shard and left to heal on the other, ended at
+//! 9.68%). Unchecked pushes between its passes are undone: a pass says nothing of them.
+//!
 //! The rule is "roll back whenever the history holds the version before the poison", so the
 //! history bounds the cost: at most `--spot-check-history` versions are undone, the honest
 //! ones among them included (their workers' next pushes are a few versions staler, nothing
@@ -159,6 +176,7 @@ use crowdgrad_core::data::{BatchSampler, Dataset};
 use crowdgrad_core::model::Model;
 use crowdgrad_core::optim::{self, clip_by_global_norm, OptState};
 use crowdgrad_core::session::{SampledPush, Sampling};
+use crowdgrad_core::shard::Outcome;
 use crowdgrad_core::spec::RunSpec;
 use crowdgrad_core::wire::PushTag;
 use ndarray::Array2;
@@ -221,6 +239,9 @@ struct Counters {
     versions_undone: AtomicU64,
     poisoned_undone: AtomicU64,
     healed: AtomicU64,
+    held: AtomicU64,
+    held_applied: AtomicU64,
+    held_dropped: AtomicU64,
 }
 
 /// Places in the checker's queue: taken before a push is fed to its session (the driver
@@ -281,6 +302,9 @@ pub trait ShardControl: Send + Sync {
     /// `ShardState::vouch`: `worker` has a say in this shard's norm reference from its next
     /// accepted push.
     fn vouch(&self, worker: u64);
+    /// Applies a held push whose check passed (`ShardState::apply_held`): its outcome and
+    /// whether it was nonzero; `None` when the shard is gone.
+    fn apply_held(&self, push: &SampledPush) -> Option<(Outcome, bool)>;
     /// Publishes `values`, the parameters of version `target`, as this shard's next version
     /// (optimizer state kept, the pending sync round dropped) and forgets `poisoner`'s norms.
     /// Returns the version before and the one published; `None` when the shard is gone, the
@@ -316,6 +340,10 @@ struct Shared {
     /// Every shard's recent applied pushes: (the version it produced, its worker), oldest
     /// first, at most `history` × [`APPLIED_PER_VERSION`].
     applied: Vec<Mutex<VecDeque<(u64, u64)>>>,
+    /// Every shard's recent pushes verified by a passed check, (version produced, worker),
+    /// bounded as `applied`: a rollback does not reach back past its worker's verified
+    /// pushes (module docs, "Rollback").
+    verified: Vec<Mutex<VecDeque<(u64, u64)>>>,
     slots: Mutex<Slots>,
     /// Woken when a place in the queue is given back ([`SpotChecker::wait_place`]).
     freed: tokio::sync::Notify,
@@ -355,6 +383,33 @@ fn below_undone(undone: &VecDeque<(u64, u64)>, first: u64) -> u64 {
 }
 
 impl Shared {
+    /// [`SpotChecker::applied`].
+    fn log_applied(&self, shard: u32, version: u64, worker: u64) {
+        Self::log(&self.applied, self.history, shard, version, worker);
+    }
+
+    /// `worker`'s push that produced `version` on `shard` passed its check.
+    fn log_verified(&self, shard: u32, version: u64, worker: u64) {
+        Self::log(&self.verified, self.history, shard, version, worker);
+    }
+
+    fn log(
+        logs: &[Mutex<VecDeque<(u64, u64)>>],
+        history: usize,
+        shard: u32,
+        version: u64,
+        worker: u64,
+    ) {
+        let Some(a) = logs.get(shard as usize) else {
+            return;
+        };
+        let mut a = a.lock().unwrap_or_else(|p| p.into_inner());
+        a.push_back((version, worker));
+        while a.len() > history.saturating_mul(APPLIED_PER_VERSION) {
+            a.pop_front();
+        }
+    }
+
     /// `worker` passed its probation ([`PROBATION_CHECKS`] checks, none failed: a failure
     /// quarantines): it has a say in every shard's norm reference without serving the
     /// shards' own probation (module docs, "Trust"). Again after every later pass, so a
@@ -384,10 +439,20 @@ impl Shared {
                 let Some(a) = self.applied.get(i) else {
                     continue;
                 };
+                // Its pushes a passed check verified are not poison: the rollback need not
+                // reach back past them (a patient poisoner's probation, say).
+                let verified: Vec<u64> = self.verified.get(i).map_or_else(Vec::new, |v| {
+                    v.lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .iter()
+                        .filter(|(_, w)| *w == poisoner)
+                        .map(|(v, _)| *v)
+                        .collect()
+                });
                 let a = a.lock().unwrap_or_else(|p| p.into_inner());
                 let mut versions: Vec<u64> = a
                     .iter()
-                    .filter(|(_, w)| *w == poisoner)
+                    .filter(|(v, w)| *w == poisoner && !verified.contains(v))
                     .map(|(v, _)| *v)
                     .collect();
                 versions.dedup();
@@ -516,6 +581,14 @@ pub struct SpotStatus {
     pub poisoned_undone: u64,
     /// Shards left to heal: the poisoner's first push there was older than the history held.
     pub healed: u64,
+    /// Pushes of workers on probation held for their check before being applied (module
+    /// docs, "Probation").
+    pub held: u64,
+    /// Held pushes whose check passed, then applied (or refused by the shard as any push).
+    pub held_applied: u64,
+    /// Held pushes never applied: their check failed or could not be made, or their worker
+    /// was quarantined meanwhile.
+    pub held_dropped: u64,
     /// The most recent checks' figures, oldest first.
     pub recent: Vec<Figure>,
 }
@@ -583,6 +656,7 @@ impl SpotChecker {
                 .map(|v| Mutex::new(VecDeque::from([v])))
                 .collect(),
             applied: (0..shards).map(|_| Mutex::new(VecDeque::new())).collect(),
+            verified: (0..shards).map(|_| Mutex::new(VecDeque::new())).collect(),
             undone: (0..shards).map(|_| Mutex::new(VecDeque::new())).collect(),
             slots: Mutex::new(Slots::default()),
             freed: tokio::sync::Notify::new(),
@@ -666,6 +740,10 @@ impl SpotChecker {
             return Sampling::Busy(
                 "this push was drawn for a spot check and the checker is busy: retry later".into(),
             );
+        }
+        if self.cfg.hold && self.shared.reputation.spot_passed(worker) < PROBATION_CHECKS {
+            self.shared.counters.held.fetch_add(1, Ordering::Relaxed);
+            return Sampling::Hold;
         }
         Sampling::Yes
     }
@@ -769,15 +847,24 @@ impl SpotChecker {
         Ok(params)
     }
 
-    /// A sampled push, applied, with the parameters [`SpotChecker::capture`] took: queues
-    /// the check in the place [`SpotChecker::sample`] held for it.
+    /// A sampled push, applied (or held, [`SampledPush::held`]), with the parameters
+    /// [`SpotChecker::capture`] took: queues the check in the place [`SpotChecker::sample`]
+    /// held for it.
     pub fn submit(&self, push: SampledPush, params: Vec<Arc<Vec<f32>>>) {
         self.shared.counters.sampled.fetch_add(1, Ordering::Relaxed);
         let worker = push.worker;
         // The places held never exceed the channel's room, so this fails only if the checker
         // thread is gone (it ends with the server).
+        let held = push.held;
         if self.tx.try_send(Job { push, params }).is_err() {
             self.shared.release(worker);
+            if held {
+                // Never applied unchecked.
+                self.shared
+                    .counters
+                    .held_dropped
+                    .fetch_add(1, Ordering::Relaxed);
+            }
             self.shared
                 .counters
                 .dropped_queue
@@ -796,14 +883,7 @@ impl SpotChecker {
     /// Shard `shard`'s push from `worker` produced `version` (a `sync:K` push: the version
     /// its round will produce): remembered, bounded, for a rollback.
     pub fn applied(&self, shard: u32, version: u64, worker: u64) {
-        let Some(a) = self.shared.applied.get(shard as usize) else {
-            return;
-        };
-        let mut a = a.lock().unwrap_or_else(|p| p.into_inner());
-        a.push_back((version, worker));
-        while a.len() > self.shared.history.saturating_mul(APPLIED_PER_VERSION) {
-            a.pop_front();
-        }
+        self.shared.log_applied(shard, version, worker);
     }
 
     /// The counters and recent figures.
@@ -830,6 +910,9 @@ impl SpotChecker {
             versions_undone: get(&c.versions_undone),
             poisoned_undone: get(&c.poisoned_undone),
             healed: get(&c.healed),
+            held: get(&c.held),
+            held_applied: get(&c.held_applied),
+            held_dropped: get(&c.held_dropped),
             recent: self
                 .shared
                 .recent
@@ -1008,6 +1091,12 @@ impl Checker {
                     .counters
                     .dropped_quarantined
                     .fetch_add(1, Ordering::Relaxed);
+                if job.push.held {
+                    self.shared
+                        .counters
+                        .held_dropped
+                        .fetch_add(1, Ordering::Relaxed);
+                }
                 self.shared.release(worker);
                 continue;
             }
@@ -1018,6 +1107,9 @@ impl Checker {
             let result = match verdict {
                 Verdict::Pass(f, steps) => {
                     c.passed.fetch_add(1, Ordering::Relaxed);
+                    if let Some(v) = job.push.produced {
+                        self.shared.log_verified(shard, v, worker);
+                    }
                     self.remember(worker, shard, steps, f, true);
                     passed = true;
                     CheckResult::Passed(f)
@@ -1035,6 +1127,15 @@ impl Checker {
                     CheckResult::Skipped
                 }
             };
+            // A held push is applied once found honest, before its worker's next push can
+            // take the place (so its pushes land in order), and dropped otherwise.
+            if job.push.held {
+                if passed {
+                    self.apply_held(&job.push);
+                } else {
+                    c.held_dropped.fetch_add(1, Ordering::Relaxed);
+                }
+            }
             let quarantined = self.shared.reputation.checked(worker, result);
             if passed && self.shared.reputation.spot_passed(worker) >= PROBATION_CHECKS {
                 self.shared.vouch(worker);
@@ -1046,6 +1147,47 @@ impl Checker {
             // the next push, which a worker on probation waited for.
             self.shared.release(worker);
         }
+    }
+
+    /// Applies a held push that passed on its shard, and books it as the driver books any
+    /// push: the registry's counters and ledger, a refusal in the reputation, the version in
+    /// the rollback log.
+    fn apply_held(&self, push: &SampledPush) {
+        let Some(control) = self
+            .shared
+            .controls
+            .get()
+            .and_then(|c| c.get(push.shard as usize))
+        else {
+            self.shared
+                .counters
+                .held_dropped
+                .fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        let Some((outcome, nonzero)) = control.apply_held(push) else {
+            return;
+        };
+        self.shared
+            .counters
+            .held_applied
+            .fetch_add(1, Ordering::Relaxed);
+        let (worker, shard) = (push.worker, push.shard);
+        let produced = match &outcome {
+            Outcome::Applied { version, .. } => Some(*version),
+            Outcome::Buffered { version, .. } => Some(version + 1),
+            Outcome::Rejected { .. } => None,
+        };
+        if let Some(v) = produced {
+            self.shared.log_applied(shard, v, worker);
+            self.shared.log_verified(shard, v, worker);
+        }
+        match &outcome {
+            Outcome::Applied { .. } | Outcome::Buffered { .. } => {}
+            Outcome::Rejected { code, .. } => self.shared.reputation.rejected(worker, *code),
+        }
+        self.registry
+            .pushed(shard, Some(worker), &outcome, push.samples, nonzero);
     }
 
     fn remember(&self, worker: u64, shard: u32, steps: u32, f: CheckFigures, passed: bool) {
@@ -1339,6 +1481,9 @@ mod tests {
 
     impl ShardControl for Arc<FakeShard> {
         fn vouch(&self, _worker: u64) {}
+        fn apply_held(&self, _push: &SampledPush) -> Option<(Outcome, bool)> {
+            None
+        }
         fn roll_back(&self, values: Vec<f32>, target: u64, _poisoner: u64) -> Option<(u64, u64)> {
             let mut v = self.version.lock().unwrap();
             let before = *v;
@@ -1366,6 +1511,7 @@ mod tests {
             reputation: Arc::new(Reputation::new(Default::default())),
             histories: vec![Mutex::new(VecDeque::new())],
             applied: vec![Mutex::new(VecDeque::new())],
+            verified: vec![Mutex::new(VecDeque::new())],
             undone: vec![Mutex::new(VecDeque::new())],
             slots: Mutex::new(Slots::default()),
             freed: tokio::sync::Notify::new(),
@@ -1509,6 +1655,7 @@ mod tests {
             spot_check_norm_tol: DEFAULT_NORM_TOL,
             spot_check_history: "64".into(),
             no_spot_check_rollback: false,
+            no_spot_check_hold: false,
             quarantine_rejections: 0,
             quarantine_out_of_bounds: false,
             quarantine_window: 60.0,

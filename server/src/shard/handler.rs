@@ -492,6 +492,8 @@ fn record(registry: &Registry, shard: u32, r: Record) {
         } => registry.reported(worker, &report, encodings),
         Record::Rejected { worker, code } => registry.frame_rejected(shard, worker, code),
         Record::Dropped { worker, pushes } => registry.dropped(shard, worker, pushes),
+        // Counted when the checker applies it (`crate::defence::spotcheck`, "Probation").
+        Record::Held { worker, bytes, .. } => registry.traffic(shard, Some(worker), bytes, 0),
     }
 }
 

@@ -437,6 +437,30 @@ impl Shard {
         Ok(Some((before, after)))
     }
 
+    /// A held push whose spot check passed ([`ShardState::apply_held`]), applied now and
+    /// published like any push; returns its outcome and whether it was nonzero.
+    pub fn apply_held(
+        &self,
+        push: &crowdgrad_core::session::SampledPush,
+    ) -> (crowdgrad_core::shard::Outcome, bool) {
+        let inner = &self.inner;
+        let now = self.now();
+        let (r, epoch) = {
+            let mut st = self.state();
+            let (v0, e0) = (st.version(), st.epoch());
+            let r = st.apply_held(push, now);
+            if st.version() != v0 {
+                inner.publish(&st);
+            }
+            inner.demand.store(st.demand(), Ordering::Relaxed);
+            (r, (st.epoch() != e0).then(|| st.epoch()))
+        };
+        if let Some(e) = epoch {
+            inner.epoch_tx.send_replace(e);
+        }
+        r
+    }
+
     /// [`ShardState::vouch`] for `worker`.
     pub fn vouch(&self, worker: u64) {
         let now = self.now();
@@ -520,6 +544,14 @@ impl crate::defence::spotcheck::ShardControl for Control {
         if let Some(inner) = self.0.upgrade() {
             Shard { inner }.vouch(worker);
         }
+    }
+
+    fn apply_held(
+        &self,
+        push: &crowdgrad_core::session::SampledPush,
+    ) -> Option<(crowdgrad_core::shard::Outcome, bool)> {
+        let inner = self.0.upgrade()?;
+        Some(Shard { inner }.apply_held(push))
     }
 
     fn roll_back(&self, values: Vec<f32>, target: u64, poisoner: u64) -> Option<(u64, u64)> {
@@ -673,7 +705,7 @@ impl ShardAccess for Access<'_> {
             Some(s) => s.sample(worker, request_id, digest, tag, placed),
             None => Sampling::No,
         };
-        if answer == Sampling::Yes {
+        if matches!(answer, Sampling::Yes | Sampling::Hold) {
             self.drawn = Some(worker);
         } else {
             // Not checked: the versions' parameters are not kept past this push.

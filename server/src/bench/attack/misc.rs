@@ -399,7 +399,14 @@ pub(super) async fn replays(ctx: &Ctx, mode: Mode) -> Result<Verdict> {
     let g = oracle.honest(&params, p.batch + 1)?.swap_remove(0);
     let (rid, frame) = p.push_frame(0, &g, None);
     let first = p.send(0, rid, frame.clone()).await;
-    let v1 = p.pull(0).await.map_or(0, |(v, _)| v);
+    // A new identity's push is held until its spot check passes, then applied: wait for it
+    // (bounded) before the replays.
+    let mut v1 = p.pull(0).await.map_or(0, |(v, _)| v);
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while v1 <= versions[0] && std::time::Instant::now() < until {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        v1 = p.pull(0).await.map_or(v1, |(v, _)| v);
+    }
     p.reconnect(0).await?;
     let again = p.send(0, rid, frame).await;
     let mut rising = Tally::default();

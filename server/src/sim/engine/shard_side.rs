@@ -109,7 +109,8 @@ impl Engine<'_> {
             Record::Joined { .. }
             | Record::Left { .. }
             | Record::Reported { .. }
-            | Record::Dropped { .. } => {}
+            | Record::Dropped { .. }
+            | Record::Held { .. } => {}
         }
     }
 }
