@@ -157,6 +157,7 @@ async function run(kind, enc, browser) {
       kind, enc, stopped, secs, checkSecs: firstCheckAt ? (Date.now() - firstCheckAt) / 1000 : 0,
       passed: sc.passed, failed: sc.failed, quarantined: final.reputation.quarantined,
       quarantines: final.quarantines, refusedBusy: sc.refused_busy, refusedVersion: sc.refused_version,
+      sensitive: sc.sensitive ?? 0, sensitivePassed: sc.sensitive_passed ?? 0,
       cosMin, ratioMin, ratioMax, stepsMax, seen,
       applied: c.pushes_applied, rejected: c.pushes_rejected, reasons: refusals(c),
       accuracy: final.eval ? final.eval.accuracy : NaN, samples: c.samples,
@@ -184,7 +185,7 @@ async function main() {
         }
         log(`${kind}, push ${enc}: starting (load ${loadavg()})`);
         const r = await run(kind, enc, browser);
-        log(`${kind}, push ${enc}: ${r.passed} passed, ${r.failed} failed, ${r.quarantined} quarantined in ${r.secs.toFixed(0)} s (${r.stopped})`);
+        log(`${kind}, push ${enc}: ${r.passed} passed, ${r.failed} failed, ${r.quarantined} quarantined in ${r.secs.toFixed(0)} s (${r.stopped}); judged by their sensitivity: ${r.sensitive} rounds, ${r.sensitivePassed} passed`);
         if (r.quarantines.length) log(`quarantines: ${JSON.stringify(r.quarantines)}`);
         rows.push(r);
       }
