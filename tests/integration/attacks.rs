@@ -894,6 +894,32 @@ async fn rollback_figures() {
     }
 }
 
+/// `serve`'s real defaults (`--local-steps auto`, the egress budget, `--spot-check auto`)
+/// plus `flags`, evaluating every half second, with the per-address limits raised for the
+/// test's workers on one address.
+fn at_auto(flags: &[&str]) -> ServeConfig {
+    let mut cfg = ServeConfig::with_flags(crate::util::mnist_dir(), flags).expect("valid flags");
+    cfg.eval_every = Duration::from_millis(500);
+    assert!(
+        cfg.training.exchange.local.steps.pseudo_gradients(),
+        "serve's default exchange is local steps: {:?}",
+        cfg.training.exchange.local.steps
+    );
+    cfg.limits.max_connections_per_ip = 0;
+    cfg.limits.push_rate_per_ip = 0.0;
+    cfg.limits.join_rate = 0;
+    cfg
+}
+
+/// A one-thread `crowdgrad work` named `name` that trains for `seconds`.
+fn timed(url: &str, name: &str, seconds: u64) -> WorkOptions {
+    let mut o = WorkOptions::new(url);
+    o.duration = Some(Duration::from_secs(seconds));
+    o.name = Some(name.into());
+    o.threads = 1;
+    o
+}
+
 /// Issue 21's probation at `serve`'s real defaults (`--local-steps auto`, `--spot-check auto`
 /// = 0.02): a fresh identity that poisons from its first round (the real worker, its rounds
 /// sign-flipped ×2) never has a push applied. Its pushes are held until their check passes
@@ -904,22 +930,11 @@ async fn rollback_figures() {
 /// defaults").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn issue_21_a_fresh_identitys_poison_is_held_and_never_applied() {
-    let mut cfg = ServeConfig::with_flags(crate::util::mnist_dir(), &[]).expect("serve's defaults");
-    cfg.eval_every = Duration::from_millis(500);
-    assert!(cfg.training.exchange.local.steps.pseudo_gradients());
+    let cfg = at_auto(&[]);
     assert!(cfg.spot.hold, "probation pushes are held by default");
-    cfg.limits.max_connections_per_ip = 0;
-    cfg.limits.push_rate_per_ip = 0.0;
-    cfg.limits.join_rate = 0;
     let running = server(cfg).await;
     let url = running.url();
-    let timed = |name: &str, seconds: u64| {
-        let mut o = WorkOptions::new(&url);
-        o.duration = Some(Duration::from_secs(seconds));
-        o.name = Some(name.into());
-        o.threads = 1;
-        o
-    };
+    let timed = |name: &str, seconds: u64| timed(&url, name, seconds);
     let mut o = timed("poisoner", 60);
     o.fault = Some(Fault::SignFlip(2.0));
     o.identity = Some("fresh-poisoner-identity-0123456789".into());
@@ -978,29 +993,15 @@ async fn issue_21_a_fresh_identitys_poison_is_held_and_never_applied() {
 /// unchecked, the check passed the poison, or no rollback undid it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn issue_21_a_round_push_poisoner_at_local_steps_auto_is_quarantined_and_rolled_back() {
-    let mut cfg = ServeConfig::with_flags(
-        crate::util::mnist_dir(),
-        &["--spot-check", "0.5", "--quarantine-rejections", "5"],
-    )
-    .expect("valid flags");
-    cfg.eval_every = Duration::from_millis(500);
-    assert!(
-        cfg.training.exchange.local.steps.pseudo_gradients(),
-        "serve's default exchange is local steps: {:?}",
-        cfg.training.exchange.local.steps
-    );
-    cfg.limits.max_connections_per_ip = 0;
-    cfg.limits.push_rate_per_ip = 0.0;
-    cfg.limits.join_rate = 0;
-    let running = server(cfg).await;
+    let running = server(at_auto(&[
+        "--spot-check",
+        "0.5",
+        "--quarantine-rejections",
+        "5",
+    ]))
+    .await;
     let url = running.url();
-    let timed = |name: &str, seconds: u64| {
-        let mut o = WorkOptions::new(&url);
-        o.duration = Some(Duration::from_secs(seconds));
-        o.name = Some(name.into());
-        o.threads = 1;
-        o
-    };
+    let timed = |name: &str, seconds: u64| timed(&url, name, seconds);
     let mut o = timed("poisoner", 60);
     o.fault = Some(Fault::SignFlip(2.0));
     o.fault_after = PATIENT;

@@ -1001,19 +1001,21 @@ mod tests {
         }
     }
 
+    /// A tagged f32 push to shard 1 (batch index = request id, read at version `v`).
+    fn tagged(rid: u32, v: u64, g: &[f32]) -> Vec<u8> {
+        let tag = wire::PushTag {
+            batch: u64::from(rid),
+            versions: vec![v],
+        };
+        wire::encode_push_tagged(Encoding::F32, rid, 1, v, 8, g, None, &tag).unwrap()
+    }
+
     /// Issue 21: whether a push is checked is decided before it is applied. A push drawn for
     /// a check the checker cannot queue is refused `busy` and changes nothing (it used to be
     /// applied and its check dropped); a drawn push is handed over once applied, and a drawn
     /// push the shard refuses gives its place back (`None`).
     #[test]
     fn a_push_drawn_for_a_check_that_cannot_be_queued_is_refused_busy_not_applied() {
-        let tagged = |rid: u32, v: u64, g: &[f32]| {
-            let tag = wire::PushTag {
-                batch: u64::from(rid),
-                versions: vec![v],
-            };
-            wire::encode_push_tagged(Encoding::F32, rid, 1, v, 8, g, None, &tag).unwrap()
-        };
         let mut sh = Checking {
             state: state(Consistency::Async, 2),
             answer: Sampling::Busy("the spot checker is full".into()),
@@ -1058,13 +1060,6 @@ mod tests {
     /// it waits is refused as a replay, and a second apply of it changes nothing more.
     #[test]
     fn a_held_push_changes_nothing_until_the_checker_applies_it() {
-        let tagged = |rid: u32, v: u64, g: &[f32]| {
-            let tag = wire::PushTag {
-                batch: u64::from(rid),
-                versions: vec![v],
-            };
-            wire::encode_push_tagged(Encoding::F32, rid, 1, v, 8, g, None, &tag).unwrap()
-        };
         let mut sh = Checking {
             state: state(Consistency::Async, 2),
             answer: Sampling::Hold,
