@@ -2,6 +2,7 @@
 //!
 //! - [`reputation`]: per-worker spot-check results and refusals, and quarantine.
 //! - [`spotcheck`]: recomputing a sampled fraction of the pushes from the server's data.
+//! - [`tolerance`]: how close a push must be to its recomputation.
 //!
 //! The per-push bounds (norm, NaN, size) and the robust round rules are core's
 //! (`crowdgrad_core::session`, `crowdgrad_core::robust`); the zeno thread that feeds them the
@@ -9,5 +10,6 @@
 
 pub mod reputation;
 pub mod spotcheck;
+pub mod tolerance;
 
 pub use spotcheck::Defence;
