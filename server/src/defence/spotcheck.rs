@@ -28,9 +28,10 @@
 //!   A recomputed round is cached ([`Checker`] keeps the last few), so a round sampled on
 //!   several shards is still recomputed once.
 //! - Probation: a worker that has passed fewer than [`PROBATION_CHECKS`] spot checks is
-//!   sampled at [`PROBATION_RATE`] (every push), holds at most [`PROBATION_PER_WORKER`] (one)
-//!   place in the checker's queue, and keeps it until its check's verdict: its next push
-//!   waits until the last was judged ("Pacing" below).
+//!   sampled at [`PROBATION_RATE`] (every push), holds at most [`PROBATION_PER_SHARD`] (one)
+//!   place in the checker's queue per shard, and keeps it until its check's verdict: a
+//!   round's slices are judged side by side, and its next round waits until the last was
+//!   judged ("Pacing" below).
 //! - **Its pushes are held until they pass** ([`Sampling::Hold`]): screened as any push
 //!   (request id, values, replayed bytes; its digest taken at once, so a replay of it while
 //!   it waits is refused), acknowledged at the shard's version, handed to the checker, and
@@ -219,14 +220,21 @@ pub const QUEUE_PER_WORKER: usize = 16;
 /// vouched workers, so a crowd of fresh identities (40 sybils each checked at
 /// [`PROBATION_RATE`]) cannot hold up the pushes of workers that passed their probation.
 pub const PROBATION_QUEUE: usize = QUEUE / 2;
-/// Places one worker on probation may hold at once: one, kept until its check's verdict,
-/// so a new identity's next push waits until its last checked one was judged (module docs,
-/// "Probation").
-pub const PROBATION_PER_WORKER: usize = 1;
+/// Places one worker on probation may hold at once, per shard of this process: one a shard,
+/// kept until its check's verdict, so a new identity's round is judged on every shard side
+/// by side and its next round waits until the last was judged (module docs, "Probation").
+/// It was one in all: a round's slice to the second shard then waited for the first one's
+/// recomputation (a round of up to 4,096 steps), past [`PLACE_WAIT`], and was refused
+/// `busy`: the honest `busy` refusals of `--spot-check 0.5` at `--local-steps auto`.
+pub const PROBATION_PER_SHARD: usize = 1;
 /// How long a push waits for a place in the checker's queue before it is refused `busy`
-/// (module docs, "Pacing"). Well under the heartbeat and idle timeouts: the connection is not
-/// read meanwhile.
-pub const PLACE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+/// (module docs, "Pacing"). Under a worker's reply timeout (`work --reply-timeout`, 30 s) and
+/// the shard's idle timeout (60 s): the connection is not read meanwhile, so its frames behind
+/// the push (a pull) wait too. It was 2 s: at `--spot-check 0.5` and `--local-steps auto` one
+/// check recomputes a round of up to 4,096 steps, 1–3 s on the shared 2-core machine, and a
+/// push waiting behind one or two of them was refused `busy` (1–3 honest pushes in 200 a run,
+/// under the 99% the attack suite asks for); a wait that long is backpressure, not abuse.
+pub const PLACE_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 /// Pushes applied per shard whose (version, worker) the checker remembers for a rollback, per
 /// version kept (`--spot-check-history` × this): a `sync:K` version merges several.
 pub const APPLIED_PER_VERSION: usize = 4;
@@ -272,8 +280,10 @@ struct Counters {
 /// Places in the checker's queue: taken before a push is fed to its session (the driver
 /// waits for one, [`SpotChecker::wait_place`]), kept if the push is drawn for a check, given
 /// back at once if it is not, when the checker takes the job, or when the shard refuses it.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Slots {
+    /// Places one worker on probation may hold: [`PROBATION_PER_SHARD`] × the shards.
+    per_probation: usize,
     total: usize,
     /// Places held by workers on probation (taken while on probation).
     probation: usize,
@@ -282,15 +292,25 @@ struct Slots {
 }
 
 impl Slots {
+    /// The queue of a process holding `shards` shards, every place free.
+    fn new(shards: usize) -> Self {
+        Self {
+            per_probation: PROBATION_PER_SHARD * shards.max(1),
+            total: 0,
+            probation: 0,
+            by_worker: HashMap::new(),
+        }
+    }
+
     /// Takes a place for `worker`: false when the queue ([`QUEUE`]) or the worker's share of
     /// it ([`QUEUE_PER_WORKER`]) is full, or, for a worker `on_probation`, the probation part
-    /// ([`PROBATION_QUEUE`]) or its share of it ([`PROBATION_PER_WORKER`]).
+    /// ([`PROBATION_QUEUE`]) or its share of it ([`PROBATION_PER_SHARD`] a shard).
     fn take(&mut self, worker: u64, on_probation: bool) -> bool {
         let (mine, _) = self.by_worker.get(&worker).copied().unwrap_or((0, 0));
         if self.total >= QUEUE || mine >= QUEUE_PER_WORKER {
             return false;
         }
-        if on_probation && (self.probation >= PROBATION_QUEUE || mine >= PROBATION_PER_WORKER) {
+        if on_probation && (self.probation >= PROBATION_QUEUE || mine >= self.per_probation) {
             return false;
         }
         self.total += 1;
@@ -688,7 +708,7 @@ impl SpotChecker {
             applied: (0..shards).map(|_| Mutex::new(VecDeque::new())).collect(),
             verified: (0..shards).map(|_| Mutex::new(VecDeque::new())).collect(),
             undone: (0..shards).map(|_| Mutex::new(VecDeque::new())).collect(),
-            slots: Mutex::new(Slots::default()),
+            slots: Mutex::new(Slots::new(shards)),
             freed: tokio::sync::Notify::new(),
             history,
             controls: std::sync::OnceLock::new(),
@@ -1564,7 +1584,7 @@ mod tests {
             applied: vec![Mutex::new(VecDeque::new())],
             verified: vec![Mutex::new(VecDeque::new())],
             undone: vec![Mutex::new(VecDeque::new())],
-            slots: Mutex::new(Slots::default()),
+            slots: Mutex::new(Slots::new(1)),
             freed: tokio::sync::Notify::new(),
             history: 64,
             controls: std::sync::OnceLock::new(),
@@ -1621,7 +1641,7 @@ mod tests {
     /// none is free is refused `busy`, [`SpotChecker::sample`]).
     #[test]
     fn the_queue_is_bounded_overall_and_per_worker() {
-        let mut s = Slots::default();
+        let mut s = Slots::new(2);
         for _ in 0..QUEUE_PER_WORKER {
             assert!(s.take(1, false));
         }
@@ -1650,23 +1670,26 @@ mod tests {
     }
 
     /// Issue 21: workers on probation (fresh identities, a sybil crowd) hold at most
-    /// [`PROBATION_QUEUE`] places together and [`PROBATION_PER_WORKER`] each; the rest of the
-    /// queue stays free for vouched workers.
+    /// [`PROBATION_QUEUE`] places together and [`PROBATION_PER_SHARD`] a shard each; the
+    /// rest of the queue stays free for vouched workers.
     #[test]
     fn workers_on_probation_cannot_fill_the_queue() {
-        let mut s = Slots::default();
+        let shards = 2;
+        let per = PROBATION_PER_SHARD * shards;
+        let mut s = Slots::new(shards);
         let mut sybil = 1000;
         let mut held = 0;
         while held < QUEUE {
             if s.take(sybil, true) {
                 held += 1;
-            } else if s.by_worker.get(&sybil).map_or(0, |e| e.0) == PROBATION_PER_WORKER {
+            } else if s.by_worker.get(&sybil).map_or(0, |e| e.0) == per {
                 sybil += 1;
             } else {
                 break;
             }
         }
         assert_eq!(held, PROBATION_QUEUE, "the probation part is full");
+        assert_eq!(sybil - 1000, (PROBATION_QUEUE / per) as u64, "{per} each");
         assert!(!s.take(sybil + 1, true), "a new sybil waits");
         for w in 0..(QUEUE - PROBATION_QUEUE) as u64 {
             assert!(
@@ -1684,16 +1707,20 @@ mod tests {
         assert_eq!(s.probation, PROBATION_QUEUE);
         assert!(!s.take(1000, true), "full again");
         // A worker vouched while it holds a probation place gives that back as such.
-        let mut s = Slots::default();
-        assert!(s.take(7, true));
-        assert!(!s.take(7, true), "one place per worker on probation");
+        let mut s = Slots::new(shards);
+        for _ in 0..per {
+            assert!(s.take(7, true), "a round's slice to every shard is queued at once");
+        }
+        assert!(!s.take(7, true), "its next round waits for the verdict");
         assert!(
             s.take(7, false),
             "vouched now: its share is the vouched one"
         );
         s.give(7);
-        assert_eq!((s.total, s.probation), (1, 0));
-        s.give(7);
+        assert_eq!((s.total, s.probation), (per, per - 1));
+        for _ in 0..per {
+            s.give(7);
+        }
         assert!(!s.by_worker.contains_key(&7));
         assert_eq!((s.total, s.probation), (0, 0));
     }
