@@ -1709,7 +1709,10 @@ mod tests {
         // A worker vouched while it holds a probation place gives that back as such.
         let mut s = Slots::new(shards);
         for _ in 0..per {
-            assert!(s.take(7, true), "a round's slice to every shard is queued at once");
+            assert!(
+                s.take(7, true),
+                "a round's slice to every shard is queued at once"
+            );
         }
         assert!(!s.take(7, true), "its next round waits for the verdict");
         assert!(
