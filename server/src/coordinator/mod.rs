@@ -501,6 +501,20 @@ async fn sweep_task(app: Arc<App>) {
         if forgotten > 0 {
             tracing::info!(forgotten, "forgot workers gone for 10 minutes");
         }
+        // The records, ledger seats and tallies of a crowd that left are freed here, ten
+        // minutes after their sockets closed, when the connection count no longer moves:
+        // the trim task never sees it (crate::support::trim). Give the pages back now.
+        if forgotten >= trim::FALL as usize {
+            match tokio::task::spawn_blocking(trim::trim_now).await {
+                Ok(t) => tracing::info!(
+                    forgotten,
+                    rss_before_mib = t.rss_before_mib,
+                    rss_after_mib = t.rss_after_mib,
+                    "gave the forgotten workers' memory back to the OS"
+                ),
+                Err(e) => tracing::warn!(%e, "malloc_trim task failed"),
+            }
+        }
     }
 }
 
