@@ -575,7 +575,7 @@ pub struct ServeArgs {
     /// Most workers registered at once (joins beyond it are refused).
     #[arg(long, default_value_t = 10_000)]
     pub max_workers: usize,
-    /// New identities (on probation: joined in the last 30 s, or no push applied yet) admitted
+    /// New identities (on probation: joined in the last 10 s, or no push applied yet) admitted
     /// whatever the number of established workers; beyond it a join waits (429, Retry-After
     /// 5) until there are fewer on probation than established workers. Raise it only when a
     /// rush of fresh volunteers is expected: it is how many sybils can join at once.
