@@ -346,6 +346,7 @@ impl ShardState {
     pub(super) fn join(&mut self, worker: u64, now: f64, frame_bytes: u64) {
         self.connected += 1;
         *self.sockets.entry(worker).or_default() += 1;
+        self.active.joined(worker, now);
         self.demand = self.demand.saturating_add(frame_bytes);
         self.clock.join(worker, now);
         self.epoch += 1;
@@ -585,13 +586,11 @@ impl ShardState {
         }
         self.last_push_clipped = clipped;
         let scale = if self.cfg.setup.pseudo_gradients {
-            // lr / K, K the workers pushing now, this one included (super::active): workers
-            // that are connected but do not push do not dilute the others' rounds.
-            if norm > 0.0 {
-                self.active.pushed(worker, now);
-            }
+            // lr / K, K the workers pushing now, this one included, and at the start those
+            // on their first round (super::active): workers that are connected but do not
+            // push do not dilute the others' rounds.
             let window = super::active::window(self.pace_s());
-            1.0 / self.active.count(now, window) as f32
+            1.0 / self.active.divisor(worker, now, window, norm > 0.0) as f32
         } else {
             1.0
         };
