@@ -497,13 +497,15 @@ async fn sweep_task(app: Arc<App>) {
             _ = shutdown.changed() => return,
             _ = every.tick() => {}
         }
-        let forgotten = app.registry.forget_idle();
+        let ids = app.registry.forget_idle();
+        app.defence.reputation.forget(&ids);
+        let forgotten = ids.len();
         if forgotten > 0 {
             tracing::info!(forgotten, "forgot workers gone for 10 minutes");
         }
-        // The records, ledger seats and tallies of a crowd that left are freed here, ten
-        // minutes after their sockets closed, when the connection count no longer moves:
-        // the trim task never sees it (crate::support::trim). Give the pages back now.
+        // The records, reputations, ledger seats and tallies of a crowd that left are freed
+        // here, ten minutes after their sockets closed, when the connection count no longer
+        // moves: the trim task never sees it (crate::support::trim). Give the pages back now.
         if forgotten >= trim::FALL as usize {
             match tokio::task::spawn_blocking(trim::trim_now).await {
                 Ok(t) => tracing::info!(

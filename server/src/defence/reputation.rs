@@ -411,6 +411,19 @@ impl Reputation {
         }
     }
 
+    /// Drops the records of workers the registry forgot (gone for 10 minutes), except a
+    /// quarantined one's: a crowd that left gives its memory back instead of staying here
+    /// until [`MAX_TRACKED`] others push it out. A forgotten worker id is never handed out
+    /// again, and a quarantined identity is kept apart (its joins stay refused).
+    pub fn forget(&self, ids: &[u64]) {
+        let mut g = self.lock();
+        for id in ids {
+            if g.workers.get(id).is_some_and(|r| r.quarantined.is_none()) {
+                g.workers.remove(id);
+            }
+        }
+    }
+
     /// The records of the workers `ids` that have one, by id as a string key.
     pub fn of(&self, ids: impl IntoIterator<Item = u64>) -> BTreeMap<String, WorkerReputation> {
         let g = self.lock();
@@ -535,5 +548,22 @@ mod tests {
             strict.rejected(3, ErrorCode::OutOfBounds);
         }
         assert!(strict.quarantined(3).unwrap().contains("out_of_bounds"));
+    }
+
+    /// Workers the registry forgot leave the table; a quarantined one stays, and so does its
+    /// identity's quarantine.
+    #[test]
+    fn forgotten_workers_leave_the_table_but_quarantines_stay() {
+        let r = Reputation::new(QuarantinePolicy::default());
+        for w in 1..=3 {
+            r.bind(w, &format!("volunteer-{w}"));
+        }
+        r.checked(2, CheckResult::Failed("cosine 0.1".into(), None));
+        assert_eq!(r.of([1, 2, 3]).len(), 3);
+        r.forget(&[1, 2, 99]);
+        assert_eq!(r.of([1, 2, 3]).keys().collect::<Vec<_>>(), ["2", "3"]);
+        assert!(r.quarantined(2).is_some());
+        assert!(r.identity_quarantined("volunteer-2").is_some());
+        assert_eq!(r.spot_passed(1), 0, "nothing on record");
     }
 }

@@ -291,15 +291,15 @@ struct Inner {
 
 impl Inner {
     /// Forgets the workers with no socket open that were not seen for [`FORGET_AFTER_S`]
-    /// (their records, tallies and ledger seats); how many.
-    fn forget_idle(&mut self, now: Instant) -> usize {
+    /// (their records, tallies and ledger seats); their ids.
+    fn forget_idle(&mut self, now: Instant) -> Vec<u64> {
         let Inner {
             workers,
             tally,
             ledger,
             ..
         } = self;
-        let before = workers.len();
+        let mut forgotten = Vec::new();
         workers.retain(|id, w| {
             let keep = w.shards_connected > 0
                 || w.last_seen
@@ -307,10 +307,11 @@ impl Inner {
             if !keep {
                 tally.forgot(w);
                 ledger.left(*id);
+                forgotten.push(*id);
             }
             keep
         });
-        before - workers.len()
+        forgotten
     }
 }
 
@@ -559,9 +560,9 @@ impl Registry {
 
     /// Forgets the workers that left more than 10 minutes ago ([`FORGET_AFTER_S`]) and have
     /// no socket open, so the memory of a crowd that left goes back (a join does the same
-    /// when the registry is full); returns how many. One pass under the lock, run by the
-    /// coordinator every [`SWEEP_EVERY`].
-    pub fn forget_idle(&self) -> usize {
+    /// when the registry is full); returns their ids (the coordinator tells the reputation).
+    /// One pass under the lock, run by the coordinator every [`SWEEP_EVERY`].
+    pub fn forget_idle(&self) -> Vec<u64> {
         self.lock().forget_idle(Instant::now())
     }
 
@@ -1235,12 +1236,12 @@ mod tests {
             }
         }
         assert_eq!(r.with_ledger(|l| l.seats()), 4);
-        assert_eq!(r.forget_idle(), 1);
+        assert_eq!(r.forget_idle(), [ids[0]]);
         assert!(!r.knows(ids[0]));
         assert!(ids[1..].iter().all(|&id| r.knows(id)));
         assert_eq!(r.with_ledger(|l| l.seats()), 3);
         assert_eq!(r.summary().1.workers, Some(r.recount()));
-        assert_eq!(r.forget_idle(), 0);
+        assert!(r.forget_idle().is_empty());
     }
 
     #[test]
