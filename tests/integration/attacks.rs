@@ -1021,7 +1021,7 @@ async fn issue_21_a_round_push_poisoner_at_local_steps_auto_is_quarantined_and_r
     let h: Vec<u32> = stats.iter().map(|s| s.local_steps).collect();
     let n = |k: &str| spot[k].as_u64().unwrap_or(0);
     println!(
-        "round poisoner x2 at auto: its pushes accepted {}; honest H {h:?}, {a} accepted / {r} refused ({:.2}%); accuracy {:.2}%; spot checks: sampled {}, passed {}, failed {}, rollbacks {} ({} versions undone, {} poisoned), healed {}, refused busy {}",
+        "round poisoner x2 at auto: its pushes accepted {}; honest H {h:?}, {a} accepted / {r} refused ({:.2}%); accuracy {:.2}%; spot checks: sampled {}, passed {}, failed {}, rollbacks {} ({} versions undone, {} poisoned, {} kept), healed {}, refused busy {}",
         poison.as_ref().map_or(0, |p| p.stats.pushes_accepted),
         share * 100.0,
         acc * 100.0,
@@ -1031,6 +1031,7 @@ async fn issue_21_a_round_push_poisoner_at_local_steps_auto_is_quarantined_and_r
         n("rollbacks"),
         n("versions_undone"),
         n("poisoned_undone"),
+        n("poisoned_kept"),
         n("healed"),
         n("refused_busy"),
     );

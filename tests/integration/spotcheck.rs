@@ -168,8 +168,8 @@ struct Attack {
 
 /// The real worker (`crowdgrad::worker::work`, what `crowdgrad work --fault` runs) joining as
 /// `identity` with `fault` (core's [`Fault`]): it trains until a shard closes it with a fatal
-/// error and its identity's rejoin is refused, or it pushed `max_rounds` rounds (one step per
-/// round: the runs here push every gradient), or 60 s passed.
+/// error and its identity's rejoin is refused, or it trained `max_rounds` steps (a round each on
+/// the fixed-H servers here, so as many rounds), or 60 s passed.
 async fn attack(running: &Running, identity: &str, fault: Fault, max_rounds: u64) -> Attack {
     let mut o = WorkOptions::new(running.url());
     o.identity = Some(identity.into());
@@ -182,11 +182,10 @@ async fn attack(running: &Running, identity: &str, fault: Fault, max_rounds: u64
         .await
         .expect("the attacker's thread")
         .expect("the attacker ran");
-    assert_eq!(
-        s.stats.local_steps.max(1),
-        1,
-        "a step is a round here: {s:?}"
-    );
+    // On the fixed-H servers here a step is a round. The default server runs at `auto`, where
+    // the attacker's second round may already be several steps (its first push is held, so it
+    // trains on while the check runs): the cap on steps still bounds its rounds.
+    assert!(s.stats.rounds <= max_rounds, "{s:?}");
     // A shard's fatal error ends the session and is the last error the shards reported
     // (`shard I: CODE: message`); the rejoin that follows is refused (403), which ends the run.
     let closed_by = s

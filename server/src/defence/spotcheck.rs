@@ -141,7 +141,11 @@
 //! the optimizer state kept (a fresh one would cost more: Adagrad's first step from an empty
 //! accumulator is `lr` in every coordinate; measured), the pending
 //! `sync:K` round dropped, and the poisoner's norms out of the reference. Where `f − 1` is no
-//! longer held, the shard is left to heal by training on (`healed`).
+//! longer held, the target is the version before its first later push whose predecessor is
+//! held, and the older pushes stay (`poisoned_kept`; measured: a patient round poisoner under
+//! load, whose unsampled honest rounds reached past the history, left one shard to heal and
+//! the run at 11.2%). Where no push of its has a held predecessor, the shard is left to heal
+//! by training on (`healed`).
 //!
 //! Pushes of the poisoner's that a passed check verified are skipped when the target is
 //! chosen (`verified`, bounded as the log): a patient poisoner's honest probation pushes
@@ -160,7 +164,7 @@
 //! poisoner made before the log's oldest entry are not undone (a poisoner passing checks
 //! for `history` × [`APPLIED_PER_VERSION`] versions before its first poisoned push is
 //! caught, and rolled back, from its first logged push on). Counted: `rollbacks`,
-//! `versions_undone`, `poisoned_undone`, `healed`.
+//! `versions_undone`, `poisoned_undone`, `poisoned_kept`, `healed`.
 //!
 //! Rollbacks never restore what an earlier rollback undid: every rollback's range
 //! `(target, before]` is kept ([`UNDONE_KEPT`] a shard), and a later target inside one is
@@ -269,6 +273,7 @@ struct Counters {
     rollbacks: AtomicU64,
     versions_undone: AtomicU64,
     poisoned_undone: AtomicU64,
+    poisoned_kept: AtomicU64,
     healed: AtomicU64,
     held: AtomicU64,
     held_applied: AtomicU64,
@@ -469,9 +474,9 @@ impl Shared {
         self.counters.vouched.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// `poisoner` was quarantined for a failed check: every shard where its first applied
-    /// push still in the log produced a version whose predecessor the history holds is rolled
-    /// back to that predecessor (or below the earlier rollbacks whose undone range holds it,
+    /// `poisoner` was quarantined for a failed check: every shard where one of its applied
+    /// pushes still in the log produced a version whose predecessor the history holds is
+    /// rolled back to the first such predecessor (or below the earlier rollbacks whose undone range holds it,
     /// [`below_undone`]), published as a new version (module docs, "Rollback"); the others are
     /// left to heal. Pushes of its that an earlier rollback undid do not set the target.
     fn roll_back(&self, poisoner: u64) {
@@ -506,34 +511,53 @@ impl Shared {
             // Its pushes an earlier rollback already undid are gone: the first one still in
             // the parameters counts (none: nothing recent of its to undo here), and the
             // target goes below every undone range.
-            let target = {
+            // The target is the version before its first live push whose predecessor the
+            // history still holds: where its oldest unchecked pushes are older than the
+            // history (a patient poisoner's unsampled honest rounds, say), the newer ones are
+            // still undone, and only the older ones are left to heal.
+            let live: Vec<u64> = {
                 let Some(u) = self.undone.get(i) else {
                     continue;
                 };
                 let u = u.lock().unwrap_or_else(|p| p.into_inner());
-                let live = mine
-                    .iter()
+                mine.iter()
                     .copied()
-                    .find(|&v| !u.iter().any(|&(t, b)| v > t && v <= b));
-                let Some(first) = live else {
-                    continue;
-                };
-                below_undone(&u, first)
+                    .filter(|&v| !u.iter().any(|&(t, b)| v > t && v <= b))
+                    .map(|v| below_undone(&u, v))
+                    .collect()
             };
-            let values = self.histories.get(i).and_then(|h| {
+            let Some(&oldest) = live.first() else {
+                continue;
+            };
+            let held = self.histories.get(i).and_then(|h| {
                 let h = h.lock().unwrap_or_else(|p| p.into_inner());
-                h.iter().find(|(v, _)| *v == target).map(|(_, p)| p.clone())
+                live.iter().enumerate().find_map(|(k, &target)| {
+                    h.iter()
+                        .find(|(v, _)| *v == target)
+                        .map(|(_, p)| (k, target, p.clone()))
+                })
             });
-            let Some(values) = values else {
+            let Some((kept, target, values)) = held else {
                 c.healed.fetch_add(1, Ordering::Relaxed);
+                c.poisoned_kept
+                    .fetch_add(live.len() as u64, Ordering::Relaxed);
                 tracing::warn!(
                     worker = poisoner,
                     shard = i,
-                    version = target,
-                    "no rollback: the version before the poisoner's first push is no longer held"
+                    version = oldest,
+                    "no rollback: the version before every push of the poisoner's is no longer held"
                 );
                 continue;
             };
+            if kept > 0 {
+                c.poisoned_kept.fetch_add(kept as u64, Ordering::Relaxed);
+                tracing::warn!(
+                    worker = poisoner,
+                    shard = i,
+                    kept,
+                    "a partial rollback: the poisoner's oldest unchecked pushes are older than the history"
+                );
+            }
             let Some((before, published)) = control.roll_back(values.to_vec(), target, poisoner)
             else {
                 continue;
@@ -624,7 +648,12 @@ pub struct SpotStatus {
     pub versions_undone: u64,
     /// Of those, the poisoner's own pushes.
     pub poisoned_undone: u64,
-    /// Shards left to heal: the poisoner's first push there was older than the history held.
+    /// The poisoner's unchecked pushes no rollback could undo: older than the history held
+    /// (the rollback went back as far as the history allows, or, on a shard left to heal, not
+    /// at all).
+    pub poisoned_kept: u64,
+    /// Shards left to heal: every push of the poisoner's there was older than the history
+    /// held.
     pub healed: u64,
     /// Pushes of workers on probation held for their check before being applied (module
     /// docs, "Probation").
@@ -959,6 +988,7 @@ impl SpotChecker {
             rollbacks: get(&c.rollbacks),
             versions_undone: get(&c.versions_undone),
             poisoned_undone: get(&c.poisoned_undone),
+            poisoned_kept: get(&c.poisoned_kept),
             healed: get(&c.healed),
             held: get(&c.held),
             held_applied: get(&c.held_applied),
@@ -1063,8 +1093,13 @@ impl prometheus_client::collector::Collector for DefenceScrape {
                     s.poisoned_undone,
                 ),
                 (
+                    "crowdgrad_spot_check_poisoned_kept",
+                    "A poisoner's unchecked pushes no rollback could undo: older than the history held.",
+                    s.poisoned_kept,
+                ),
+                (
                     "crowdgrad_spot_check_healed",
-                    "Shards left to heal: the poisoner's first push was older than the history held.",
+                    "Shards left to heal: every push of the poisoner's there was older than the history held.",
                     s.healed,
                 ),
             ] {
@@ -1572,9 +1607,8 @@ mod tests {
     /// holds the value `v`. Poisoner A made version 10, B version 11 and, after A's rollback
     /// (to 9, published as 13), version 14. A's rollback restores 9; B's restores 13 (the
     /// restored 9), never 10 (9 plus A's push), which is what it did before the fix.
-    #[test]
-    fn rollbacks_of_two_poisoners_never_bring_the_first_ones_push_back() {
-        let shard = Arc::new(FakeShard::default());
+    /// The checker's shared state over one [`FakeShard`], with no history yet.
+    fn one_shard(shard: &Arc<FakeShard>) -> Shared {
         let shared = Shared {
             cfg: SpotConfig::default(),
             counters: Counters::default(),
@@ -1590,6 +1624,13 @@ mod tests {
             controls: std::sync::OnceLock::new(),
         };
         let _ = shared.controls.set(vec![Box::new(shard.clone())]);
+        shared
+    }
+
+    #[test]
+    fn rollbacks_of_two_poisoners_never_bring_the_first_ones_push_back() {
+        let shard = Arc::new(FakeShard::default());
+        let shared = one_shard(&shard);
         let record = |v: u64, value: f32| {
             shared.histories[0]
                 .lock()
@@ -1620,6 +1661,41 @@ mod tests {
         shared.applied[0].lock().unwrap().push_back((11, 300));
         shared.roll_back(300);
         assert_eq!(shard.restored.lock().unwrap().len(), 2);
+    }
+
+    /// Issue 21 (found under load in CI: a patient round poisoner at auto ended the run at
+    /// 11.2%): its first unchecked push is older than the history, a later one is not. The
+    /// shard is rolled back to the version before that later push, not left to heal, and
+    /// the one older push is counted as kept. With none held at all, the shard heals.
+    #[test]
+    fn a_poisoner_whose_first_push_is_older_than_the_history_is_still_rolled_back() {
+        let shard = Arc::new(FakeShard::default());
+        let shared = one_shard(&shard);
+        for v in 20..=30 {
+            shared.histories[0]
+                .lock()
+                .unwrap()
+                .push_back((v, Arc::new(vec![v as f32])));
+        }
+        *shard.version.lock().unwrap() = 30;
+        let p = 7;
+        shared.applied[0]
+            .lock()
+            .unwrap()
+            .extend([(5, p), (12, 1), (25, p), (27, p)]);
+        shared.roll_back(p);
+        assert_eq!(*shard.restored.lock().unwrap(), vec![(24.0, 24)]);
+        let c = &shared.counters;
+        assert_eq!(c.rollbacks.load(Ordering::Relaxed), 1);
+        assert_eq!(c.poisoned_undone.load(Ordering::Relaxed), 2);
+        assert_eq!(c.poisoned_kept.load(Ordering::Relaxed), 1);
+        assert_eq!(c.healed.load(Ordering::Relaxed), 0);
+        // A second poisoner whose pushes are all older than the history: left to heal.
+        shared.applied[0].lock().unwrap().extend([(8, 9), (10, 9)]);
+        shared.roll_back(9);
+        assert_eq!(shard.restored.lock().unwrap().len(), 1);
+        assert_eq!(c.healed.load(Ordering::Relaxed), 1);
+        assert_eq!(c.poisoned_kept.load(Ordering::Relaxed), 3);
     }
 
     #[test]

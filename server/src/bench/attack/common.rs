@@ -405,7 +405,7 @@ pub(super) fn spot_summary(status: &serde_json::Value) -> String {
     }
     let n = |k: &str| s[k].as_u64().unwrap_or(0);
     format!(
-        "fraction {}, history {}, sampled {}, passed {}, failed {}, refused busy {}, dropped (queue) {}, refused_version {}, skipped_version {}, rollbacks {} ({} versions undone, {} poisoned), healed {}",
+        "fraction {}, history {}, sampled {}, passed {}, failed {}, refused busy {}, dropped (queue) {}, refused_version {}, skipped_version {}, rollbacks {} ({} versions undone, {} poisoned, {} kept), healed {}",
         s["fraction"].as_f64().unwrap_or(0.0),
         n("history"),
         n("sampled"),
@@ -418,6 +418,7 @@ pub(super) fn spot_summary(status: &serde_json::Value) -> String {
         n("rollbacks"),
         n("versions_undone"),
         n("poisoned_undone"),
+        n("poisoned_kept"),
         n("healed")
     )
 }
