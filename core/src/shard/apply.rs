@@ -632,10 +632,19 @@ impl ShardCore {
     }
 
     fn update(&mut self, grad: &[f32], lr_scale: f32) {
-        // Reuse the previous buffer when nobody holds it; `make_mut` copies only when shared.
-        let mut next = self.spare.take().unwrap_or_else(|| self.values.clone());
+        // Reuse the previous buffer when nobody holds it (a snapshot, a spot checker's
+        // history); otherwise a fresh copy of the values, copied once (`make_mut` on a shared
+        // spare copied its stale values, then this copied the current ones over them).
+        let mut spare = self.spare.take();
+        let mut next = match spare.as_mut().and_then(Arc::get_mut) {
+            Some(buf) if buf.len() == self.values.len() => {
+                buf.copy_from_slice(&self.values);
+                spare.take()
+            }
+            _ => None,
+        }
+        .unwrap_or_else(|| Arc::new(self.values.to_vec()));
         let n = Arc::make_mut(&mut next);
-        n.copy_from_slice(&self.values);
         optim::step(&self.cfg, &mut self.state, n, grad, lr_scale);
         let previous = std::mem::replace(&mut self.values, next);
         self.version += 1;
