@@ -21,6 +21,7 @@ pub mod handler;
 pub mod report;
 pub mod socket;
 pub mod upgrade;
+pub mod writer;
 
 use crate::registry::Registry;
 use arc_swap::ArcSwap;

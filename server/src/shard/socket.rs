@@ -7,12 +7,13 @@
 //! [`READ_CHUNK`](super::upgrade::READ_CHUNK) that stays that size (frames are read by our own
 //! [`FrameReader`], each message into a buffer of its own length that is freed with it; with
 //! tungstenite's reader the buffer grew to the largest frame read, a worker's push, and
-//! stayed), and a write buffer that holds about one [`FRAGMENT`](super::upgrade::FRAGMENT)
-//! since large frames are sent in fragments. A peer that does not read gets backpressure: a frame is queued only once the
-//! previous one's bytes left (tokio-tungstenite's `poll_ready` flushes first), so the handler
-//! waits on its send instead of queueing, and the write buffer is capped at two frames.
+//! stayed), and no write buffer: our own [`FrameWriter`](super::writer::FrameWriter) writes
+//! each frame from its own buffers (a `Params` frame's body is shared by every connection).
+//! A peer that does not read gets backpressure: a frame is taken only while less than
+//! [`QUEUE`](super::writer::QUEUE) bytes wait unwritten, so the handler waits on its send
+//! instead of queueing.
 
-use super::handler::{self, Inbound, Outbound};
+use super::handler::{self, Inbound};
 use super::upgrade::{FrameReader, Read, ShardUpgrade, Socket};
 use super::Shard;
 use crate::registry::Registry;
@@ -20,13 +21,9 @@ use crate::support::limits::{client_ip, ConnSlot, Limits};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use futures_util::SinkExt;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
-use tokio_tungstenite::tungstenite::protocol::{CloseFrame, WebSocketConfig};
-use tokio_tungstenite::tungstenite::Message as WsMessage;
 
 /// Upgrades a request that arrived through the hardened listener (`crate::net::serve`, which
 /// counted its TCP connection and holds `slot` for it) to a socket of `shard` under every
@@ -112,24 +109,13 @@ pub fn shard_socket_with(
     // so a frame slightly over still reaches the session and gets its `oversize` error frame;
     // anything larger is cut off by the WebSocket layer, which closes the socket.
     let limit = shard.frame_limit() + OVERSIZE_SLACK;
-    let config = WebSocketConfig::default()
-        .max_message_size(Some(limit))
-        .max_frame_size(Some(limit))
-        .write_buffer_size(WRITE_BUFFER)
-        .max_write_buffer_size(2 * limit + WRITE_BUFFER);
-    upgrade.on_upgrade(config, move |socket| {
+    upgrade.on_upgrade(limit, limit, move |socket| {
         tracker.track_future(async move {
             connection(socket, shard, registry, shutdown, conn).await;
             drop(held);
         })
     })
 }
-
-/// Replies queue in the socket's write buffer up to this before they are written without
-/// waiting for the flush (tungstenite's default: 128 KiB). Small replies (acks, errors) still
-/// leave together in one write at the flush; a parameters frame goes out fragment by fragment
-/// as it is queued.
-pub const WRITE_BUFFER: usize = 16 * 1024;
 
 /// Bytes past a shard's frame limit that still get an `oversize` error frame.
 pub const OVERSIZE_SLACK: usize = 64 * 1024;
@@ -141,34 +127,16 @@ async fn connection(
     shutdown: tokio::sync::watch::Receiver<bool>,
     conn: Option<handler::ConnLimits>,
 ) {
-    let Socket { reader, writer } = socket;
     // A client's Ping is answered ahead of the next frame the server sends (crowdgrad's
     // workers and browsers send none; the reader only reads).
-    let pong: Arc<Mutex<Option<Bytes>>> = Arc::default();
-    let pending = pong.clone();
-    let sink = writer.with_flat_map(move |o: Outbound| {
-        let mut messages: Vec<WsMessage> = pending
-            .lock()
-            .ok()
-            .and_then(|mut p| p.take())
-            .map(WsMessage::Pong)
-            .into_iter()
-            .collect();
-        match o {
-            Outbound::Frame(v) => messages.extend(super::upgrade::binary(v)),
-            Outbound::Close(reason) => {
-                let reason: String = reason.chars().take(100).collect();
-                messages.push(WsMessage::Close(Some(CloseFrame {
-                    code: CloseCode::Normal,
-                    reason: reason.into(),
-                })));
-            }
-        }
-        futures_util::stream::iter(messages.into_iter().map(Ok))
-    });
+    let Socket {
+        reader,
+        writer,
+        pong,
+    } = socket;
     let stream = shard_stream(reader, pong);
     handler::serve(
-        Box::pin(sink),
+        Box::pin(writer),
         Box::pin(stream),
         shard,
         registry,

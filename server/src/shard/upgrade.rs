@@ -1,14 +1,7 @@
 //! The shard endpoint's WebSocket upgrade, done here rather than by axum's `WebSocketUpgrade`
-//! so the socket is tokio-tungstenite's own stream and large frames can be sent as fragments
-//! (issue 18).
-//!
-//! Why: tungstenite copies every message it sends into the connection's write buffer, a `Vec`
-//! that keeps its capacity. Sent whole, one parameters frame (~100 KiB in bf16 for a shard of
-//! the default MLP, ~200 KiB in f32) left that much memory behind in every connection for as
-//! long as it lived; axum's `Message` cannot say "fragment". Here a frame larger than
-//! [`FRAGMENT`] goes out as one binary WebSocket message in several frames (RFC 6455 section
-//! 5.4: the receiver's WebSocket layer reassembles it, so to the protocol it is still one
-//! message = one crowdgrad frame), and the write buffer never holds more than about a fragment.
+//! so the socket's frames are read by our own [`FrameReader`] and written by our own
+//! [`FrameWriter`] (issue 18: each keeps no buffer the size of the largest frame, and a
+//! parameters frame goes out as slices of the body every connection shares).
 //!
 //! The checks are axum's (`GET`, `Connection: upgrade`, `Upgrade: websocket`,
 //! `Sec-WebSocket-Version: 13`, a key, and an upgradable connection), with its messages.
@@ -19,24 +12,16 @@ use axum::extract::FromRequestParts;
 use axum::http::{header, request::Parts, HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use crowdgrad_core::session::Outgoing;
 use hyper_util::rt::TokioIo;
 use std::future::Future;
-use std::pin::Pin;
-use std::task::{Context, Poll};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf, ReadHalf, WriteHalf};
+use std::sync::{Arc, Mutex};
+use tokio::io::{ReadHalf, WriteHalf};
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
-use tokio_tungstenite::tungstenite::protocol::frame::coding::{Data, OpCode};
-use tokio_tungstenite::tungstenite::protocol::frame::Frame;
-use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
-use tokio_tungstenite::tungstenite::Message;
-use tokio_tungstenite::WebSocketStream;
+
+pub use super::writer::{FrameWriter, FRAGMENT};
 
 /// The upgraded connection.
 type Upgraded = TokioIo<hyper::upgrade::Upgraded>;
-
-/// Payload bytes per WebSocket frame of a message sent in fragments.
-pub const FRAGMENT: usize = 16 * 1024;
 
 /// A request to open a shard WebSocket (the extractor of the shard routes).
 pub struct ShardUpgrade {
@@ -106,8 +91,9 @@ impl<S: Send + Sync> FromRequestParts<S> for ShardUpgrade {
 
 impl ShardUpgrade {
     /// Answers `101 Switching Protocols` and, once the connection is upgraded, runs
-    /// `callback` on the socket (configured by `config`) in a task of its own.
-    pub fn on_upgrade<F, Fut>(self, config: WebSocketConfig, callback: F) -> Response
+    /// `callback` on the socket, whose reader refuses a frame over `max_frame` or a message
+    /// over `max_message` payload bytes, in a task of its own.
+    pub fn on_upgrade<F, Fut>(self, max_frame: usize, max_message: usize, callback: F) -> Response
     where
         F: FnOnce(Socket) -> Fut + Send + 'static,
         Fut: Future<Output = ()> + Send + 'static,
@@ -118,15 +104,15 @@ impl ShardUpgrade {
                 return;
             };
             let (read, write) = tokio::io::split(TokioIo::new(upgraded));
-            let max_frame = config.max_frame_size.unwrap_or(usize::MAX);
-            let max_message = config.max_message_size.unwrap_or(usize::MAX);
-            // tungstenite only writes: it needs no read buffer of its own.
-            let config = config.read_buffer_size(0);
-            let writer =
-                WebSocketStream::from_raw_socket(WriteOnly(write), Role::Server, Some(config))
-                    .await;
+            let pong = Arc::default();
+            let writer = FrameWriter::new(write, Arc::clone(&pong));
             let reader = FrameReader::new(read, max_frame, max_message);
-            callback(Socket { reader, writer }).await;
+            callback(Socket {
+                reader,
+                writer,
+                pong,
+            })
+            .await;
         });
         let accept = derive_accept_key(self.key.as_bytes());
         let mut r = Response::new(Body::empty());
@@ -141,99 +127,27 @@ impl ShardUpgrade {
     }
 }
 
-/// `frame` as the WebSocket messages that send it: one binary message, in frames of at most
-/// [`FRAGMENT`] payload bytes. The fragments are slices of the frame's buffers, not copies: a
-/// `Params` frame's shared body ([`Outgoing`], encoded once per version and encoding) goes out
-/// as slices of the one body every connection sends; only a fragment that straddles the
-/// frame's own head and the body is put together (at most one fragment's bytes).
-pub fn binary(frame: Outgoing) -> Vec<Message> {
-    if frame.len() <= FRAGMENT {
-        return vec![Message::Binary(frame.into_vec().into())];
-    }
-    let total = frame.len();
-    let (head, body) = frame.into_parts();
-    let head = Bytes::from(head);
-    let body = body.map_or_else(Bytes::new, Bytes::from_owner);
-    let n = total.div_ceil(FRAGMENT);
-    (0..n)
-        .map(|i| {
-            let (a, b) = (i * FRAGMENT, ((i + 1) * FRAGMENT).min(total));
-            let chunk = if b <= head.len() {
-                head.slice(a..b)
-            } else if a >= head.len() {
-                body.slice(a - head.len()..b - head.len())
-            } else {
-                let mut v = Vec::with_capacity(b - a);
-                v.extend_from_slice(&head[a..]);
-                v.extend_from_slice(&body[..b - head.len()]);
-                Bytes::from(v)
-            };
-            let op = if i == 0 {
-                OpCode::Data(Data::Binary)
-            } else {
-                OpCode::Data(Data::Continue)
-            };
-            Message::Frame(Frame::message(chunk, op, i + 1 == n))
-        })
-        .collect()
-}
-
 pub use super::frames::{FrameReader, Read, ReadError, READ_CHUNK};
 
-/// The write half of a shard socket as tungstenite's stream: tungstenite only writes to it
-/// (the socket's frames are read by a [`FrameReader`] on the read half); a read is refused.
-pub struct WriteOnly<W>(W);
-
-impl<W: Unpin> AsyncRead for WriteOnly<W> {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        _: &mut Context<'_>,
-        _: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        Poll::Ready(Err(std::io::Error::other(
-            "a shard socket's frames are read by its FrameReader",
-        )))
-    }
-}
-
-impl<W: AsyncWrite + Unpin> AsyncWrite for WriteOnly<W> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.0).poll_write(cx, buf)
-    }
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.0).poll_write_vectored(cx, bufs)
-    }
-    fn is_write_vectored(&self) -> bool {
-        self.0.is_write_vectored()
-    }
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.0).poll_flush(cx)
-    }
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.0).poll_shutdown(cx)
-    }
-}
-
-/// An upgraded shard socket's two halves: frames in through a [`FrameReader`], frames out
-/// through tungstenite (which fragments nothing itself; see [`binary`]).
+/// An upgraded shard socket's two halves.
 pub struct Socket {
     /// Reads the client's frames.
     pub reader: FrameReader<ReadHalf<Upgraded>>,
     /// Writes the server's frames.
-    pub writer: WebSocketStream<WriteOnly<WriteHalf<Upgraded>>>,
+    pub writer: FrameWriter<WriteHalf<Upgraded>>,
+    /// A Ping's payload, left by whoever reads the reader's frames for the writer to answer
+    /// ahead of its next frame.
+    pub pong: Arc<Mutex<Option<Bytes>>>,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio_tungstenite::tungstenite::protocol::frame::coding::{Data, OpCode};
+    use tokio_tungstenite::tungstenite::protocol::frame::Frame;
+    use tokio_tungstenite::tungstenite::protocol::Role;
+    use tokio_tungstenite::tungstenite::Message;
+    use tokio_tungstenite::WebSocketStream;
 
     /// A client frame as RFC 6455 lays it out, masked with `mask`.
     fn client_frame(fin: bool, opcode: u8, payload: &[u8], mask: [u8; 4]) -> Vec<u8> {
@@ -413,47 +327,5 @@ mod tests {
         assert_eq!(r.next().await.unwrap(), Read::Ping(b"p".to_vec().into()));
         let (_, message) = r.partial.as_ref().expect("the message so far");
         assert_eq!((message.len(), message.capacity()), (5000, 5000));
-    }
-
-    fn joined(msgs: &[Message]) -> Vec<u8> {
-        let mut joined = Vec::new();
-        for (i, m) in msgs.iter().enumerate() {
-            let Message::Frame(f) = m else {
-                panic!("a raw frame")
-            };
-            assert_eq!(f.header().is_final, i + 1 == msgs.len());
-            let op = if i == 0 { Data::Binary } else { Data::Continue };
-            assert_eq!(f.header().opcode, OpCode::Data(op));
-            assert!(f.payload().len() <= FRAGMENT);
-            joined.extend_from_slice(f.payload());
-        }
-        joined
-    }
-
-    #[test]
-    fn large_frames_go_out_in_fragments_that_add_up_to_the_frame() {
-        assert!(matches!(&binary(vec![7; 10].into())[..], [Message::Binary(b)] if b.len() == 10));
-        let frame: Vec<u8> = (0..(2 * FRAGMENT + 5)).map(|i| i as u8).collect();
-        let msgs = binary(frame.clone().into());
-        assert_eq!(msgs.len(), 3);
-        assert_eq!(joined(&msgs), frame);
-    }
-
-    #[test]
-    fn a_shared_body_goes_out_as_slices_of_itself() {
-        let frame: Vec<u8> = (0..(3 * FRAGMENT + 77)).map(|i| (i * 7) as u8).collect();
-        let body: std::sync::Arc<[u8]> = frame[32..].into();
-        let msgs = binary(Outgoing::shared(frame[..32].to_vec(), body.clone()));
-        assert_eq!(msgs.len(), 4);
-        assert_eq!(joined(&msgs), frame);
-        // Every fragment after the first points into the shared body: nothing copied.
-        let range = body.as_ptr_range();
-        for m in &msgs[1..] {
-            let Message::Frame(f) = m else { panic!() };
-            assert!(range.contains(&f.payload().as_ptr()));
-        }
-        // Small shared frames go whole.
-        let small = binary(Outgoing::shared(vec![1, 2], vec![3u8, 4].into()));
-        assert!(matches!(&small[..], [Message::Binary(b)] if b[..] == [1, 2, 3, 4]));
     }
 }
