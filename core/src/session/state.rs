@@ -298,6 +298,12 @@ impl ShardState {
         self.core.values()
     }
 
+    /// A buffer of values a driver let go, for the next update to write into
+    /// ([`ShardCore::recycle`]).
+    pub fn recycle(&mut self, buf: Arc<Vec<f32>>) {
+        self.core.recycle(buf);
+    }
+
     /// Workers connected (past Hello).
     pub fn connected(&self) -> usize {
         self.connected

@@ -377,6 +377,21 @@ impl ShardCore {
         &self.values
     }
 
+    /// Offers a buffer of values nobody else holds any more (a version a driver kept and let
+    /// go, e.g. a spot checker's oldest) for the next update to write into, instead of
+    /// allocating one: kept if it is this shard's size, unshared, and the spare buffer is not
+    /// itself free to reuse.
+    pub fn recycle(&mut self, mut buf: Arc<Vec<f32>>) {
+        let fits = Arc::get_mut(&mut buf).is_some_and(|b| b.len() == self.values.len());
+        let spare_free = self
+            .spare
+            .as_mut()
+            .is_some_and(|s| Arc::get_mut(s).is_some());
+        if fits && !spare_free {
+            self.spare = Some(buf);
+        }
+    }
+
     /// Number of parameters.
     pub fn len(&self) -> usize {
         self.values.len()
@@ -672,6 +687,36 @@ mod tests {
             clip_norm: None,
             schedule: Default::default(),
         }
+    }
+
+    /// Issue 18: a driver that keeps every version (the spot checker's history) holds the
+    /// previous buffer, so each update allocated; a version it lets go, offered back with
+    /// `recycle`, is the next update's buffer. The values are the same either way.
+    #[test]
+    fn an_update_writes_into_a_recycled_buffer() {
+        let policy = StalenessPolicy::parse("accept").unwrap();
+        let mut a = ShardCore::new(vec![1.0; 4], sgd(0.5), policy, Consistency::Async);
+        let mut b = ShardCore::new(vec![1.0; 4], sgd(0.5), policy, Consistency::Async);
+        let mut kept = vec![a.values().clone()];
+        a.push(a.version(), &[1.0; 4]);
+        kept.push(a.values().clone());
+        // The history lets go of version 0 (nothing else holds it) and offers it back.
+        let old = kept.remove(0);
+        let at = old.as_ptr();
+        a.recycle(old);
+        a.push(a.version(), &[2.0; 4]);
+        assert_eq!(
+            a.values().as_ptr(),
+            at,
+            "the recycled buffer was written into"
+        );
+        // A shared buffer or one of another size is not taken.
+        a.recycle(kept[0].clone());
+        a.recycle(Arc::new(vec![0.0; 3]));
+        b.push(b.version(), &[1.0; 4]);
+        b.push(b.version(), &[2.0; 4]);
+        assert_eq!(a.values(), b.values());
+        assert_eq!(a.values()[..], [-0.5; 4]);
     }
 
     #[test]

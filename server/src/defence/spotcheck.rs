@@ -773,16 +773,17 @@ impl SpotChecker {
     }
 
     /// Shard `shard` published `values` as `version` (kept for the checks of pushes read
-    /// from it).
-    pub fn record(&self, shard: u32, version: u64, values: Arc<Vec<f32>>) {
-        let Some(h) = self.shared.histories.get(shard as usize) else {
-            return;
-        };
+    /// from it). Returns the oldest version's values the history let go, if any, for the
+    /// shard to reuse.
+    pub fn record(&self, shard: u32, version: u64, values: Arc<Vec<f32>>) -> Option<Arc<Vec<f32>>> {
+        let h = self.shared.histories.get(shard as usize)?;
         let mut h = h.lock().unwrap_or_else(|p| p.into_inner());
         h.push_back((version, values));
+        let mut old = None;
         while h.len() > self.shared.history {
-            h.pop_front();
+            old = h.pop_front().map(|(_, v)| v);
         }
+        old
     }
 
     // --- Sampling, versions (issue 21). The recomputation is below, in `Checker`. ---

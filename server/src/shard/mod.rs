@@ -135,9 +135,14 @@ impl std::fmt::Debug for Shard {
 impl Inner {
     /// Publishes the state's values as the current snapshot, a new version (a push applied, a
     /// restart, a rollback): kept for spot checks first, before any worker can read it.
-    fn publish(&self, st: &ShardState) {
+    fn publish(&self, st: &mut ShardState) {
         if let Some(spot) = self.defence.get().and_then(|d| d.spot.as_ref()) {
-            spot.record(self.cfg.id, st.version(), st.values().clone());
+            // The version the history let go is the next update's buffer: no allocation
+            // per push for the history (docs/benchmarks.md, "End to end before and after
+            // issue 18").
+            if let Some(old) = spot.record(self.cfg.id, st.version(), st.values().clone()) {
+                st.recycle(old);
+            }
         }
         self.current
             .store(Arc::new(Snapshot::new(st.version(), st.values().clone())));
@@ -260,7 +265,7 @@ impl Shard {
             st.set_consistency(mode)?;
             inner.mode.store(Arc::new(mode));
             if st.version() != v0 {
-                inner.publish(&st);
+                inner.publish(&mut st);
             }
             st.epoch()
         };
@@ -402,7 +407,7 @@ impl Shard {
         let epoch = {
             let mut st = self.state();
             st.restart(values)?;
-            inner.publish(&st);
+            inner.publish(&mut st);
             st.epoch()
         };
         inner.epoch_tx.send_replace(epoch);
@@ -430,7 +435,7 @@ impl Shard {
                 return Ok(None);
             }
             st.roll_back(values, poisoner)?;
-            inner.publish(&st);
+            inner.publish(&mut st);
             inner.demand.store(st.demand(), Ordering::Relaxed);
             (before, st.version(), st.epoch())
         };
@@ -451,7 +456,7 @@ impl Shard {
             let (v0, e0) = (st.version(), st.epoch());
             let r = st.apply_held(push, now);
             if st.version() != v0 {
-                inner.publish(&st);
+                inner.publish(&mut st);
             }
             inner.demand.store(st.demand(), Ordering::Relaxed);
             (r, (st.epoch() != e0).then(|| st.epoch()))
@@ -627,7 +632,7 @@ impl ShardAccess for Access<'_> {
             if st.version() != v0 {
                 // An update was applied: its time under the lock is the apply latency.
                 inner.apply_seconds.observe(t0.elapsed().as_secs_f64());
-                inner.publish(&st);
+                inner.publish(&mut st);
             }
             inner.demand.store(st.demand(), Ordering::Relaxed);
             (r, (st.epoch() != e0).then(|| st.epoch()))
