@@ -30,7 +30,7 @@
 //! | `crowdgrad_test_accuracy` / `crowdgrad_test_loss` | gauge | (coordinator, after the first evaluation) |
 //! | `crowdgrad_test_bits_per_token` | gauge | (coordinator, language models, after the first evaluation) |
 //! | `crowdgrad_spot_checks_total` | counter | `result`: passed, failed, skipped_version, refused_version, skipped_unknown, dropped_queue, refused_busy, dropped_quarantined (with `--spot-check`) |
-//! | `crowdgrad_spot_check_vouched_total`, `crowdgrad_spot_check_rollbacks_total`, `crowdgrad_spot_check_versions_undone_total`, `crowdgrad_spot_check_poisoned_undone_total`, `crowdgrad_spot_check_healed_total` | counter | (with `--spot-check`) vouchings, rollbacks, versions they undid, the poisoner's pushes among them, shards left to heal |
+//! | `crowdgrad_spot_check_vouched_total`, `crowdgrad_spot_check_rollbacks_total`, `crowdgrad_spot_check_versions_undone_total`, `crowdgrad_spot_check_poisoned_undone_total`, `crowdgrad_spot_check_poisoned_kept_total`, `crowdgrad_spot_check_healed_total` | counter | (with `--spot-check`) vouchings, rollbacks, versions they undid, the poisoner's pushes among them, its unchecked pushes older than the history (not undone), shards left to heal |
 //! | `crowdgrad_spot_checks_sampled_total` | counter | (with `--spot-check`) |
 //! | `crowdgrad_workers_quarantined` / `crowdgrad_identities_quarantined` | gauge | |
 
