@@ -131,13 +131,13 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
     fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         while !self.queue.is_empty() {
             let n = {
-                let slices: Vec<IoSlice<'_>> = self
-                    .queue
-                    .iter()
-                    .take(SLICES)
-                    .map(|b| IoSlice::new(b))
-                    .collect();
-                ready!(Pin::new(&mut self.io).poll_write_vectored(cx, &slices))?
+                let mut slices = [IoSlice::new(&[]); SLICES];
+                let mut k = 0;
+                for (s, b) in slices.iter_mut().zip(&self.queue) {
+                    *s = IoSlice::new(b);
+                    k += 1;
+                }
+                ready!(Pin::new(&mut self.io).poll_write_vectored(cx, &slices[..k]))?
             };
             if n == 0 {
                 return Poll::Ready(Err(std::io::ErrorKind::WriteZero.into()));
@@ -157,7 +157,10 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
                 }
             }
         }
-        self.queue = VecDeque::new();
+        // A frame's few entries fit the capacity kept; a long queue's is given back.
+        if self.queue.capacity() > SLICES {
+            self.queue = VecDeque::new();
+        }
         Poll::Ready(Ok(()))
     }
 }
