@@ -669,6 +669,7 @@ mod tests {
             decay_samples: 6400,
             min_ratio: 0.1,
             samples_per_version: 32,
+            counted: false,
         };
         let back: OptimizerConfig =
             serde_json::from_value(serde_json::to_value(s).unwrap()).unwrap();
@@ -686,6 +687,7 @@ mod tests {
             decay_samples: 5,
             min_ratio: 0.1,
             samples_per_version: 1,
+            counted: false,
         };
         let names = [
             "sgd", "momentum", "nesterov", "adagrad", "rmsprop", "adam", "adamw",

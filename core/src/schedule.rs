@@ -15,8 +15,17 @@
 //! - `sync:K`: one version is the mean of K pushes, so `K × batch_size` (a round flushed early
 //!   with fewer pushes still counts as K: the schedule runs a little ahead, never behind);
 //! - local steps `H`: one push of a pseudo-gradient carries `H × batch_size` examples, so
-//!   `H × batch_size` (times K in `sync:K`). `auto` local steps vary `H` per worker and per
-//!   round, so versions do not map to samples: a schedule with them is refused.
+//!   `H × batch_size` (times K in `sync:K`).
+//!
+//! # `auto` local steps: the samples the shards applied
+//! `auto` varies `H` per worker and per round, so versions do not map to samples. Such a
+//! schedule is [`Schedule::counted`]: every shard counts the samples of the updates it applied
+//! (a push's `samples`; a `sync:K` round's pushes together) and states the count of each
+//! version in every `Params` to a worker that asked for it (docs/protocol.md, "Samples"). A
+//! round read at counts `c₀..c_S` (one per shard) that will carry `r` samples runs all its
+//! inner steps at `f(max cᵢ + r)` ([`Schedule::factor_round`]): the samples seen once it is
+//! applied, as `(v + 1) × samples_per_version` is for a fixed `H`. The spot checker takes the
+//! counts from its own record of the versions the push's tag names, not from the worker.
 //!
 //! Update number `n` (0-based: the one that takes a shard from version `n` to `n + 1`) runs
 //! at `lr × f(s)` with `s = (n + 1) × samples_per_version`, the samples seen once it is
@@ -119,6 +128,10 @@ pub struct Schedule {
     /// Samples one shard version stands for (set when the run is built, see the module doc).
     #[serde(default = "one")]
     pub samples_per_version: u64,
+    /// The position is the samples the shards counted, not versions (`auto` local steps;
+    /// the module doc). Absent: false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub counted: bool,
 }
 
 impl Default for Schedule {
@@ -130,6 +143,7 @@ impl Default for Schedule {
             decay_samples: 0,
             min_ratio: DEFAULT_MIN_RATIO,
             samples_per_version: 1,
+            counted: false,
         }
     }
 }
@@ -177,12 +191,19 @@ impl Schedule {
     /// The multiplier of the update that takes a shard from `version` to `version + 1` (the
     /// module doc has the formula). 1 for a constant schedule; always in `[0, 1]`.
     pub fn factor(&self, version: u64) -> f32 {
+        self.factor_at(
+            version
+                .saturating_add(1)
+                .saturating_mul(self.samples_per_version.max(1)),
+        )
+    }
+
+    /// The multiplier at `s` samples seen (the module doc has the formula). 1 for a constant
+    /// schedule; always in `[0, 1]`.
+    pub fn factor_at(&self, s: u64) -> f32 {
         if self.is_constant() {
             return 1.0;
         }
-        let s = version
-            .saturating_add(1)
-            .saturating_mul(self.samples_per_version.max(1));
         if s < self.warmup {
             return (s as f64 / self.warmup as f64) as f32;
         }
@@ -208,6 +229,20 @@ impl Schedule {
     pub fn factor_read(&self, versions: &[u64]) -> f32 {
         self.factor(versions.iter().copied().max().unwrap_or(0))
     }
+
+    /// The multiplier of a round read at `versions` whose shards had applied `counts` samples
+    /// (one each, in shard order; [`crate::wire::Message::Params`]' `samples`), that carries
+    /// `round_samples`: [`Schedule::factor_at`] the largest count plus the round's when the
+    /// schedule is [`Schedule::counted`], else [`Schedule::factor_read`]. The worker's inner
+    /// optimizer and the spot checker both call it.
+    pub fn factor_round(&self, versions: &[u64], counts: &[u64], round_samples: u64) -> f32 {
+        if self.counted {
+            let read = counts.iter().copied().max().unwrap_or(0);
+            self.factor_at(read.saturating_add(round_samples))
+        } else {
+            self.factor_read(versions)
+        }
+    }
 }
 
 #[cfg(test)]
@@ -221,6 +256,7 @@ mod tests {
             decay_samples: 1100,
             min_ratio: 0.1,
             samples_per_version: 10,
+            counted: false,
         }
     }
 
@@ -270,6 +306,15 @@ mod tests {
         // A round reads its shards' versions: the largest counts.
         close(c.factor_read(&[3, 59, 12]), 0.55);
         assert_eq!(c.factor_read(&[]), c.factor(0));
+        // Not counted: a round follows its versions, whatever the counts say.
+        close(c.factor_round(&[3, 59, 12], &[0, 0, 0], 10), 0.55);
+        // Counted (auto local steps): the largest count plus the round's own samples.
+        let counted = Schedule { counted: true, ..c };
+        close(counted.factor_round(&[0, 0], &[30, 590], 10), 0.55);
+        close(counted.factor_round(&[9, 9], &[40, 0], 10), 0.5);
+        close(counted.factor_round(&[0], &[], 10), 0.1);
+        close(counted.factor_at(600), 0.55);
+        assert_eq!(counted.factor_round(&[], &[u64::MAX], u64::MAX), 0.1);
     }
 
     #[test]
@@ -355,7 +400,13 @@ mod tests {
         let c = sched(Decay::Cosine);
         let json = serde_json::to_value(c).unwrap();
         assert_eq!(json["decay"], "cosine");
-        assert_eq!(serde_json::from_value::<Schedule>(json).unwrap(), c);
+        assert_eq!(serde_json::from_value::<Schedule>(json.clone()).unwrap(), c);
+        // `counted` is left out unless set (runs before it encode as they did).
+        assert!(json.get("counted").is_none(), "{json}");
+        let counted = Schedule { counted: true, ..c };
+        let json = serde_json::to_value(counted).unwrap();
+        assert_eq!(json["counted"], true);
+        assert_eq!(serde_json::from_value::<Schedule>(json).unwrap(), counted);
         // Every field may be left out.
         let d: Schedule = serde_json::from_str("{}").unwrap();
         assert_eq!(d, Schedule::default());

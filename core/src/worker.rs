@@ -147,6 +147,9 @@ struct ShardSlot {
     paces: bool,
     /// The pace its last `Params` carried, seconds (0 = none).
     pace: f64,
+    /// The samples the shard had applied at `version`, as its `Params` said (0 when it did
+    /// not say: a shard whose run has no counted schedule need not).
+    samples: u64,
 }
 
 impl ShardSlot {
@@ -164,6 +167,7 @@ impl ShardSlot {
             generation: 0,
             paces: false,
             pace: 0.0,
+            samples: 0,
         }
     }
 
@@ -187,6 +191,9 @@ struct Round {
     done: u32,
     /// Shard versions the round's parameters were read at.
     versions: Vec<u64>,
+    /// The samples each shard had applied at those versions (a counted schedule's position,
+    /// [`crate::schedule`]).
+    counts: Vec<u64>,
     /// Per shard, the connection generation its fresh parameters came from; `None` for a
     /// shard that was down (nothing is pushed to it).
     read: Vec<Option<u64>>,
@@ -508,6 +515,7 @@ impl Worker {
                 push_encodings: offered,
                 credential: self.join.credential.clone(),
                 pacing: true,
+                samples: true,
             },
         });
         if let Some(s) = self.shards.get_mut(shard) {
@@ -590,6 +598,7 @@ impl Worker {
                 request_id,
                 version,
                 pace_ms,
+                samples,
                 values,
                 ..
             } => {
@@ -610,6 +619,7 @@ impl Worker {
                 slot.fresh = true;
                 slot.have = true;
                 slot.version = version;
+                slot.samples = samples.unwrap_or(0);
                 self.stats.pace_s = self.pace();
                 if self.shards.iter().all(|s| s.fresh) {
                     if let (Some(now), Some(sent)) = (self.now, self.pulls_sent.take()) {
@@ -793,6 +803,7 @@ impl Worker {
         // starts a new batch, which the pace counts from.
         self.pulls_sent = None;
         let versions: Vec<u64> = self.shards.iter().map(|s| s.version).collect();
+        let counts: Vec<u64> = self.shards.iter().map(|s| s.samples).collect();
         let read = self
             .shards
             .iter()
@@ -813,6 +824,7 @@ impl Worker {
             h,
             done: 0,
             versions,
+            counts,
             read,
             samples: 0,
         });
@@ -875,10 +887,14 @@ impl Worker {
         let samples = self.idx.len();
         let pseudo = self.join.run.local.steps.pseudo_gradients();
         if pseudo {
-            // The round's inner steps follow the schedule at the versions it read
-            // (crate::schedule), which a spot check recomputes from the push's tag.
+            // The round's inner steps follow the schedule where the shards it read were
+            // (crate::schedule), which a spot check recomputes from the push's tag: their
+            // versions, or under `auto` the samples they had applied plus the round's own.
             let inner = self.join.run.local.inner;
-            let scale = inner.schedule.factor_read(&round.versions);
+            let round_samples = u64::from(round.h).saturating_mul(self.idx.len() as u64);
+            let scale = inner
+                .schedule
+                .factor_round(&round.versions, &round.counts, round_samples);
             optim::step(&inner, &mut self.inner, &mut self.params, &self.grad, scale);
         }
         round.done += 1;
@@ -1170,6 +1186,7 @@ mod tests {
                 reports: false,
                 spot_checks: false,
                 paces: false,
+                samples: false,
             },
         })
     }
@@ -1255,6 +1272,7 @@ mod tests {
                 push_encodings: vec![Encoding::INT8, Encoding::Bf16, Encoding::F32],
                 credential: None,
                 pacing: true,
+                samples: true,
             }
         );
         // A connection to a shard the run does not have is ignored.
@@ -1384,6 +1402,7 @@ mod tests {
             guard: PushGuard::default(),
             aggregation: crate::robust::Aggregation::Mean,
             pacing: crate::shard::Pacing::OFF,
+            counted: false,
         };
         let mut state = setup.state(0, range, vec![0.0; range.len()]).unwrap();
         let mut session = ShardSession::new(ShardConfig {
@@ -1554,6 +1573,7 @@ mod tests {
                 reports: false,
                 spot_checks: false,
                 paces: false,
+                samples: false,
             },
         });
         assert!(matches!(w.receive(0, &bad_range), Err(Error::Protocol(_))));
@@ -1570,6 +1590,7 @@ mod tests {
                 reports: false,
                 spot_checks: false,
                 paces: false,
+                samples: false,
             },
         });
         assert!(matches!(
@@ -1838,6 +1859,7 @@ mod tests {
                 reports: true,
                 spot_checks: false,
                 paces: false,
+                samples: false,
             },
         });
         w.set_time(0.0);
@@ -1931,6 +1953,7 @@ mod tests {
                     reports: false,
                     spot_checks: shard == 0,
                     paces: false,
+                    samples: false,
                 },
             });
             w.receive(shard, &f).unwrap();
@@ -2015,6 +2038,74 @@ mod tests {
         );
     }
 
+    /// Issue 20: under a schedule counted by samples (`auto` local steps), a round's inner
+    /// steps run at the factor of the largest count its Params stated plus the round's own
+    /// samples: the same pulled values with counts past the decay's end give a round a tenth
+    /// as long (the floor) as with counts at the start.
+    #[test]
+    fn a_counted_schedule_follows_the_samples_the_params_state() {
+        use crate::schedule::{Decay, Schedule};
+        let inner = OptimizerConfig {
+            rule: crate::optim::Rule::Sgd,
+            lr: 0.01,
+            weight_decay: 0.0,
+            clip_norm: None,
+            schedule: Schedule {
+                warmup: 0,
+                decay: Decay::Cosine,
+                decay_samples: 1000,
+                min_ratio: 0.1,
+                samples_per_version: 1,
+                counted: true,
+            },
+        };
+        let round = |counts: [Option<u64>; 2]| {
+            let local = LocalConfig {
+                steps: LocalSteps::Fixed(2),
+                inner,
+                ..LocalConfig::default()
+            };
+            let mut w = local_worker(local, 2, None);
+            let p = handshake(&mut w, &[4, 9]);
+            for &(shard, id, _) in &p {
+                let values = vec![0.5f32; range(&w, shard).len()];
+                let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+                let f = wire::encode(&Message::Params {
+                    request_id: id,
+                    shard: shard as u32,
+                    version: [4, 9][shard],
+                    pace_ms: 0,
+                    samples: counts[shard],
+                    values: wire::Payload::f32(&bytes),
+                });
+                w.receive(shard, &f).unwrap();
+            }
+            let pulled = w.params().to_vec();
+            w.step().unwrap();
+            assert!(w.step().unwrap().pushed);
+            pulled
+                .iter()
+                .zip(w.params())
+                .map(|(a, b)| f64::from(a - b).powi(2))
+                .sum::<f64>()
+                .sqrt()
+        };
+        // Round samples: H = 2 batches of 2. Counts 0 and 0: f(4) ≈ 1.
+        let start = round([Some(0), Some(0)]);
+        // The larger count rules: f(5000 + 4) = the floor.
+        let end = round([Some(5000), Some(0)]);
+        // A shard that states nothing counts as 0.
+        let none = round([None, None]);
+        assert!(start > 0.0);
+        assert_eq!(start, none);
+        let ratio = end / start;
+        let expect = 0.1 / f64::from(inner.schedule.factor_at(4));
+        assert!(
+            (ratio / expect - 1.0).abs() < 0.05,
+            "step length ratio {ratio}, the schedule's {expect}"
+        );
+    }
+
     #[test]
     fn overlap_pulls_the_next_round_before_computing() {
         let local = LocalConfig {
@@ -2088,6 +2179,7 @@ mod tests {
                 reports: true,
                 spot_checks: false,
                 paces: false,
+                samples: false,
             },
         });
         w.set_time(0.0);
@@ -2138,6 +2230,7 @@ mod tests {
                     reports: false,
                     spot_checks: false,
                     paces,
+                    samples: false,
                 },
             });
             w.receive(shard, &f).unwrap();

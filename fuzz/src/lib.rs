@@ -339,6 +339,7 @@ pub fn setup_of(b: u8) -> ShardSetup {
         pseudo_gradients: b & 0x80 != 0,
         aggregation: crowdgrad_core::robust::Aggregation::Mean,
         pacing: crowdgrad_core::shard::Pacing::OFF,
+        counted: false,
         guard: PushGuard {
             max_samples: 256,
             batch: 32,

@@ -44,6 +44,7 @@ fn describe(frame: &[u8]) -> String {
             shard,
             version,
             pace_ms,
+            samples,
             values,
         }) => {
             // FNV-1a over the payload: the values must agree byte for byte.
@@ -53,7 +54,10 @@ fn describe(frame: &[u8]) -> String {
                 .fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
                     (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
                 });
-            format!("params id={request_id} shard={shard} v={version} pace={pace_ms} hash={h:016x}")
+            format!(
+                "params id={request_id} shard={shard} v={version} pace={pace_ms} \
+                 samples={samples:?} hash={h:016x}"
+            )
         }
         Ok(Frame::Ack {
             request_id,

@@ -188,6 +188,7 @@ fn one_worker_without_delay_equals_applying_its_gradients_through_shardcore() {
                 reports: false,
                 spot_checks: false,
                 paces: false,
+                samples: false,
             },
         });
         w.receive(i, &welcome).expect("welcome");

@@ -67,7 +67,7 @@ fn figures(label: &str, s: &serde_json::Value) -> (Vec<f64>, Vec<f64>) {
     (cos, ratio)
 }
 
-async fn honest_run(mut cfg: ServeConfig, label: &str, pushes: u64) {
+async fn honest_run(mut cfg: ServeConfig, label: &str, pushes: u64) -> serde_json::Value {
     cfg.spot.fraction = 1.0;
     let running = server(cfg).await;
     let url = running.url();
@@ -95,6 +95,7 @@ async fn honest_run(mut cfg: ServeConfig, label: &str, pushes: u64) {
     assert!(!cos.is_empty() && cos.iter().all(|c| *c > 0.0), "{label}");
     assert!(ratio.iter().all(|r| r.is_finite() && *r > 0.0), "{label}");
     running.stop().await.expect("stops");
+    s
 }
 
 /// Honest native workers, every push checked: plain async gradient pushes in every push
@@ -132,6 +133,7 @@ async fn honest_workers_pass_spot_checks_under_a_schedule_with_adamw() {
         decay_samples: 200 * per_version,
         min_ratio: 0.1,
         samples_per_version: per_version,
+        counted: false,
     };
     let mut c = config();
     c.training.optimizer =
@@ -154,6 +156,39 @@ async fn honest_workers_pass_spot_checks_under_a_schedule_with_adamw() {
         100,
     )
     .await;
+    // `auto` local steps: the schedule is counted by the samples the shards applied, which
+    // each round takes from its Params and the checker from its own record of the versions
+    // the tag names. An SGD inner optimizer (continuous in the gradient: no sensitivity
+    // allowance to hide a wrong factor behind) whose rate warms up over the first rounds.
+    let mut c = config();
+    c.training.exchange.local.steps = LocalSteps::Auto { max: 8 };
+    let mut inner =
+        crowdgrad::config::optimizer_from_flags("sgd", Some(0.05), None, None, None).expect("sgd");
+    inner.schedule = Schedule {
+        counted: true,
+        ..schedule(64)
+    };
+    c.training.exchange.local.inner = inner;
+    c.training.optimizer =
+        crowdgrad::config::optimizer_from_flags("sgd", Some(1.0), None, None, None).expect("sgd");
+    c.training.exchange.push_encoding = Encoding::F32;
+    c.training.exchange.pull_encoding = Encoding::F32;
+    let s = honest_run(
+        c,
+        "honest native, auto, sgd inner, warmup + cosine counted by samples",
+        40,
+    )
+    .await;
+    let applied: Vec<u64> = s["shards"]
+        .as_array()
+        .expect("shards")
+        .iter()
+        .map(|sh| sh["samples_applied"].as_u64().unwrap_or(0))
+        .collect();
+    assert!(
+        applied.iter().all(|&n| n >= 10 * 32 && n % 32 == 0),
+        "the shards counted the rounds' samples: {applied:?}"
+    );
 }
 
 /// What became of an attacker.

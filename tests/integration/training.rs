@@ -199,6 +199,10 @@ async fn serve_with_adamw_and_a_cosine_schedule_trains_a_real_worker() {
         "16000",
         "--clip-norm",
         "1.0",
+        // Gradient pushes: the shards' AdamW follows the schedule (the test below has serve's
+        // default, `auto` local steps, where the workers' inner optimizer does).
+        "--local-steps",
+        "1",
     ])
     .env("RUST_LOG", "info");
     let mut serve = Proc::spawn(c, "schedule-serve");
@@ -260,6 +264,101 @@ async fn serve_with_adamw_and_a_cosine_schedule_trains_a_real_worker() {
     for shard in done["shards"].as_array().expect("shards") {
         assert_eq!(shard["version"], 500, "{shard}");
     }
+    serve.terminate();
+    let _ = serve.exit_within(Duration::from_secs(10)).await;
+}
+
+/// Issue 20: serve's default `auto` local steps with a warmup and a cosine decay. The
+/// workers' inner AdamW follows the schedule by the samples the shards applied (stated in
+/// every Params), the spot checker (on by default: every push of a new worker checked)
+/// recomputes each round at the same factor, and the rate the status shows reaches the floor
+/// once the shards applied the decay's samples.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_with_auto_local_steps_follows_a_schedule_by_samples() {
+    crate::util::mnist();
+    let data = crate::util::mnist_dir();
+    let mut serve = Proc::crowdgrad(
+        "auto-schedule-serve",
+        &[
+            "serve",
+            "--addr",
+            "127.0.0.1:0",
+            "--no-fetch",
+            "--data-dir",
+            data.to_str().expect("utf-8 path"),
+            "--eval-every",
+            "0.5",
+            "--inner-optimizer",
+            "adamw",
+            "--inner-lr",
+            "0.002",
+            "--lr-warmup",
+            "1600",
+            "--lr-decay",
+            "cosine",
+            "--lr-decay-samples",
+            "12800",
+        ],
+    );
+    let base = serve
+        .listening(Duration::from_secs(60))
+        .replace("ws://", "http://");
+    let s = status(&base).await;
+    let sched = &s["local"]["inner"]["schedule"];
+    assert_eq!(sched["counted"], true, "{s}");
+    assert_eq!(s["lr_now"].as_f64(), Some(0.0), "no sample applied yet");
+    // 500 steps of 32: 16,000 samples, past the decay's end at 12,800.
+    let mut work = Proc::crowdgrad(
+        "auto-schedule-work",
+        &[
+            "work",
+            "--server",
+            &base,
+            "--steps",
+            "500",
+            "--threads",
+            "1",
+            "--quiet",
+            "--json",
+            "--id",
+            "auto-schedule-volunteer",
+        ],
+    );
+    let exit = work
+        .exit_within(Duration::from_secs(600))
+        .await
+        .expect("the worker finishes its 500 steps");
+    assert!(exit.success(), "{exit:?}: {}", work.stderr());
+    let done = wait_for(&base, Duration::from_secs(30), "the last samples", |s| {
+        s["shards"].as_array().is_some_and(|a| {
+            a.iter()
+                .all(|sh| sh["samples_applied"].as_u64() >= Some(12_800))
+        })
+    })
+    .await;
+    let lr = done["lr_now"].as_f64().unwrap_or(f64::NAN);
+    let acc = done["eval"]["accuracy"].as_f64().unwrap_or(0.0);
+    eprintln!(
+        "auto local steps, inner adamw 0.002, warmup 1600, cosine to 12800 samples: \
+         test accuracy {acc:.4}, lr now {lr:e}, shards {}",
+        done["shards"]
+    );
+    assert!(
+        (lr - 0.0002).abs() < 1e-7,
+        "the floor, 10% of the peak: {lr}"
+    );
+    assert_eq!(done["spot_checks"]["failed"], 0, "{}", done["spot_checks"]);
+    assert!(
+        done["spot_checks"]["passed"].as_u64() >= Some(4),
+        "the probation checks ran: {}",
+        done["spot_checks"]
+    );
+    assert_eq!(done["reputation"]["quarantined"], 0);
+    let wait = wait_for(&base, Duration::from_secs(30), "an evaluation", |s| {
+        s["eval"]["accuracy"].as_f64() >= Some(0.9)
+    })
+    .await;
+    assert!(wait["eval"]["accuracy"].as_f64() >= Some(0.9));
     serve.terminate();
     let _ = serve.exit_within(Duration::from_secs(10)).await;
 }

@@ -115,12 +115,14 @@ fn params_and_push_frames_round_trip_through_the_wire() {
             shard,
             version,
             pace_ms,
+            samples,
             values: payload,
         } = wire::decode(&frame, usize::MAX).unwrap()
         else {
             panic!("{enc}: not a Params frame");
         };
         assert_eq!((request_id, shard, version, pace_ms), (17, 1, 42, 0));
+        assert_eq!(samples, None, "no samples meta unless negotiated");
         assert_eq!((payload.encoding(), payload.len()), (enc, n));
         let mut got = vec![0.0; n];
         payload.copy_into(&mut got).unwrap();
@@ -292,6 +294,7 @@ fn a_worker_with_local_steps_negotiates_bf16_pulls_and_int8_pushes() {
                 },
                 aggregation: crowdgrad_core::robust::Aggregation::Mean,
                 pacing: crowdgrad_core::shard::Pacing::OFF,
+                counted: false,
             };
             let state = setup
                 .state(i as u32, *r, init[r.start..r.end].to_vec())

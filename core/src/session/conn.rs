@@ -240,6 +240,8 @@ pub struct ShardSession {
     frame_bytes: u64,
     /// Negotiated in the handshake: `Params` carry the shard's pace (issue 18).
     paces: bool,
+    /// Negotiated in the handshake: `Params` carry the samples the shard applied.
+    samples: bool,
 }
 
 /// Least time between two Reports a session takes, seconds. Workers send one a second; one
@@ -298,6 +300,7 @@ impl ShardSession {
             last_report: None,
             frame_bytes: 0,
             paces: false,
+            samples: false,
         }
     }
 
@@ -549,7 +552,10 @@ impl ShardSession {
         } else {
             0
         };
-        let frame = Outgoing::shared(body.header(request_id, self.cfg.id, pace_ms), body.bytes);
+        let frame = Outgoing::shared(
+            body.header(request_id, self.cfg.id, pace_ms, self.samples),
+            body.bytes,
+        );
         let bytes = frame.len();
         self.actions.push_back(Action::Send(frame));
         self.actions.push_back(Action::Record(Record::Pulled {
@@ -696,6 +702,13 @@ impl ShardSession {
                     );
                     return self.fail(shard, request_id, ErrorCode::ProtocolVersion, m, None, now);
                 }
+                if self.cfg.setup.counted && !hello.samples {
+                    let m = "this run's learning-rate schedule follows the samples the shards \
+                             applied (auto local steps): say \"samples\": true in the Hello and \
+                             read them from each Params (docs/protocol.md, \"Samples\")"
+                        .to_string();
+                    return self.fail(shard, request_id, ErrorCode::Protocol, m, None, now);
+                }
                 match shard.admit(hello.worker_id, hello.credential.as_deref()) {
                     Admission::Admitted => {}
                     Admission::Unknown => {
@@ -744,6 +757,7 @@ impl ShardSession {
                     self.cfg.range.len(),
                 );
                 self.paces = hello.pacing && self.cfg.setup.pacing.is_on();
+                self.samples = hello.samples;
                 let bytes = self.frame_bytes;
                 let version = shard.with(|s| {
                     s.join(worker, now, bytes);
@@ -763,6 +777,7 @@ impl ShardSession {
                         reports: self.cfg.setup.reports && self.cfg.id == 0,
                         spot_checks: shard.spot_checks(),
                         paces: self.paces,
+                        samples: self.samples,
                     },
                 }));
             }
@@ -964,6 +979,9 @@ mod tests {
         fn snapshot(&self) -> (u64, std::sync::Arc<Vec<f32>>) {
             self.state.snapshot()
         }
+        fn snapshot_samples(&self) -> u64 {
+            self.state.snapshot_samples()
+        }
         fn with<R>(&mut self, f: impl FnOnce(&mut ShardState) -> R) -> R {
             f(&mut self.state)
         }
@@ -983,6 +1001,9 @@ mod tests {
     impl ShardAccess for Checking {
         fn snapshot(&self) -> (u64, std::sync::Arc<Vec<f32>>) {
             self.state.snapshot()
+        }
+        fn snapshot_samples(&self) -> u64 {
+            self.state.snapshot_samples()
         }
         fn with<R>(&mut self, f: impl FnOnce(&mut ShardState) -> R) -> R {
             f(&mut self.state)
@@ -1793,5 +1814,77 @@ mod tests {
         c.handle_frame(&mut off, &paced_hello(1, 9), 0.0);
         assert!(!welcome(&mut c).paces);
         assert_eq!(pace_of(&mut c, &mut off, 2), 0);
+    }
+
+    /// Issue 20: a worker that asks gets the samples the shard applied in every Params meta;
+    /// one that does not gets none, and a run whose schedule is counted by samples (`auto`
+    /// local steps) refuses its Hello, naming what to do.
+    #[test]
+    fn issue_20_params_state_the_samples_applied_to_workers_that_asked() {
+        let counting_hello = |rid: u32, worker: u64| {
+            wire::encode(&Message::Hello {
+                request_id: rid,
+                shard: 1,
+                hello: Hello {
+                    worker_id: worker,
+                    samples: true,
+                    ..Default::default()
+                },
+            })
+        };
+        let replies = |s: &mut ShardSession| {
+            let mut out = Vec::new();
+            while let Some(a) = s.poll_action() {
+                if let Action::Send(f) = a {
+                    let f = f.to_vec();
+                    match wire::decode(&f, usize::MAX).unwrap() {
+                        Message::Welcome { welcome, .. } => {
+                            out.push(format!("welcome samples={}", welcome.samples))
+                        }
+                        Message::Params {
+                            version, samples, ..
+                        } => out.push(format!("params v{version} {samples:?}")),
+                        Message::Ack { version, .. } => out.push(format!("ack v{version}")),
+                        Message::Error { error, .. } => {
+                            out.push(format!("error {}", error.code.name()));
+                            assert!(error.message.contains("\"samples\": true"), "{error:?}");
+                        }
+                        other => out.push(format!("{other:?}")),
+                    }
+                }
+            }
+            out
+        };
+        let mut sh = state(Consistency::Async, 2);
+        let mut a = ShardSession::new(*sh.config());
+        a.handle_frame(&mut sh, &counting_hello(1, 7), 0.0);
+        a.handle_frame(&mut sh, &pull(2, 0), 0.0);
+        a.handle_frame(&mut sh, &push(3, 0, &[1.0, 1.0]), 0.0);
+        a.handle_frame(&mut sh, &pull(4, 0), 0.0);
+        assert_eq!(
+            replies(&mut a),
+            [
+                "welcome samples=true",
+                "params v0 Some(0)",
+                "ack v1",
+                "params v1 Some(8)"
+            ]
+        );
+        let mut b = ShardSession::new(*sh.config());
+        b.handle_frame(&mut sh, &hello(1, 8), 0.0);
+        b.handle_frame(&mut sh, &pull(2, 0), 0.0);
+        assert_eq!(replies(&mut b), ["welcome samples=false", "params v1 None"]);
+        // A counted run: the old Hello is refused (fatal), the new one welcomed.
+        let mut setup = setup(Consistency::Async);
+        setup.counted = true;
+        let range = crate::partition::KeyRange { start: 0, end: 2 };
+        let mut sh = setup.state(1, range, vec![0.0; 2]).unwrap();
+        let mut c = ShardSession::new(*sh.config());
+        c.handle_frame(&mut sh, &hello(1, 9), 0.0);
+        assert_eq!(replies(&mut c), ["error protocol"]);
+        assert_eq!(sh.connected(), 0);
+        let mut d = ShardSession::new(*sh.config());
+        d.handle_frame(&mut sh, &counting_hello(1, 9), 0.0);
+        assert_eq!(replies(&mut d), ["welcome samples=true"]);
     }
 }

@@ -80,6 +80,10 @@ pub struct ShardSetup {
     /// The run's egress budget and the model length its shares are cut from (issue 18,
     /// [`crate::shard::pace`]): sessions whose worker asked are told the shard's pace.
     pub pacing: crate::shard::Pacing,
+    /// The run's learning-rate schedule is positioned by the samples the shards applied
+    /// ([`crate::schedule::Schedule::counted`]: `auto` local steps): a Hello that does not ask
+    /// for them in `Params` is refused, as its worker could not follow the schedule.
+    pub counted: bool,
 }
 
 impl ShardSetup {

@@ -600,9 +600,14 @@ impl ShardState {
         } else {
             1.0
         };
-        let outcome = self
-            .core
-            .push_judged(worker, base_version, &self.scratch, scale, ratio);
+        let outcome = self.core.push_judged(
+            worker,
+            base_version,
+            &self.scratch,
+            scale,
+            ratio,
+            u64::from(samples),
+        );
         self.record(&outcome);
         if matches!(outcome, Outcome::Applied { .. } | Outcome::Buffered { .. }) {
             if norm > 0.0 {
@@ -746,6 +751,9 @@ pub trait ShardAccess {
     /// The last published values and their version. Must not wait for an update in progress
     /// (the server serves it from an `ArcSwap`): this is what keeps async pulls lock-free.
     fn snapshot(&self) -> (u64, Arc<Vec<f32>>);
+    /// The samples the shard had applied at [`ShardAccess::snapshot`]'s version
+    /// ([`ShardCore::samples`](crate::shard::ShardCore::samples)).
+    fn snapshot_samples(&self) -> u64;
     /// The last published values as the body of a `Params` frame in `encoding`. A driver that
     /// serves many connections keeps one per version and encoding and hands every pull the
     /// same bytes (the server does: `Snapshot` in server/src/shard/mod.rs); this default
@@ -753,7 +761,7 @@ pub trait ShardAccess {
     /// progress, like [`ShardAccess::snapshot`].
     fn params_body(&mut self, encoding: crate::codec::Encoding) -> wire::ParamsBody {
         let (version, values) = self.snapshot();
-        wire::ParamsBody::encode_or_f32(encoding, version, &values)
+        wire::ParamsBody::encode_or_f32(encoding, version, self.snapshot_samples(), &values)
     }
     /// Runs `f` with exclusive access to the shared state; the driver publishes a new snapshot
     /// afterwards when the version moved, and wakes the other sessions when the epoch moved.
@@ -812,6 +820,9 @@ pub trait ShardAccess {
 impl ShardAccess for ShardState {
     fn snapshot(&self) -> (u64, Arc<Vec<f32>>) {
         (self.version(), self.values().clone())
+    }
+    fn snapshot_samples(&self) -> u64 {
+        self.core.samples()
     }
     fn with<R>(&mut self, f: impl FnOnce(&mut ShardState) -> R) -> R {
         f(self)

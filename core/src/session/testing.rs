@@ -37,6 +37,7 @@ pub(super) fn setup(consistency: Consistency) -> ShardSetup {
         guard: PushGuard::default(),
         aggregation: crate::robust::Aggregation::Mean,
         pacing: crate::shard::Pacing::OFF,
+        counted: false,
     }
 }
 

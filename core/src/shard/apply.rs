@@ -67,12 +67,17 @@ pub struct ShardExport {
     pub inv_staleness_mean: f64,
     /// `scale`: pushes that running mean has seen.
     pub scaled_pushes: u64,
+    /// Samples in the updates applied ([`ShardCore::samples`]).
+    pub samples: u64,
 }
 
 /// A shard's state and update logic.
 #[derive(Debug)]
 pub struct ShardCore {
     version: u64,
+    /// Samples in the updates applied: what a counted schedule is positioned by
+    /// ([`crate::schedule`]).
+    samples: u64,
     values: Arc<Vec<f32>>,
     spare: Option<Arc<Vec<f32>>>,
     state: OptState,
@@ -98,6 +103,8 @@ pub struct ShardCore {
     rows: Vec<f32>,
     /// Sync: who sent each of the round's pushes ([`ANONYMOUS`] when the caller did not say).
     owners: Vec<u64>,
+    /// Sync: the samples of each of the round's pushes (beside `owners`).
+    round_samples: Vec<u64>,
     /// Sync: keep each round's pushes apart (in `rows`) even for the plain mean, so one
     /// worker's can be dropped before the round is applied ([`ShardCore::drop_pending`]).
     droppable: bool,
@@ -119,6 +126,7 @@ impl ShardCore {
         let n = values.len();
         Self {
             version: 0,
+            samples: 0,
             values: Arc::new(values),
             spare: None,
             state: OptState::new(&cfg.rule, n),
@@ -139,6 +147,7 @@ impl ShardCore {
             aggregation: Aggregation::Mean,
             rows: Vec::new(),
             owners: Vec::new(),
+            round_samples: Vec::new(),
             droppable: false,
             round_rows: false,
             robust_scratch: robust::Scratch::default(),
@@ -184,12 +193,14 @@ impl ShardCore {
             if kept != i {
                 self.rows.copy_within(i * len..(i + 1) * len, kept * len);
                 self.owners[kept] = self.owners[i];
+                self.round_samples[kept] = self.round_samples[i];
             }
             kept += 1;
         }
         let dropped = self.pending - kept;
         self.pending = kept;
         self.owners.truncate(kept);
+        self.round_samples.truncate(kept);
         dropped
     }
 
@@ -251,6 +262,7 @@ impl ShardCore {
         };
         core.values = saved.values;
         core.version = saved.version;
+        core.samples = saved.samples;
         core.state = state;
         core.inv_staleness_mean = if mean.is_finite() && mean > 0.0 && mean <= 1.0 {
             mean
@@ -308,6 +320,7 @@ impl ShardCore {
         self.pending = 0;
         self.sum.iter_mut().for_each(|v| *v = 0.0);
         self.owners.clear();
+        self.round_samples.clear();
         self.round_rows = false;
         self.history.clear();
         self.inv_staleness_mean = 1.0;
@@ -324,6 +337,7 @@ impl ShardCore {
             state: self.state.clone(),
             inv_staleness_mean: self.inv_staleness_mean,
             scaled_pushes: self.scaled_pushes,
+            samples: self.samples,
         }
     }
 
@@ -370,6 +384,13 @@ impl ShardCore {
     /// Current version (number of updates applied).
     pub fn version(&self) -> u64 {
         self.version
+    }
+
+    /// Samples in the updates applied so far (each push counts the samples its sender stated;
+    /// a `sync:K` round, its pushes together). Rollbacks and restarts keep it: like versions,
+    /// it never goes back.
+    pub fn samples(&self) -> u64 {
+        self.samples
     }
 
     /// Current values (shared, immutable).
@@ -457,13 +478,14 @@ impl ShardCore {
         grad: &[f32],
         scale: f32,
     ) -> Outcome {
-        self.push_judged(owner, base_version, grad, scale, None)
+        self.push_judged(owner, base_version, grad, scale, None, 0)
     }
 
     /// [`ShardCore::push_from`] with the push's norm ratio to the usual one, for `zeno`'s
     /// score, as the caller measures it ([`crate::session::ShardState`]: against the median
     /// over workers of each one's median, so one fast worker cannot set it). `None`: `zeno`
-    /// uses the median of its recent pushes' norms.
+    /// uses the median of its recent pushes' norms. `samples`: what the push was computed on
+    /// (its header's `aux`), counted in [`ShardCore::samples`] when it is applied.
     ///
     /// # Panics
     /// If `grad` has the wrong length (callers validate input first).
@@ -474,6 +496,7 @@ impl ShardCore {
         grad: &[f32],
         scale: f32,
         ratio: Option<f64>,
+        samples: u64,
     ) -> Outcome {
         assert_eq!(grad.len(), self.values.len(), "validated gradient length");
         if self.paused {
@@ -506,6 +529,7 @@ impl ShardCore {
                 if self.pending == 0 {
                     self.round_rows = self.keeps_rows();
                     self.owners.clear();
+                    self.round_samples.clear();
                 }
                 if self.round_rows {
                     // Grows to K rows in the first round, then is reused.
@@ -521,6 +545,7 @@ impl ShardCore {
                     }
                 }
                 self.owners.push(owner);
+                self.round_samples.push(samples);
                 self.pending += 1;
                 if self.pending >= k {
                     return self.apply_mean();
@@ -583,6 +608,7 @@ impl ShardCore {
                     }
                     _ => self.update(grad, lr_scale),
                 }
+                self.samples = self.samples.saturating_add(samples);
                 Outcome::Applied {
                     version: self.version,
                     staleness,
@@ -638,6 +664,8 @@ impl ShardCore {
         self.sum = sum;
         self.pending = 0;
         self.owners.clear();
+        let round: u64 = self.round_samples.drain(..).fold(0, u64::saturating_add);
+        self.samples = self.samples.saturating_add(round);
         Outcome::Applied {
             version: self.version,
             staleness: 0,
@@ -796,6 +824,81 @@ mod tests {
         assert_ne!(s.opt_state(), &state);
     }
 
+    /// Issue 20: a shard counts the samples of the updates it applied (a counted schedule's
+    /// position under `auto` local steps): an async push its own, a sync round its pushes
+    /// together, a worker's dropped pushes none; refusals, rollbacks and restarts add none,
+    /// and the count survives an export and a restore.
+    #[test]
+    fn a_shard_counts_the_samples_it_applied() {
+        let mut a = ShardCore::new(
+            vec![0.0; 2],
+            sgd(0.1),
+            StalenessPolicy {
+                max_staleness: Some(1),
+                ..Default::default()
+            },
+            Consistency::Async,
+        );
+        a.push_judged(1, 0, &[1.0, 1.0], 1.0, None, 96);
+        a.push_judged(2, 1, &[1.0, 1.0], 1.0, None, 32);
+        assert_eq!((a.version(), a.samples()), (2, 128));
+        // Refused (too stale, from the future): not counted.
+        assert!(matches!(
+            a.push_judged(1, 0, &[1.0, 1.0], 1.0, None, 1000),
+            Outcome::Rejected { .. }
+        ));
+        assert!(matches!(
+            a.push_judged(1, 9, &[1.0, 1.0], 1.0, None, 1000),
+            Outcome::Rejected { .. }
+        ));
+        assert_eq!(a.samples(), 128);
+        a.roll_back(vec![0.0, 0.0]).unwrap();
+        assert_eq!(
+            (a.version(), a.samples()),
+            (3, 128),
+            "a rollback keeps the count"
+        );
+        a.restart(vec![0.0, 0.0]).unwrap();
+        assert_eq!(a.samples(), 128, "a restart too");
+        let saved = a.export();
+        assert_eq!(saved.samples, 128);
+        let b = ShardCore::restore(
+            saved,
+            sgd(0.1),
+            StalenessPolicy::default(),
+            Consistency::Async,
+        )
+        .unwrap();
+        assert_eq!((b.version(), b.samples()), (4, 128));
+
+        let mut s = ShardCore::new(
+            vec![0.0; 2],
+            sgd(0.1),
+            StalenessPolicy::default(),
+            Consistency::Sync { k: 3 },
+        );
+        s.set_droppable(true);
+        s.push_judged(1, 0, &[1.0, 0.0], 1.0, None, 10);
+        s.push_judged(2, 0, &[0.0, 1.0], 1.0, None, 20);
+        assert_eq!(s.samples(), 0, "a round counts when it is applied");
+        assert_eq!(s.drop_pending(1), 1);
+        s.push_judged(3, 0, &[0.0, 1.0], 1.0, None, 40);
+        assert_eq!(s.samples(), 0);
+        s.push_judged(4, 0, &[0.0, 1.0], 1.0, None, 80);
+        assert_eq!(
+            (s.version(), s.samples()),
+            (1, 140),
+            "worker 1's 10 were dropped"
+        );
+        s.push_judged(1, 1, &[1.0, 0.0], 1.0, None, 5);
+        assert!(s.flush().is_some());
+        assert_eq!(
+            (s.version(), s.samples()),
+            (2, 145),
+            "a flushed round counts its pushes"
+        );
+    }
+
     /// Issue 20: each update runs at the schedule's factor at the shard's version, times the
     /// staleness policy's multiplier; a sync round at the factor of the version it makes.
     #[test]
@@ -807,6 +910,7 @@ mod tests {
             decay_samples: 24,
             min_ratio: 0.25,
             samples_per_version: 4,
+            counted: false,
         };
         let cfg = OptimizerConfig {
             schedule,

@@ -86,13 +86,17 @@ fn wire_count(encoding: Encoding, len: usize) -> Result<u32> {
 
 /// The payload of a `Params` frame: one shard version's values in one encoding, encoded once
 /// and shared (reference-counted) by every pull of that version in that encoding. The frame
-/// is [`ParamsBody::header`] (what differs per pull: the request id and the pace) followed by
+/// is [`ParamsBody::header`] (what differs per pull: the request id, the pace, and whether the
+/// connection asked for the samples meta) followed by
 /// [`ParamsBody::bytes`], byte for byte what [`encode_params_paced`] writes. Issue 18: the
 /// server quantised and copied the whole parameters once per pull and per connection.
 #[derive(Debug, Clone)]
 pub struct ParamsBody {
     /// The shard version the values are of.
     pub version: u64,
+    /// The samples the shard had applied at that version (sent as a [`super::ParamsMeta`] to
+    /// connections that asked for it).
+    pub samples: u64,
     /// The encoding of [`ParamsBody::bytes`]: the one asked for, or f32 when it could not
     /// encode the values (see [`ParamsBody::encode_or_f32`]).
     pub encoding: Encoding,
@@ -108,12 +112,13 @@ impl ParamsBody {
     /// # Errors
     /// [`Error::NotFinite`] when a value cannot be encoded; [`Error::Malformed`] for an int8
     /// block size frames cannot carry or more than 2^32 values.
-    pub fn encode(encoding: Encoding, version: u64, values: &[f32]) -> Result<Self> {
+    pub fn encode(encoding: Encoding, version: u64, samples: u64, values: &[f32]) -> Result<Self> {
         let count = wire_count(encoding, values.len())?;
         let mut out = Vec::with_capacity(encoding.encoded_len(values.len()));
         encoding.encode(values, &mut out)?;
         Ok(Self {
             version,
+            samples,
             encoding,
             count,
             bytes: out.into(),
@@ -123,32 +128,43 @@ impl ParamsBody {
     /// [`ParamsBody::encode`], falling back to f32 (what the shard holds, exactly) when
     /// `encoding` cannot encode the values. A shard's parameters are finite (every update is
     /// validated), so the fallback is for the impossible case, not a path in use.
-    pub fn encode_or_f32(encoding: Encoding, version: u64, values: &[f32]) -> Self {
-        Self::encode(encoding, version, values).unwrap_or_else(|_| Self {
+    pub fn encode_or_f32(encoding: Encoding, version: u64, samples: u64, values: &[f32]) -> Self {
+        Self::encode(encoding, version, samples, values).unwrap_or_else(|_| Self {
             version,
+            samples,
             encoding: Encoding::F32,
             count: u32::try_from(values.len()).unwrap_or(u32::MAX),
             bytes: f32_bytes(values).into_owned().into(),
         })
     }
 
-    /// The [`HEADER_LEN`] bytes that start the `Params` frame carrying this body, answering
-    /// `request_id` on `shard`, with the shard's pace in `aux` (0: none).
-    pub fn header(&self, request_id: u32, shard: u32, pace_ms: u32) -> Vec<u8> {
+    /// The bytes that start the `Params` frame carrying this body, answering `request_id` on
+    /// `shard`, with the shard's pace in `aux` (0: none): the [`HEADER_LEN`]-byte header, then
+    /// when `samples` the [`super::ParamsMeta`] stating [`ParamsBody::samples`].
+    pub fn header(&self, request_id: u32, shard: u32, pace_ms: u32, samples: bool) -> Vec<u8> {
+        let meta = if samples {
+            json(&super::ParamsMeta {
+                samples: self.samples,
+            })
+        } else {
+            Vec::new()
+        };
         let h = Header {
             encoding: self.encoding,
             count: self.count,
+            meta_len: meta.len() as u32,
             ..header(Kind::Params, request_id, shard, pace_ms, self.version)
         };
-        let mut out = Vec::with_capacity(HEADER_LEN);
+        let mut out = Vec::with_capacity(HEADER_LEN + meta.len());
         h.write(&mut out);
+        out.extend_from_slice(&meta);
         out
     }
 
     /// The bytes of the whole frame (one copy of the body): for drivers that send frames as
     /// one buffer.
-    pub fn frame(&self, request_id: u32, shard: u32, pace_ms: u32) -> Vec<u8> {
-        let mut out = self.header(request_id, shard, pace_ms);
+    pub fn frame(&self, request_id: u32, shard: u32, pace_ms: u32, samples: bool) -> Vec<u8> {
+        let mut out = self.header(request_id, shard, pace_ms, samples);
         out.extend_from_slice(&self.bytes);
         out
     }
@@ -332,6 +348,7 @@ pub fn encode(msg: &Message<'_>) -> Vec<u8> {
             shard,
             version,
             pace_ms,
+            samples,
             values,
         } => frame(
             Header {
@@ -339,7 +356,9 @@ pub fn encode(msg: &Message<'_>) -> Vec<u8> {
                 count: values.len() as u32,
                 ..header(Kind::Params, *request_id, *shard, *pace_ms, *version)
             },
-            &[],
+            &samples
+                .map(|samples| json(&super::ParamsMeta { samples }))
+                .unwrap_or_default(),
             values.bytes(),
         ),
         Message::Push {
@@ -401,19 +420,48 @@ mod tests {
                 block: codec::DEFAULT_INT8_BLOCK,
             },
         ] {
-            let body = ParamsBody::encode(enc, 42, &values).unwrap();
+            let body = ParamsBody::encode(enc, 42, 1344, &values).unwrap();
             let whole = encode_params_paced(enc, 9, 1, 42, 250, &values).unwrap();
-            assert_eq!(body.frame(9, 1, 250), whole, "{enc:?}");
-            let head = body.header(9, 1, 250);
+            assert_eq!(body.frame(9, 1, 250, false), whole, "{enc:?}");
+            let head = body.header(9, 1, 250, false);
             assert_eq!(head.len(), HEADER_LEN);
             assert_eq!([&head[..], &body.bytes[..]].concat(), whole);
+            // With the samples meta: the frame decodes to the same values and says the count.
+            let counted = body.frame(9, 1, 250, true);
+            assert_eq!(
+                &counted[HEADER_LEN..HEADER_LEN + 16],
+                br#"{"samples":1344}"#
+            );
+            let Message::Params {
+                version,
+                samples,
+                pace_ms,
+                values: v,
+                ..
+            } = decode(&counted, usize::MAX).unwrap()
+            else {
+                panic!("not Params")
+            };
+            assert_eq!((version, samples, pace_ms), (42, Some(1344), 250));
+            let mut a = vec![0.0; values.len()];
+            let mut b = vec![0.0; values.len()];
+            v.copy_into(&mut a).unwrap();
+            let Message::Params { values: w, .. } = decode(&whole, usize::MAX).unwrap() else {
+                panic!("not Params")
+            };
+            w.copy_into(&mut b).unwrap();
+            assert_eq!(a, b);
+            let Message::Params { samples, .. } = decode(&whole, usize::MAX).unwrap() else {
+                panic!("not Params")
+            };
+            assert_eq!(samples, None);
         }
         // A value the encoding refuses: f32, exactly what the shard holds.
         let bad = [1.0, f32::NAN];
-        let body = ParamsBody::encode_or_f32(Encoding::Bf16, 3, &bad);
+        let body = ParamsBody::encode_or_f32(Encoding::Bf16, 3, 0, &bad);
         assert_eq!(body.encoding, Encoding::F32);
-        assert_eq!(body.frame(1, 0, 0), encode_params(1, 0, 3, &bad));
-        assert!(ParamsBody::encode(Encoding::Int8Block { block: 7 }, 0, &values).is_err());
+        assert_eq!(body.frame(1, 0, 0, false), encode_params(1, 0, 3, &bad));
+        assert!(ParamsBody::encode(Encoding::Int8Block { block: 7 }, 0, 0, &values).is_err());
     }
 
     fn all_messages(payload: &[u8]) -> Vec<Message<'_>> {
@@ -440,6 +488,7 @@ mod tests {
                     reports: false,
                     spot_checks: false,
                     paces: false,
+                    samples: true,
                 },
             },
             Message::Pull {
@@ -452,6 +501,7 @@ mod tests {
                 shard: 0,
                 version: 42,
                 pace_ms: 250,
+                samples: Some(4096),
                 values: Payload::f32(payload),
             },
             Message::Push {

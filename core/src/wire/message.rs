@@ -162,6 +162,9 @@ pub enum Message<'a> {
         /// between this worker's batches of pulls the shard asks for (issue 18). Nonzero only
         /// on a connection whose Welcome had `paces`.
         pace_ms: u32,
+        /// The samples the shard had applied at `version` (the frame's [`super::ParamsMeta`]),
+        /// on a connection whose Welcome had `samples`; `None` without a meta.
+        samples: Option<u64>,
         /// The values of the shard's key range.
         values: Payload<'a>,
     },
@@ -235,7 +238,13 @@ pub fn decode(bytes: &[u8], limit: usize) -> Result<Message<'_>> {
     // A Push may carry a PushTag (spot checks); it is checked here and read by push_tag.
     let has_meta = matches!(
         h.kind,
-        Kind::Hello | Kind::Welcome | Kind::Error | Kind::Bye | Kind::Report | Kind::Push
+        Kind::Hello
+            | Kind::Welcome
+            | Kind::Error
+            | Kind::Bye
+            | Kind::Report
+            | Kind::Push
+            | Kind::Params
     );
     let has_payload = matches!(h.kind, Kind::Params | Kind::Push);
     if !has_meta && h.meta_len != 0 {
@@ -266,6 +275,11 @@ pub fn decode(bytes: &[u8], limit: usize) -> Result<Message<'_>> {
             shard,
             version: h.version,
             pace_ms: h.aux,
+            samples: if h.meta_len == 0 {
+                None
+            } else {
+                Some(meta::<super::ParamsMeta>(meta_bytes, h.kind)?.samples)
+            },
             values: payload,
         },
         Kind::Push => {

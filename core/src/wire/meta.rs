@@ -52,6 +52,11 @@ pub struct Hello {
     /// (absent: false; the shard then leaves `aux` 0).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub pacing: bool,
+    /// The worker reads the samples a shard applied from each `Params` meta ([`ParamsMeta`];
+    /// docs/protocol.md "Samples"): what a learning-rate schedule under `auto` local steps is
+    /// positioned by (absent: false; such a run's shards then refuse the Hello).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub samples: bool,
 }
 
 impl Default for Hello {
@@ -65,6 +70,7 @@ impl Default for Hello {
             push_encodings: Vec::new(),
             credential: None,
             pacing: false,
+            samples: false,
         }
     }
 }
@@ -96,6 +102,18 @@ pub struct Welcome {
     /// false; `aux` is then 0 and means nothing).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub paces: bool,
+    /// Every `Params` on this connection carries a [`ParamsMeta`] (its Hello had `samples`;
+    /// absent: false, `Params` then carry no meta).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub samples: bool,
+}
+
+/// Meta of a `Params` to a connection whose Welcome had `samples`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParamsMeta {
+    /// Samples in the updates the shard had applied when it was read (a push counts its
+    /// header's `aux`; a `sync:K` round, its pushes together). Never decreases.
+    pub samples: u64,
 }
 
 /// Meta of a `Push` to a shard whose Welcome had `spot_checks`: what the server needs to

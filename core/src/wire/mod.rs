@@ -15,7 +15,8 @@
 //!                        Params = the shard's pace in ms (0 = none; only if negotiated)
 //!     16    8 version    per kind: Pull = min version, Params = shard version, Push = base
 //!                        version, Ack = new version
-//!     24    4 meta_len   bytes of JSON meta after the header
+//!     24    4 meta_len   bytes of JSON meta after the header (control messages, a spot-checked
+//!                        Push's tag, a Params' samples when negotiated)
 //!     28    4 count      number of values after the meta (their bytes depend on the
 //!                        encoding: 4, 2, or 1 + 4/256 per value)
 //! ```
@@ -47,5 +48,6 @@ pub use header::{
 };
 pub use message::{decode, push_tag, Message, Payload};
 pub use meta::{
-    Bye, ClientKind, ErrorBody, ErrorCode, Hello, PushTag, Report, Welcome, MAX_TAG_VERSIONS,
+    Bye, ClientKind, ErrorBody, ErrorCode, Hello, ParamsMeta, PushTag, Report, Welcome,
+    MAX_TAG_VERSIONS,
 };

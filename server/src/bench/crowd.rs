@@ -757,6 +757,7 @@ async fn open_shard(
             push_encodings: offered,
             credential: joined.credential.clone(),
             pacing: true,
+            samples: true,
         },
     });
     ws.send(Message::Binary(hello.into()))

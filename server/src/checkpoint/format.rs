@@ -56,6 +56,10 @@ pub struct ShardMeta {
     pub inv_staleness_mean: f64,
     /// `scale` policy: pushes that mean has seen.
     pub scaled_pushes: u64,
+    /// Samples in the updates applied (a counted schedule's position; absent in checkpoints
+    /// from before it: 0).
+    #[serde(default)]
+    pub samples: u64,
 }
 
 /// Everything a checkpoint holds, decoded.
@@ -290,6 +294,7 @@ impl Checkpoint {
                 opt_t: e.state.t,
                 inv_staleness_mean: e.inv_staleness_mean,
                 scaled_pushes: e.scaled_pushes,
+                samples: e.samples,
             });
         }
         Ok(Self {
@@ -310,8 +315,8 @@ impl Checkpoint {
 
     /// Shard exports for the key ranges `ranges` (the checkpoint's own, or another layout's
     /// when resharding): values and slots are re-cut from the full vectors; a new shard takes
-    /// the largest version and update count of the old shards it overlaps, and the `scale`
-    /// statistics of the first of them.
+    /// the largest version, update count and samples of the old shards it overlaps, and the
+    /// `scale` statistics of the first of them.
     pub fn exports_for(&self, ranges: &[KeyRange]) -> Vec<ShardExport> {
         ranges
             .iter()
@@ -337,6 +342,7 @@ impl Checkpoint {
                     },
                     inv_staleness_mean: overlap.first().map_or(1.0, |s| s.inv_staleness_mean),
                     scaled_pushes: overlap.first().map_or(0, |s| s.scaled_pushes),
+                    samples: overlap.iter().map(|s| s.samples).max().unwrap_or(0),
                 }
             })
             .collect()
@@ -533,6 +539,7 @@ mod tests {
                     state,
                     inv_staleness_mean: 0.5,
                     scaled_pushes: 3,
+                    samples: 320 + i as u64,
                 }
             })
             .collect();

@@ -118,8 +118,8 @@ pub struct TrainingArgs {
     /// Inner steps per push: `1` (push every gradient), a whole number H (push the
     /// pseudo-gradient θ_pulled − θ_local after H steps of the inner optimizer), `auto` or
     /// `auto:MAX` (each worker picks H so communication stays near 15% of its time; MAX
-    /// defaults to 4096) [default: serve and shard `auto`, or `1` with a learning-rate
-    /// schedule, which `auto` cannot follow; sim `1`].
+    /// defaults to 4096; a learning-rate schedule then follows the samples the shards
+    /// applied) [default: serve and shard `auto`; sim `1`].
     // The default differs per command: `check` takes it (CommandDefaults).
     #[arg(long)]
     pub local_steps: Option<String>,
@@ -275,13 +275,9 @@ impl TrainingArgs {
     /// [`Error::Config`] / [`crowdgrad_core::Error::Config`] naming the first bad flag.
     pub fn check(&self, defaults: CommandDefaults) -> Result<Training> {
         let default_shards = defaults.shards;
-        let scheduled = self.lr_warmup > 0 || self.lr_decay.trim() != "none";
-        let local_steps = match (&self.local_steps, defaults.local_steps) {
-            (Some(given), _) => given.as_str(),
-            // `auto` cannot follow a schedule (versions would not count samples): a schedule
-            // given without --local-steps gets gradient pushes, as before issue 18.
-            (None, "auto") if scheduled => "1",
-            (None, d) => d,
+        let local_steps = match &self.local_steps {
+            Some(given) => given.as_str(),
+            None => defaults.local_steps,
         };
         let steps = LocalSteps::parse(local_steps)
             .map_err(|e| Error::Config(format!("--local-steps: {e}")))?;
@@ -415,7 +411,7 @@ impl TrainingArgs {
     /// # Errors
     /// [`Error::Config`] naming the flag: a decay without its end, an end or floor without a
     /// decay, a floor outside 0..=1, a decay that does not end after the warmup, lengths over
-    /// the limit, or a schedule with `auto` local steps.
+    /// the limit. Under `auto` local steps the schedule is [`Schedule::counted`].
     fn schedule(
         &self,
         batch: usize,
@@ -448,25 +444,25 @@ impl TrainingArgs {
             decay_samples,
             min_ratio: self.lr_min_ratio.unwrap_or(DEFAULT_MIN_RATIO),
             samples_per_version: 1,
+            counted: false,
         };
         if schedule.is_constant() {
             return Ok(Schedule::default());
         }
-        let h = match steps {
-            LocalSteps::Fixed(h) => u64::from(h),
-            LocalSteps::Auto { .. } => {
-                return bad(
-                    "--lr-warmup/--lr-decay need a fixed --local-steps: with auto each push \
-                     carries a varying number of samples, so shard versions do not count samples"
-                        .into(),
-                )
-            }
-        };
         let k = match consistency {
             Consistency::Sync { k } => k as u64,
             _ => 1,
         };
-        schedule.samples_per_version = (batch as u64).saturating_mul(k).saturating_mul(h);
+        match steps {
+            LocalSteps::Fixed(h) => {
+                schedule.samples_per_version = (batch as u64)
+                    .saturating_mul(k)
+                    .saturating_mul(u64::from(h));
+            }
+            // Each push carries a varying number of samples: the shards count them and state
+            // them in every Params (crowdgrad_core::schedule).
+            LocalSteps::Auto { .. } => schedule.counted = true,
+        }
         schedule.validate().map_err(|e| {
             Error::Config(format!(
                 "--lr-warmup {} / --lr-decay-samples {} / --lr-min-ratio {}: {e}",
@@ -500,6 +496,7 @@ impl Training {
                 budget: self.exchange.egress_budget,
                 model_len,
             },
+            counted: self.exchange.local.inner.schedule.counted,
         }
     }
 }
@@ -515,7 +512,7 @@ pub const SERVE_SHARDS: usize = 2;
 pub struct CommandDefaults {
     /// `--shards`.
     pub shards: usize,
-    /// `--local-steps` (`auto` becomes `1` when a learning-rate schedule is given).
+    /// `--local-steps`.
     pub local_steps: &'static str,
 }
 
@@ -939,19 +936,32 @@ mod tests {
     }
 
     #[test]
-    fn a_schedule_without_local_steps_gets_gradient_pushes_and_auto_with_one_is_refused() {
+    fn a_schedule_with_auto_local_steps_is_counted_by_samples() {
         let warm = ["--lr-warmup", "1000"];
+        // serve's default `auto`: the inner optimizer follows the schedule, positioned by the
+        // samples the shards count; the shards refuse workers that cannot read them.
         let c = ServeConfig::with_flags("data/mnist", &warm).unwrap();
-        assert!(!c.training.exchange.local.steps.pseudo_gradients());
-        assert_eq!(c.training.optimizer.schedule.warmup, 1000);
-        let e = ServeConfig::with_flags(
-            "data/mnist",
-            &[&warm[..], &["--local-steps", "auto"]].concat(),
-        )
-        .unwrap_err()
-        .to_string();
-        assert!(e.contains("need a fixed --local-steps"), "{e}");
-        assert!(!e.contains("  "), "one line, no run of spaces: {e}");
+        let t = &c.training;
+        assert!(t.exchange.local.steps.pseudo_gradients());
+        assert!(
+            t.optimizer.schedule.is_constant(),
+            "the outer rate is constant"
+        );
+        let inner = t.exchange.local.inner.schedule;
+        assert_eq!(inner.warmup, 1000);
+        assert!(inner.counted);
+        assert!(t.shard_setup(true, 10).counted);
+        let e =
+            ServeConfig::with_flags("data/mnist", &[&warm[..], &["--local-steps", "1"]].concat())
+                .unwrap();
+        assert!(!e.training.optimizer.schedule.counted);
+        assert!(!e.training.shard_setup(true, 10).counted);
+        assert!(
+            !ServeConfig::defaults("data/mnist")
+                .training
+                .shard_setup(true, 10)
+                .counted
+        );
         let c =
             ServeConfig::with_flags("data/mnist", &[&warm[..], &["--local-steps", "8"]].concat())
                 .unwrap();
@@ -1042,6 +1052,8 @@ mod tests {
             "320000",
             "--clip-norm",
             "1.0",
+            "--local-steps",
+            "1",
         ])
         .unwrap();
         let o = t.optimizer;
@@ -1065,6 +1077,7 @@ mod tests {
                 decay_samples: 320_000,
                 min_ratio: 0.1,
                 samples_per_version: 32,
+                counted: false,
             }
         );
         // The inner optimizer is untouched without local steps.
@@ -1095,7 +1108,14 @@ mod tests {
         let t = training(
             &[
                 &sched[..],
-                &["--consistency", "sync:4", "--batch-size", "16"],
+                &[
+                    "--consistency",
+                    "sync:4",
+                    "--batch-size",
+                    "16",
+                    "--local-steps",
+                    "1",
+                ],
             ]
             .concat(),
         )
@@ -1119,7 +1139,7 @@ mod tests {
         let t = training(&["--local-steps", "4", "--inner-weight-decay", "0.05"]).unwrap();
         assert_eq!(t.exchange.local.inner.weight_decay, 0.05);
         // Warmup alone is a schedule too.
-        let t = training(&["--lr-warmup", "640"]).unwrap();
+        let t = training(&["--lr-warmup", "640", "--local-steps", "1"]).unwrap();
         assert_eq!(t.optimizer.schedule.warmup, 640);
         assert_eq!(t.optimizer.schedule.decay, Decay::None);
     }
@@ -1170,10 +1190,6 @@ mod tests {
                 "must end after the warmup",
             ),
             (&["--lr-warmup", "1125899906842625"], "over the limit"),
-            (
-                &["--lr-warmup", "100", "--local-steps", "auto"],
-                "need a fixed --local-steps",
-            ),
             (
                 &["--optimizer", "adamw", "--weight-decay=-1"],
                 "weight decay",

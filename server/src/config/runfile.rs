@@ -611,7 +611,7 @@ mod tests {
             "schedule.toml",
             "[training]\noptimizer = \"adamw\"\nlr = 0.0006\nclip_norm = 1.0\n\
              lr_warmup = 3200\nlr_decay = \"cosine\"\nlr_decay_samples = 320000\n\
-             lr_min_ratio = 0.1\ninner_weight_decay = 0.05\n",
+             lr_min_ratio = 0.1\ninner_weight_decay = 0.05\nlocal_steps = 1\n",
         );
         let (a, r) = run(&f, &[]).unwrap();
         let t = a.training.check(crate::config::SERVE_DEFAULTS).unwrap();

@@ -168,9 +168,12 @@ pub struct Status {
     pub dataset: String,
     /// Optimizer.
     pub optimizer: OptimizerConfig,
+    /// Local steps and the workers' inner optimizer, with its schedule (the run spec's).
+    pub local: crowdgrad_core::local::LocalConfig,
     /// The learning rate of the optimizer that follows the schedule, now: the shards' (its
     /// peak as `set-lr` left it) with gradient pushes, the workers' inner optimizer under
-    /// local steps, at shard 0's version (`crowdgrad_core::schedule`). The peak without one.
+    /// local steps, at shard 0's version, or under `auto` at the most samples a shard applied
+    /// (`crowdgrad_core::schedule`). The peak without one.
     pub lr_now: f32,
     /// Seconds since start.
     pub uptime_s: f64,
@@ -352,11 +355,18 @@ impl App {
             batch_size: self.spec.batch_size,
             dataset: self.spec.dataset.name.clone(),
             optimizer: self.spec.optimizer,
+            local: self.spec.local,
             lr_now: {
                 let version = shards.first().map_or(0, |s| s.version);
                 if self.spec.local.steps.pseudo_gradients() {
                     let inner = self.spec.local.inner;
-                    inner.lr * inner.schedule.factor(version)
+                    if inner.schedule.counted {
+                        // The next round's position: the most samples a shard applied.
+                        let applied = shards.iter().map(|s| s.samples_applied).max();
+                        inner.lr * inner.schedule.factor_at(applied.unwrap_or(0))
+                    } else {
+                        inner.lr * inner.schedule.factor(version)
+                    }
                 } else {
                     self.admin.lr() * self.spec.optimizer.schedule.factor(version)
                 }
@@ -485,6 +495,11 @@ impl App {
                     id: h.id,
                     range,
                     version: h.version.unwrap_or(0),
+                    samples_applied: h
+                        .status
+                        .as_ref()
+                        .and_then(|s| s["samples_applied"].as_u64())
+                        .unwrap_or(0),
                     updates_by_merged: Default::default(),
                     egress_budget: remote_pacing(h.status.as_ref()).0,
                     pace_s: remote_pacing(h.status.as_ref()).1,

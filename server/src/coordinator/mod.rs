@@ -261,7 +261,7 @@ pub async fn run(
                     .iter()
                     .map(|s| {
                         let snap = s.snapshot();
-                        (snap.version, snap.values)
+                        (snap.version, snap.values, snap.samples)
                     })
                     .collect(),
             )?),

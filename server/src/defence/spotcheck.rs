@@ -91,7 +91,8 @@
 //!   inner steps from the pulled parameters with a fresh inner optimizer state (a worker
 //!   whose shards spot-check starts every round's inner optimizer afresh) at the inner
 //!   learning-rate schedule's factor for the tag's versions (`crowdgrad_core::schedule`:
-//!   a function of the run spec and the versions alone), and compares the
+//!   a function of the run spec and the versions alone; under `auto` local steps, of the
+//!   samples this checker recorded for those versions and the push's own), and compares the
 //!   shard's slice with the pushed one: cosine similarity at least `--spot-check-cosine` and
 //!   the norm ratio within `1 ± --spot-check-norm-tol`. Compressed pushes (bf16, int8 blocks
 //!   with error feedback) are compared as what they are ([`within_tolerance`], issue 21): the
@@ -533,8 +534,8 @@ impl Shared {
                 let h = h.lock().unwrap_or_else(|p| p.into_inner());
                 live.iter().enumerate().find_map(|(k, &target)| {
                     h.iter()
-                        .find(|(v, _)| *v == target)
-                        .map(|(_, p)| (k, target, p.clone()))
+                        .find(|(v, _, _)| *v == target)
+                        .map(|(_, p, _)| (k, target, p.clone()))
                 })
             });
             let Some((kept, target, values)) = held else {
@@ -675,10 +676,21 @@ pub struct SpotStatus {
 struct Job {
     push: SampledPush,
     params: Vec<Arc<Vec<f32>>>,
+    /// The samples each shard had applied at the tag's versions (a counted schedule's
+    /// position, `crowdgrad_core::schedule`).
+    counts: Vec<u64>,
 }
 
-/// One shard's recent versions, oldest first.
-type History = VecDeque<(u64, Arc<Vec<f32>>)>;
+/// What [`SpotChecker::capture`] took for a push: the parameters of every version its tag
+/// names and, per shard, the samples applied at that version.
+#[derive(Debug, Clone)]
+pub struct Read {
+    params: Vec<Arc<Vec<f32>>>,
+    counts: Vec<u64>,
+}
+
+/// One shard's recent versions, oldest first: version, values, samples applied.
+type History = VecDeque<(u64, Arc<Vec<f32>>, u64)>;
 
 /// The spot checker: the shards' recent versions, the sampling rule and the queue to the
 /// checker thread. Shared by every shard of the server (`Arc`).
@@ -706,7 +718,7 @@ pub fn batch_seed(run_seed: u64, worker: u64) -> u64 {
 impl SpotChecker {
     /// Starts the checker thread for a run of `spec` on `train` (in `partitions`), with the
     /// workers' partitions from `registry` and verdicts going to `reputation`. `initial` is
-    /// every shard's current version and values.
+    /// every shard's current version, values and samples applied.
     ///
     /// # Errors
     /// When the model cannot be built or the thread cannot be started.
@@ -717,7 +729,7 @@ impl SpotChecker {
         partitions: usize,
         registry: Registry,
         reputation: Arc<Reputation>,
-        initial: Vec<(u64, Arc<Vec<f32>>)>,
+        initial: Vec<(u64, Arc<Vec<f32>>, u64)>,
     ) -> Result<Arc<Self>> {
         let model = Model::new(spec.model.clone())?;
         let (tx, rx) = sync_channel(QUEUE);
@@ -772,16 +784,22 @@ impl SpotChecker {
         &self.cfg
     }
 
-    /// Shard `shard` published `values` as `version` (kept for the checks of pushes read
-    /// from it). Returns the oldest version's values the history let go, if any, for the
-    /// shard to reuse.
-    pub fn record(&self, shard: u32, version: u64, values: Arc<Vec<f32>>) -> Option<Arc<Vec<f32>>> {
+    /// Shard `shard` published `values` as `version`, after `samples` (kept for the checks of
+    /// pushes read from it). Returns the oldest version's values the history let go, if any,
+    /// for the shard to reuse.
+    pub fn record(
+        &self,
+        shard: u32,
+        version: u64,
+        samples: u64,
+        values: Arc<Vec<f32>>,
+    ) -> Option<Arc<Vec<f32>>> {
         let h = self.shared.histories.get(shard as usize)?;
         let mut h = h.lock().unwrap_or_else(|p| p.into_inner());
-        h.push_back((version, values));
+        h.push_back((version, values, samples));
         let mut old = None;
         while h.len() > self.shared.history {
-            old = h.pop_front().map(|(_, v)| v);
+            old = h.pop_front().map(|(_, v, _)| v);
         }
         old
     }
@@ -898,7 +916,7 @@ impl SpotChecker {
     /// When the tag does not list one version per shard, or names a version this checker no
     /// longer holds (older than its `--spot-check-history`) or never saw: the push cannot be
     /// checked, and is refused `too_stale` (the message says which).
-    pub fn capture(&self, tag: &PushTag) -> std::result::Result<Vec<Arc<Vec<f32>>>, String> {
+    pub fn capture(&self, tag: &PushTag) -> std::result::Result<Read, String> {
         if tag.versions.len() != self.shared.histories.len() {
             return Err(format!(
                 "its tag lists {} shard versions for {} shards",
@@ -907,12 +925,16 @@ impl SpotChecker {
             ));
         }
         let mut params = Vec::with_capacity(self.shared.histories.len());
+        let mut counts = Vec::with_capacity(self.shared.histories.len());
         for (shard, (h, &v)) in self.shared.histories.iter().zip(&tag.versions).enumerate() {
             let h = h.lock().unwrap_or_else(|p| p.into_inner());
-            match h.iter().find(|(hv, _)| *hv == v) {
-                Some((_, p)) => params.push(p.clone()),
+            match h.iter().find(|(hv, _, _)| *hv == v) {
+                Some((_, p, samples)) => {
+                    params.push(p.clone());
+                    counts.push(*samples);
+                }
                 None => {
-                    let oldest = h.front().map_or(0, |(v, _)| *v);
+                    let oldest = h.front().map_or(0, |(v, _, _)| *v);
                     self.shared
                         .counters
                         .refused_version
@@ -924,19 +946,28 @@ impl SpotChecker {
                 }
             }
         }
-        Ok(params)
+        Ok(Read { params, counts })
     }
 
     /// A sampled push, applied (or held, [`SampledPush::held`]), with the parameters
     /// [`SpotChecker::capture`] took: queues the check in the place [`SpotChecker::sample`]
     /// held for it.
-    pub fn submit(&self, push: SampledPush, params: Vec<Arc<Vec<f32>>>) {
+    pub fn submit(&self, push: SampledPush, read: Read) {
+        let Read { params, counts } = read;
         self.shared.counters.sampled.fetch_add(1, Ordering::Relaxed);
         let worker = push.worker;
         // The places held never exceed the channel's room, so this fails only if the checker
         // thread is gone (it ends with the server).
         let held = push.held;
-        if self.tx.try_send(Job { push, params }).is_err() {
+        if self
+            .tx
+            .try_send(Job {
+                push,
+                params,
+                counts,
+            })
+            .is_err()
+        {
             self.shared.release(worker);
             if held {
                 // Never applied unchecked.
@@ -1523,8 +1554,13 @@ impl Checker {
         let mut y = vec![0u8; batch];
         let mut grad = vec![0.0f32; theta.len()];
         let inner = self.spec.local.inner;
-        // The inner schedule at the versions the round read, as the worker ran it.
-        let inner_scale = inner.schedule.factor_read(&p.tag.versions);
+        // The inner schedule where the shards the round read were, as the worker ran it:
+        // their versions, or under `auto` the samples they had applied (this checker's own
+        // record, not the worker's word) plus the round's.
+        let inner_scale =
+            inner
+                .schedule
+                .factor_round(&p.tag.versions, &job.counts, u64::from(p.samples));
         let mut state = OptState::new(&inner.rule, if pseudo { theta.len() } else { 0 });
         for _ in 0..steps {
             sampler.next_batch(&mut idx);
@@ -1636,7 +1672,7 @@ mod tests {
             shared.histories[0]
                 .lock()
                 .unwrap()
-                .push_back((v, Arc::new(vec![value])));
+                .push_back((v, Arc::new(vec![value]), 0));
         };
         for v in 0..=12 {
             record(v, v as f32);
@@ -1676,7 +1712,7 @@ mod tests {
             shared.histories[0]
                 .lock()
                 .unwrap()
-                .push_back((v, Arc::new(vec![v as f32])));
+                .push_back((v, Arc::new(vec![v as f32]), 0));
         }
         *shard.version.lock().unwrap() = 30;
         let p = 7;

@@ -528,6 +528,7 @@ mod tests {
             pull_encoding: crowdgrad_core::codec::Encoding::F32,
             push_encoding: crowdgrad_core::codec::Encoding::F32,
             pacing: crowdgrad_core::shard::Pacing::OFF,
+            counted: false,
         };
         let shard = Shard::start(1, KeyRange { start: 4, end: 6 }, vec![0.0; 2], opts)
             .expect("a valid setup");

@@ -43,6 +43,8 @@ use tokio::sync::watch;
 pub struct Snapshot {
     /// Number of updates applied to reach these values.
     pub version: u64,
+    /// Samples in those updates ([`ShardState`]'s core's `samples`).
+    pub samples: u64,
     /// The values of the shard's key range.
     pub values: Arc<Vec<f32>>,
     /// The values as `Params` bodies, one per wire encoding, each encoded by the first pull
@@ -52,10 +54,11 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
-    /// The snapshot of `values` at `version`, nothing encoded yet.
-    pub fn new(version: u64, values: Arc<Vec<f32>>) -> Self {
+    /// The snapshot of `values` at `version` after `samples`, nothing encoded yet.
+    pub fn new(version: u64, samples: u64, values: Arc<Vec<f32>>) -> Self {
         Self {
             version,
+            samples,
             values,
             params: Arc::new(Default::default()),
         }
@@ -71,11 +74,18 @@ impl Snapshot {
             Encoding::Int8Block { block } if block == DEFAULT_INT8_BLOCK => 2,
             // Not a wire encoding (frames carry blocks of the default size): not kept.
             Encoding::Int8Block { .. } => {
-                return ParamsBody::encode_or_f32(encoding, self.version, &self.values)
+                return ParamsBody::encode_or_f32(
+                    encoding,
+                    self.version,
+                    self.samples,
+                    &self.values,
+                )
             }
         };
         self.params[slot]
-            .get_or_init(|| ParamsBody::encode_or_f32(encoding, self.version, &self.values))
+            .get_or_init(|| {
+                ParamsBody::encode_or_f32(encoding, self.version, self.samples, &self.values)
+            })
             .clone()
     }
 }
@@ -140,12 +150,16 @@ impl Inner {
             // The version the history let go is the next update's buffer: no allocation
             // per push for the history (docs/benchmarks.md, "End to end before and after
             // issue 18").
-            if let Some(old) = spot.record(self.cfg.id, st.version(), st.values().clone()) {
+            let (version, samples) = (st.version(), st.core().samples());
+            if let Some(old) = spot.record(self.cfg.id, version, samples, st.values().clone()) {
                 st.recycle(old);
             }
         }
-        self.current
-            .store(Arc::new(Snapshot::new(st.version(), st.values().clone())));
+        self.current.store(Arc::new(Snapshot::new(
+            st.version(),
+            st.core().samples(),
+            st.values().clone(),
+        )));
     }
 }
 
@@ -208,13 +222,13 @@ impl Shard {
         setup: ShardSetup,
     ) -> crate::Result<Self> {
         let cfg = setup.config(id, range);
-        let (version, values) = (core.version(), core.values().clone());
+        let (version, samples, values) = (core.version(), core.samples(), core.values().clone());
         let state = ShardState::new(cfg, core)?;
         Ok(Self {
             inner: Arc::new(Inner {
                 cfg,
                 mode: ArcSwap::from_pointee(cfg.setup.consistency),
-                current: ArcSwap::from_pointee(Snapshot::new(version, values)),
+                current: ArcSwap::from_pointee(Snapshot::new(version, samples, values)),
                 state: Mutex::new(state),
                 epoch_tx: watch::channel(0).0,
                 started: Instant::now(),
@@ -292,9 +306,9 @@ impl Shard {
     /// The version and the updates applied so far (as [`Shard::updates`]), read together under
     /// the state lock: the version is the number of applied updates, so a status built from
     /// this never shows one count ahead of the other.
-    pub fn progress(&self) -> (u64, BTreeMap<usize, u64>) {
+    pub fn progress(&self) -> (u64, u64, BTreeMap<usize, u64>) {
         let st = self.state();
-        (st.version(), st.updates().clone())
+        (st.version(), st.core().samples(), st.updates().clone())
     }
 
     /// Largest frame this shard accepts: a full push plus meta.
@@ -575,7 +589,7 @@ pub struct Access<'a> {
     registry: &'a Registry,
     /// The parameters a push's tag names, taken before it is applied and held until its spot
     /// check is queued or declined (one push at a time).
-    held: Option<Vec<Arc<Vec<f32>>>>,
+    held: Option<crate::defence::spotcheck::Read>,
     /// The worker whose push holds a place in the spot checker's queue, from
     /// [`ShardAccess::sample`] to [`ShardAccess::take_sample`].
     drawn: Option<u64>,
@@ -612,6 +626,10 @@ impl ShardAccess for Access<'_> {
     fn snapshot(&self) -> (u64, Arc<Vec<f32>>) {
         let s = self.shard.inner.current.load();
         (s.version, s.values.clone())
+    }
+
+    fn snapshot_samples(&self) -> u64 {
+        self.shard.inner.current.load().samples
     }
 
     fn params_body(&mut self, encoding: Encoding) -> ParamsBody {
@@ -756,7 +774,7 @@ mod tests {
     #[test]
     fn a_snapshot_encodes_its_params_once_per_encoding_and_shares_them() {
         let values: Vec<f32> = (0..5000).map(|i| (i as f32).cos()).collect();
-        let snap = Snapshot::new(7, Arc::new(values.clone()));
+        let snap = Snapshot::new(7, 0, Arc::new(values.clone()));
         let int8 = Encoding::Int8Block {
             block: DEFAULT_INT8_BLOCK,
         };
@@ -765,7 +783,7 @@ mod tests {
             let b = snap.clone().params_body(enc);
             assert!(Arc::ptr_eq(&a.bytes, &b.bytes), "{enc:?} encoded twice");
             assert_eq!(
-                a.frame(3, 1, 0),
+                a.frame(3, 1, 0, false),
                 wire::encode_params_as(enc, 3, 1, 7, &values).unwrap()
             );
         }
@@ -775,7 +793,7 @@ mod tests {
         );
         assert!(!Arc::ptr_eq(&f.bytes, &h.bytes));
         // The next version starts with nothing encoded.
-        let next = Snapshot::new(8, Arc::new(values));
+        let next = Snapshot::new(8, 0, Arc::new(values));
         assert!(!Arc::ptr_eq(
             &next.params_body(Encoding::F32).bytes,
             &f.bytes

@@ -15,6 +15,10 @@ pub struct ShardStatus {
     pub range: KeyRange,
     /// Version (applied updates).
     pub version: u64,
+    /// Samples in the updates applied (what a schedule under `auto` local steps is positioned
+    /// by; issue 20).
+    #[serde(default)]
+    pub samples_applied: u64,
     /// Updates by the number of gradients they merged (sync: K, or fewer when flushed early).
     pub updates_by_merged: std::collections::BTreeMap<usize, u64>,
     /// Its share of the run's egress budget, bytes per second (`null`: no budget; issue 18).
@@ -31,11 +35,12 @@ impl ShardStatus {
     /// Shard `s` now, with its `counters`: the version and the updates that make it are read
     /// together ([`Shard::progress`]), so a reader never sees one without the other.
     pub fn of(s: &Shard, counters: Counters) -> Self {
-        let (version, updates_by_merged) = s.progress();
+        let (version, samples_applied, updates_by_merged) = s.progress();
         Self {
             id: s.id(),
             range: s.range(),
             version,
+            samples_applied,
             updates_by_merged,
             egress_budget: s.egress_budget(),
             pace_s: s.pace_s(),

@@ -102,6 +102,7 @@ impl ShardCheckpoint {
                 opt_t: e.state.t,
                 inv_staleness_mean: e.inv_staleness_mean,
                 scaled_pushes: e.scaled_pushes,
+                samples: e.samples,
             },
             values: e.values.to_vec(),
             slots,
@@ -123,6 +124,7 @@ impl ShardCheckpoint {
             },
             inv_staleness_mean: self.meta.inv_staleness_mean,
             scaled_pushes: self.meta.scaled_pushes,
+            samples: self.meta.samples,
         }
     }
 
@@ -442,6 +444,7 @@ mod tests {
             },
             inv_staleness_mean: 0.75,
             scaled_pushes: 4,
+            samples: 544,
         }
     }
 

@@ -50,6 +50,9 @@ impl ShardAccess for Host {
     fn snapshot(&self) -> (u64, Arc<Vec<f32>>) {
         self.state.snapshot()
     }
+    fn snapshot_samples(&self) -> u64 {
+        self.state.snapshot_samples()
+    }
     fn with<R>(&mut self, f: impl FnOnce(&mut ShardState) -> R) -> R {
         f(&mut self.state)
     }
