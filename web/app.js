@@ -291,9 +291,22 @@ function renderStatus(st) {
   const rule = opt.rule && opt.rule.kind ? opt.rule.kind : (typeof opt.rule === 'string' ? opt.rule : '');
   const model = typeof st.model === 'string' ? st.model : JSON.stringify(st.model);
   const dataset = st.dataset && st.dataset.name ? st.dataset.name : (st.dataset || '');
+  // Under local steps the workers' inner optimizer is the one that learns (and follows a
+  // schedule); the shards' rule is the outer step.
+  const local = st.local || {};
+  const steps = local.steps != null ? String(local.steps) : '1';
+  const inner = local.inner || {};
+  const innerRule = inner.rule && inner.rule.kind ? inner.rule.kind : '';
+  const lr = (x) => Number(Number(x).toPrecision(3));
+  const scheduled = (o) => o.schedule && (o.schedule.warmup > 0 || (o.schedule.decay && o.schedule.decay !== 'none'));
+  const learner = steps === '1' ? opt : inner;
+  const now = scheduled(learner) && st.lr_now != null ? ` (now ${lr(st.lr_now)})` : '';
   $('run-info').textContent = [
     `run ${st.run_id}`, model, dataset && `on ${dataset}`, st.consistency,
-    st.batch_size && `batch ${st.batch_size}`, rule && `${rule}${opt.lr ? ` lr ${Number(opt.lr.toPrecision(6))}` : ''}`,
+    st.batch_size && `batch ${st.batch_size}`,
+    steps === '1'
+      ? rule && `${rule}${opt.lr ? ` lr ${lr(opt.lr)}` : ''}${now}`
+      : `local steps ${steps}: ${innerRule} lr ${lr(inner.lr)}${now}, outer ${rule} lr ${lr(opt.lr)}`,
     `up ${Math.round(st.uptime_s || 0)} s`,
   ].filter(Boolean).join(' · ');
   const ev = st.eval;

@@ -235,6 +235,9 @@ async function functional() {
   check('dashboard shows the test accuracy', /\d+\.\d+%/.test(accuracyShown), accuracyShown);
   const chartPoints = await tabA.page.evaluate(() => document.querySelectorAll('#chart canvas').length);
   check('dashboard draws the uPlot chart', chartPoints > 0);
+  // serve's default exchange: the run line names the inner optimizer that learns and the outer step.
+  const runInfo = await tabA.page.locator('#run-info').textContent();
+  check('the run line names the local steps and both optimizers', /local steps auto:\d+: adam lr 0\.003, outer sgd lr 1/.test(runInfo), runInfo);
 
   const shot = path.join(OUT, 'dashboard.png');
   await tabA.page.screenshot({ path: shot, fullPage: true });
