@@ -6,7 +6,7 @@
 //!   [`model::ParamLayout`].
 //! - [`optim`]: update rules ([`optim::step`]) over slices with explicit [`optim::OptState`].
 //! - [`schedule`]: learning-rate warmup and decay ([`schedule::Schedule`]), positioned by the
-//!   shard's version.
+//!   shard's version, or under `auto` local steps by the samples the shards applied.
 //! - [`partition`]: [`partition::KeyRange`], [`partition::partition`], [`partition::Slicer`].
 //! - [`wire`]: frames, [`wire::decode`] / [`wire::encode`]; spec in docs/protocol.md.
 //! - [`codec`]: payload encodings ([`codec::Encoding`]: f32, bf16, int8 blocks) and

@@ -109,7 +109,8 @@ fn one() -> u64 {
     1
 }
 
-/// A learning-rate schedule over samples, positioned by shard version ([module doc](self)).
+/// A learning-rate schedule over samples, positioned by shard version or, when
+/// [`Schedule::counted`], by the samples the shards applied ([module doc](self)).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Schedule {
     /// Samples of linear warmup from the start; 0: none.

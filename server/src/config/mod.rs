@@ -61,7 +61,8 @@ pub struct TrainingArgs {
     #[arg(long)]
     pub clip_norm: Option<f32>,
     /// Learning-rate warmup: the rate rises linearly from 0 to --lr over this many training
-    /// samples, counted by the shards' version (docs/training.md, "Learning-rate schedules").
+    /// samples, counted by the shards' version, or under `auto` local steps by the samples the
+    /// shards applied (docs/training.md, "Learning-rate schedules").
     /// It applies to the optimizer that sees gradients: the shards' with gradient pushes, the
     /// workers' inner optimizer under local steps.
     #[arg(long, default_value_t = 0, value_name = "SAMPLES")]
