@@ -90,6 +90,7 @@ pub fn frame(data: &[u8]) {
                 shard: b,
                 version: c,
                 pace_ms: d,
+                samples: f,
                 values: e,
             },
             Message::Params {
@@ -97,9 +98,10 @@ pub fn frame(data: &[u8]) {
                 shard: b2,
                 version: c2,
                 pace_ms: d2,
+                samples: f2,
                 values: e2,
             },
-        ) => assert_eq!((a, b, c, d, e), (a2, b2, c2, d2, e2)),
+        ) => assert_eq!((a, b, c, d, e, f), (a2, b2, c2, d2, e2, f2)),
         (Message::Pull { .. }, _) | (Message::Ack { .. }, _) => assert_eq!(msg, back),
         _ => {}
     }
