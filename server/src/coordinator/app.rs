@@ -240,6 +240,8 @@ pub struct QuarantineRow {
 pub struct TickBody {
     /// Tick number, from 1, one per second.
     pub seq: u64,
+    /// [`Status::lr_now`].
+    pub lr_now: f32,
     /// Seconds since start.
     pub uptime_s: f64,
     /// Consistency mode now.
@@ -356,21 +358,7 @@ impl App {
             dataset: self.spec.dataset.name.clone(),
             optimizer: self.spec.optimizer,
             local: self.spec.local,
-            lr_now: {
-                let version = shards.first().map_or(0, |s| s.version);
-                if self.spec.local.steps.pseudo_gradients() {
-                    let inner = self.spec.local.inner;
-                    if inner.schedule.counted {
-                        // The next round's position: the most samples a shard applied.
-                        let applied = shards.iter().map(|s| s.samples_applied).max();
-                        inner.lr * inner.schedule.factor_at(applied.unwrap_or(0))
-                    } else {
-                        inner.lr * inner.schedule.factor(version)
-                    }
-                } else {
-                    self.admin.lr() * self.spec.optimizer.schedule.factor(version)
-                }
-            },
+            lr_now: self.lr_now(&shards),
             uptime_s: self.started.elapsed().as_secs_f64(),
             egress_budget: self.cfg.training.exchange.egress_budget.get(),
             shards,
@@ -515,6 +503,23 @@ impl App {
         (shards, totals)
     }
 
+    /// [`Status::lr_now`] for shards in the state `shards`.
+    fn lr_now(&self, shards: &[ShardStatus]) -> f32 {
+        let version = shards.first().map_or(0, |s| s.version);
+        if self.spec.local.steps.pseudo_gradients() {
+            let inner = self.spec.local.inner;
+            if inner.schedule.counted {
+                // The next round's position: the most samples a shard applied.
+                let applied = shards.iter().map(|s| s.samples_applied).max();
+                inner.lr * inner.schedule.factor_at(applied.unwrap_or(0))
+            } else {
+                inner.lr * inner.schedule.factor(version)
+            }
+        } else {
+            self.admin.lr() * self.spec.optimizer.schedule.factor(version)
+        }
+    }
+
     /// The dashboard's tick number `seq` ([`crate::coordinator::dashboard`]): the counters, and
     /// the evaluation points newer than `after` (seconds since start); also the newest point's
     /// time. Copies the registry's totals under its lock and walks no worker.
@@ -530,6 +535,7 @@ impl App {
         let newest = eval.map_or(after, |e| e.time_s.max(after));
         let body = TickBody {
             seq,
+            lr_now: self.lr_now(&shards),
             uptime_s: self.started.elapsed().as_secs_f64(),
             consistency: self.consistency().to_string(),
             staleness_policy: self.cfg.training.staleness.to_string(),
@@ -561,6 +567,7 @@ impl App {
             "batch_size": self.spec.batch_size,
             "dataset": self.spec.dataset.name,
             "optimizer": self.spec.optimizer,
+            "local": self.spec.local,
             "task": self.task(),
             "private_run": self.cfg.join_token.is_some(),
             "config": self.cfg.resolved,
