@@ -169,6 +169,32 @@ async fn normalize_auto_is_stated_in_the_run_spec_and_trains() {
     w.stop().expect("worker");
 }
 
+/// A real `crowdgrad work` process (`tag` in the logs, identity `id`) trains 500 steps on
+/// the server at `base` and exits cleanly.
+async fn work_500_steps(base: &str, tag: &str, id: &str) {
+    let mut work = Proc::crowdgrad(
+        tag,
+        &[
+            "work",
+            "--server",
+            base,
+            "--steps",
+            "500",
+            "--threads",
+            "1",
+            "--quiet",
+            "--json",
+            "--id",
+            id,
+        ],
+    );
+    let exit = work
+        .exit_within(Duration::from_secs(600))
+        .await
+        .expect("the worker finishes its 500 steps");
+    assert!(exit.success(), "{exit:?}: {}", work.stderr());
+}
+
 /// Issue 20: a real `crowdgrad serve` with AdamW, a linear warmup and a cosine decay (the
 /// flags) trains a real `crowdgrad work` on MNIST; the status states the schedule, and the
 /// rate it shows is the warmup's first step at the start and the floor once the decay is over.
@@ -225,27 +251,7 @@ async fn serve_with_adamw_and_a_cosine_schedule_trains_a_real_worker() {
         (lr0 - 0.002 * 32.0 / 1600.0).abs() < 1e-7,
         "first warmup step: {lr0}"
     );
-    let mut work = Proc::crowdgrad(
-        "schedule-work",
-        &[
-            "work",
-            "--server",
-            &base,
-            "--steps",
-            "500",
-            "--threads",
-            "1",
-            "--quiet",
-            "--json",
-            "--id",
-            "schedule-test-volunteer",
-        ],
-    );
-    let exit = work
-        .exit_within(Duration::from_secs(600))
-        .await
-        .expect("the worker finishes its 500 steps");
-    assert!(exit.success(), "{exit:?}: {}", work.stderr());
+    work_500_steps(&base, "schedule-work", "schedule-test-volunteer").await;
     let done = wait_for(
         &base,
         Duration::from_secs(30),
@@ -308,27 +314,7 @@ async fn serve_with_auto_local_steps_follows_a_schedule_by_samples() {
     assert_eq!(sched["counted"], true, "{s}");
     assert_eq!(s["lr_now"].as_f64(), Some(0.0), "no sample applied yet");
     // 500 steps of 32: 16,000 samples, past the decay's end at 12,800.
-    let mut work = Proc::crowdgrad(
-        "auto-schedule-work",
-        &[
-            "work",
-            "--server",
-            &base,
-            "--steps",
-            "500",
-            "--threads",
-            "1",
-            "--quiet",
-            "--json",
-            "--id",
-            "auto-schedule-volunteer",
-        ],
-    );
-    let exit = work
-        .exit_within(Duration::from_secs(600))
-        .await
-        .expect("the worker finishes its 500 steps");
-    assert!(exit.success(), "{exit:?}: {}", work.stderr());
+    work_500_steps(&base, "auto-schedule-work", "auto-schedule-volunteer").await;
     let done = wait_for(&base, Duration::from_secs(30), "the last samples", |s| {
         s["shards"].as_array().is_some_and(|a| {
             a.iter()
