@@ -9,7 +9,7 @@
 // over time; an older server's are kept here from the ticks since the page opened.
 // What each person sees and can do: docs/page.md.
 import uPlot from './vendor/uPlot.esm.js';
-import { $, announce, bytes, cell, clock, csv, download, fixed, num, pct } from './fmt.js';
+import { $, announce, bytes, cell, clock, compact, csv, download, fixed, num, pct } from './fmt.js';
 import {
   EvalChart, evalSummary, initChartControls, registerEvalChart, renderMultiples, setLanguage,
 } from './charts.js';
@@ -352,7 +352,6 @@ function renderStatus(st) {
   renderCharts();
 }
 
-const compact = new Intl.NumberFormat('en', { notation: 'compact', maximumFractionDigits: 1 });
 function renderSummary() {
   const st = lastStatus;
   if (!st) return;
@@ -364,7 +363,7 @@ function renderSummary() {
     : `${ev ? `${(100 * ev.accuracy).toFixed(1)}%` : '–'} accuracy`;
   const me = volunteer.running ? ` · you: ${(volunteer.progress && volunteer.progress.state) || 'starting'}` : '';
   const online = vols ? vols.connected : st.workers_connected || 0;
-  $('summary').textContent = `${figure} · ${num(online)} ${online === 1 ? 'volunteer' : 'volunteers'} · ${compact.format(t.samples_per_sec || 0)} samples/s${me}`;
+  $('summary').textContent = `${figure} · ${num(online)} ${online === 1 ? 'volunteer' : 'volunteers'} · ${compact(t.samples_per_sec || 0)} samples/s${me}`;
 }
 
 function renderQuarantines(list) {

@@ -4,7 +4,7 @@
 // summaries. Colours differ in luminance and every line has its own dash, so they stay apart
 // on a projector and in greyscale.
 import uPlot from './vendor/uPlot.esm.js';
-import { $, bytes, clock, num, pct } from './fmt.js';
+import { $, bytes, clock, compact, num, pct } from './fmt.js';
 
 // Dark navy solid for accuracy, a light orange dashed line for the loss; earlier experiments
 // in greys and dash patterns of their own.
@@ -203,7 +203,8 @@ export function evalSummary(points) {
 
 // Each figure: a title, its series [label, value of a point, style], a value format.
 const MULTIPLES = [
-  { integer: true, id: 'm-rate', title: 'Samples per second', series: [['samples/s', (p) => p.samples_per_s]], fmt: num },
+  // Its axis in 200K, not 200,000: a full figure does not fit the axis and was cut to "0,000".
+  { integer: true, id: 'm-rate', title: 'Samples per second', series: [['samples/s', (p) => p.samples_per_s]], fmt: num, axis: compact },
   { integer: true, id: 'm-volunteers', title: 'Volunteers online', series: [['volunteers', (p) => p.volunteers]], fmt: num },
   { integer: true, id: 'm-bytes', title: 'Bytes per second, up (solid) and down (dashed)', series: [['up', (p) => p.bytes_up_per_s], ['down', (p) => p.bytes_down_per_s, { dash: [6, 4], stroke: LOSS }]], fmt: (v) => `${bytes(v)}/s`, axis: bytes, axisSize: 78 },
   { integer: true, id: 'm-rejected', title: 'Refused pushes by reason, per interval', reasons: true, fmt: num },

@@ -5,6 +5,9 @@ export const $ = (id) => document.getElementById(id);
 const fmtInt = new Intl.NumberFormat('en');
 export const num = (v) => (v == null || !Number.isFinite(Number(v)) ? '–' : fmtInt.format(Math.round(v)));
 export const fixed = (v, d) => (v == null || !Number.isFinite(v) ? '–' : v.toFixed(d));
+// 1.2K, 209.4K, 3M: for where a full figure does not fit (a chart's axis, the one-line summary).
+const fmtCompact = new Intl.NumberFormat('en', { notation: 'compact', maximumFractionDigits: 1 });
+export const compact = (v) => (v == null || !Number.isFinite(Number(v)) ? '–' : fmtCompact.format(v));
 export const pct = (v) => (v == null || !Number.isFinite(v) ? '–' : `${(100 * v).toFixed(2)}%`);
 // Bytes in B, kB, MB, GB (decimal, as link speeds are).
 export const bytes = (v) => {
