@@ -705,7 +705,7 @@ impl ShardSession {
                 if self.cfg.setup.counted && !hello.samples {
                     let m = "this run's learning-rate schedule follows the samples the shards \
                              applied (auto local steps): say \"samples\": true in the Hello and \
-                             read them from each Params (docs/protocol.md, \"Samples\")"
+                             read them from each Params (docs/protocol.md, section 4d)"
                         .to_string();
                     return self.fail(shard, request_id, ErrorCode::Protocol, m, None, now);
                 }
