@@ -307,6 +307,8 @@ function renderStatus(st) {
     steps === '1'
       ? rule && `${rule}${opt.lr ? ` lr ${lr(opt.lr)}` : ''}${now}`
       : `local steps ${steps}: ${innerRule} lr ${lr(inner.lr)}${now}, outer ${rule} lr ${lr(opt.lr)}`,
+    // --ema: what the charts and the sample are of.
+    st.ema != null && `evaluates the weights' moving average (ema ${st.ema})`,
     `up ${Math.round(st.uptime_s || 0)} s`,
   ].filter(Boolean).join(' · ');
   const ev = st.eval;

@@ -1403,6 +1403,7 @@ mod tests {
             aggregation: crate::robust::Aggregation::Mean,
             pacing: crate::shard::Pacing::OFF,
             counted: false,
+            average: None,
         };
         let mut state = setup.state(0, range, vec![0.0; range.len()]).unwrap();
         let mut session = ShardSession::new(ShardConfig {

@@ -342,6 +342,7 @@ pub fn setup_of(b: u8) -> ShardSetup {
         aggregation: crowdgrad_core::robust::Aggregation::Mean,
         pacing: crowdgrad_core::shard::Pacing::OFF,
         counted: false,
+        average: None,
         guard: PushGuard {
             max_samples: 256,
             batch: 32,

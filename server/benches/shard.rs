@@ -38,6 +38,7 @@ fn apply(c: &mut Criterion) {
             aggregation: crowdgrad_core::robust::Aggregation::Mean,
             pacing: crowdgrad_core::shard::Pacing::OFF,
             counted: false,
+            average: None,
         };
         let shard = Shard::start(0, KeyRange { start: 0, end: N }, vec![0.1; N], opts)
             .expect("a valid setup");

@@ -87,6 +87,59 @@ async fn train_and_read_params(shards: usize, steps: u64) -> (Vec<u8>, serde_jso
     (params, s)
 }
 
+/// Issue 20 (`--ema`): the shards keep a moving average of the weights. `/api/params` and the
+/// evaluations are of it, `?weights=live` is what the workers train, the status states the
+/// decay, and a bad query is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_with_ema_evaluates_and_exports_the_weights_average() {
+    let mut cfg = config();
+    cfg.training.ema = Some(0.9);
+    let running = server(cfg).await;
+    let url = running.url();
+    assert_eq!(status(&url).await["ema"].as_f64(), Some(0.9));
+    let params = |q: &'static str| {
+        let url = url.clone();
+        async move {
+            let (code, body) = get(format!("{url}/api/params{q}")).await;
+            assert_eq!(code, 200, "{q}: {}", String::from_utf8_lossy(&body));
+            body.chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect::<Vec<f32>>()
+        }
+    };
+    assert_eq!(
+        params("").await,
+        params("?weights=live").await,
+        "no update yet"
+    );
+    let mut o = WorkOptions::new(&url);
+    o.steps = Some(150);
+    tokio::task::spawn_blocking(move || WorkerThread::spawn(o).join())
+        .await
+        .expect("join")
+        .expect("worker");
+    let done = wait_for(&url, Duration::from_secs(30), "the last evaluation", |s| {
+        s["eval"]["step"] == 150
+    })
+    .await;
+    let (average, live) = (params("").await, params("?weights=live&format=f32").await);
+    assert_eq!(average.len(), live.len());
+    assert_ne!(average, live, "the average lags the live weights");
+    let join = crate::util::join(&url).await;
+    let model = crowdgrad_core::model::Model::new(join.run.model).expect("model");
+    let test = &crate::util::mnist().test;
+    let loss = |p: &[f32]| crowdgrad_core::eval::evaluate(&model, p, test).mean_loss();
+    let shown = done["eval"]["loss"].as_f64().unwrap_or(f64::NAN);
+    let (of_average, of_live) = (loss(&average), loss(&live));
+    eprintln!("ema 0.9, 150 steps: test loss shown {shown}, of the average {of_average}, of the live weights {of_live}");
+    assert!((shown - of_average).abs() < 1e-6, "{shown} vs {of_average}");
+    assert!((shown - of_live).abs() > 1e-4, "{shown} vs {of_live}");
+    for bad in ["?weights=average", "?format=f32&weights=", "?live"] {
+        assert_eq!(get(format!("{url}/api/params{bad}")).await.0, 400, "{bad}");
+    }
+    running.stop().await.expect("clean shutdown");
+}
+
 /// Issue 2: with one worker and a fixed seed, training is deterministic and the same for 1 and 4
 /// shards (bit for bit).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -156,6 +156,7 @@ impl Loopback {
                     aggregation: crowdgrad_core::robust::Aggregation::Mean,
                     pacing: crowdgrad_core::shard::Pacing::OFF,
                     counted: join.run.local.inner.schedule.counted,
+                    average: None,
                 };
                 let state = setup.state(i as u32, *r, init[r.start..r.end].to_vec())?;
                 Ok((state, ShardSession::new(setup.config(i as u32, *r))))

@@ -295,6 +295,7 @@ fn a_worker_with_local_steps_negotiates_bf16_pulls_and_int8_pushes() {
                 aggregation: crowdgrad_core::robust::Aggregation::Mean,
                 pacing: crowdgrad_core::shard::Pacing::OFF,
                 counted: false,
+                average: None,
             };
             let state = setup
                 .state(i as u32, *r, init[r.start..r.end].to_vec())

@@ -84,6 +84,9 @@ pub struct ShardSetup {
     /// ([`crate::schedule::Schedule::counted`]: `auto` local steps): a Hello that does not ask
     /// for them in `Params` is refused, as its worker could not follow the schedule.
     pub counted: bool,
+    /// Keep a moving average of the values with this decay per version (`--ema`,
+    /// [`ShardCore::with_average`]): what the evaluator reads. `None`: none.
+    pub average: Option<f32>,
 }
 
 impl ShardSetup {
@@ -100,6 +103,7 @@ impl ShardSetup {
     pub fn core(&self, values: Vec<f32>) -> ShardCore {
         ShardCore::new(values, self.optimizer, self.staleness, self.consistency)
             .with_aggregation(self.aggregation)
+            .with_average(self.average)
     }
 
     /// Shard `id` over `range`, holding `values` at version 0.

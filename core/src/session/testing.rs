@@ -38,6 +38,7 @@ pub(super) fn setup(consistency: Consistency) -> ShardSetup {
         aggregation: crate::robust::Aggregation::Mean,
         pacing: crate::shard::Pacing::OFF,
         counted: false,
+        average: None,
     }
 }
 

@@ -113,6 +113,50 @@ pub struct ShardCore {
     robust_scratch: robust::Scratch,
     /// Async/SSP with `consensus`: the recent accepted directions.
     consensus: Consensus,
+    /// `--ema`: the exponential moving average of the values ([`ShardCore::with_average`]).
+    average: Option<Average>,
+}
+
+/// An exponential moving average of a shard's values over its updates (`--ema DECAY`): what
+/// the evaluator, the text samples and the export read, while workers train the live values.
+/// After the `t`-th update since it started it holds
+///
+/// ```text
+/// avg_t = Σ_{i ≤ t} (1 − d)·d^(t−i)·values_i / (1 − d^t)
+/// ```
+///
+/// the moving average with Adam's bias correction: every update's weight is `(1 − d)·d^age`,
+/// and no weight is left on the values it started from, so the first updates are not held
+/// back by the initial weights. Kept corrected, one pass per update:
+/// `avg_t = a·avg_{t−1} + (1 − a)·values_t` with `a = d·(1 − d^(t−1)) / (1 − d^t)`. It starts
+/// again (t = 0, the values it is given) at a restore, a rollback and a restart.
+#[derive(Debug, Clone)]
+struct Average {
+    decay: f32,
+    values: Arc<Vec<f32>>,
+    /// `d^t`.
+    power: f64,
+}
+
+impl Average {
+    fn new(decay: f32, values: Arc<Vec<f32>>) -> Self {
+        Self {
+            decay,
+            values,
+            power: 1.0,
+        }
+    }
+
+    fn step(&mut self, values: &[f32]) {
+        let d = f64::from(self.decay);
+        let before = self.power;
+        self.power *= d;
+        let a = (d * (1.0 - before) / (1.0 - self.power)) as f32;
+        let avg = Arc::make_mut(&mut self.values);
+        for (m, v) in avg.iter_mut().zip(values) {
+            *m = a * *m + (1.0 - a) * *v;
+        }
+    }
 }
 
 impl ShardCore {
@@ -152,6 +196,29 @@ impl ShardCore {
             round_rows: false,
             robust_scratch: robust::Scratch::default(),
             consensus: Consensus::default(),
+            average: None,
+        }
+    }
+
+    /// The same shard keeping an exponential moving average of its values with `decay` per
+    /// version ([`Average`]; the caller checked `0 < decay < 1`), starting from its current
+    /// values. `None` keeps none.
+    pub fn with_average(mut self, decay: Option<f32>) -> Self {
+        self.average = decay.map(|decay| Average::new(decay, self.values.clone()));
+        self
+    }
+
+    /// The moving average of the values (`--ema`), when the shard keeps one; shared and
+    /// immutable like [`ShardCore::values`] (an update copies it when a reader holds it).
+    pub fn average(&self) -> Option<&Arc<Vec<f32>>> {
+        self.average.as_ref().map(|a| &a.values)
+    }
+
+    /// The average starts again from the current values (a restore, rollback or restart:
+    /// what it held is not the run's any more).
+    fn restart_average(&mut self) {
+        if let Some(a) = self.average.as_mut() {
+            *a = Average::new(a.decay, self.values.clone());
         }
     }
 
@@ -270,6 +337,7 @@ impl ShardCore {
             1.0
         };
         core.scaled_pushes = saved.scaled_pushes;
+        core.restart_average();
         Ok(core)
     }
 
@@ -325,6 +393,7 @@ impl ShardCore {
         self.history.clear();
         self.inv_staleness_mean = 1.0;
         self.scaled_pushes = 0;
+        self.restart_average();
         Ok(())
     }
 
@@ -691,6 +760,9 @@ impl ShardCore {
         optim::step(&self.cfg, &mut self.state, n, grad, lr_scale);
         let previous = std::mem::replace(&mut self.values, next);
         self.version += 1;
+        if let Some(a) = self.average.as_mut() {
+            a.step(&self.values);
+        }
         if self.policy.dc_lambda.is_some() {
             self.history.push_back((self.version - 1, previous));
             if self.history.len() > DC_HISTORY {
@@ -822,6 +894,77 @@ mod tests {
         assert_eq!((s.version(), s.opt_state()), (3, &state), "nothing changed");
         s.restart(vec![0.0, 0.0]).unwrap();
         assert_ne!(s.opt_state(), &state);
+    }
+
+    /// Issue 20 (`--ema`): the average weights each update by `(1 − d)·d^age` over the
+    /// updates since it started, bias-corrected (the first update's values whole, no weight
+    /// left on the start); a reader's copy never changes; a restore, rollback and restart start
+    /// it again; without `--ema` there is none.
+    #[test]
+    fn a_moving_average_weights_each_update_by_its_age() {
+        let d = 0.5f32;
+        let mut s = ShardCore::new(
+            vec![0.0, 10.0],
+            sgd(1.0),
+            StalenessPolicy::default(),
+            Consistency::Async,
+        )
+        .with_average(Some(d));
+        assert_eq!(
+            &s.average().unwrap()[..],
+            &[0.0, 10.0],
+            "the start, before any update"
+        );
+        // SGD at lr 1: values_1 = [1, 9], values_2 = [3, 7], values_3 = [7, 3].
+        s.push(0, &[-1.0, 1.0]);
+        assert_eq!(
+            &s.average().unwrap()[..],
+            &[1.0, 9.0],
+            "the first update, whole"
+        );
+        let held = s.average().unwrap().clone();
+        s.push(1, &[-2.0, 2.0]);
+        s.push(2, &[-4.0, 4.0]);
+        // (d²·v1 + d·v2 + v3)·(1 − d)/(1 − d³) = (0.25·v1 + 0.5·v2 + v3) / 1.75.
+        let want = |v1: f32, v2: f32, v3: f32| (0.25 * v1 + 0.5 * v2 + v3) / 1.75;
+        let avg = s.average().unwrap();
+        assert!((avg[0] - want(1.0, 3.0, 7.0)).abs() < 1e-6, "{avg:?}");
+        assert!((avg[1] - want(9.0, 7.0, 3.0)).abs() < 1e-6, "{avg:?}");
+        assert_eq!(&held[..], &[1.0, 9.0], "a reader's copy stays as it was");
+        assert_eq!(
+            &s.values()[..],
+            &[7.0, 3.0],
+            "the live values are the workers'"
+        );
+
+        s.roll_back(vec![2.0, 2.0]).unwrap();
+        assert_eq!(
+            &s.average().unwrap()[..],
+            &[2.0, 2.0],
+            "a rollback starts it again"
+        );
+        s.push(s.version(), &[1.0, 1.0]);
+        assert_eq!(&s.average().unwrap()[..], &[1.0, 1.0]);
+        s.restart(vec![5.0, 5.0]).unwrap();
+        assert_eq!(&s.average().unwrap()[..], &[5.0, 5.0], "so does a restart");
+        let saved = s.export();
+        let r = ShardCore::restore(
+            saved,
+            sgd(1.0),
+            StalenessPolicy::default(),
+            Consistency::Async,
+        )
+        .unwrap()
+        .with_average(Some(d));
+        assert_eq!(&r.average().unwrap()[..], &[5.0, 5.0], "and a restore");
+
+        let plain = ShardCore::new(
+            vec![0.0],
+            sgd(1.0),
+            StalenessPolicy::default(),
+            Consistency::Async,
+        );
+        assert!(plain.with_average(None).average().is_none());
     }
 
     /// Issue 20: a shard counts the samples of the updates it applied (a counted schedule's

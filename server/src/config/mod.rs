@@ -78,6 +78,13 @@ pub struct TrainingArgs {
     /// The decay's floor as a fraction of --lr, 0 to 1 [default: 0.1].
     #[arg(long, value_name = "F")]
     pub lr_min_ratio: Option<f32>,
+    /// Keep an exponential moving average of the weights on every shard, moved by
+    /// `avg = d avg + (1 - d) weights` after each update (d = DECAY, lower for the first
+    /// updates), and evaluate, sample text from and export it; workers still train the live
+    /// weights. Between 0 and 1, e.g. 0.999 (about the last 1,000 updates)
+    /// (docs/training.md, "A moving average of the weights").
+    #[arg(long, value_name = "DECAY")]
+    pub ema: Option<f32>,
     /// Examples per worker gradient.
     #[arg(long, default_value_t = 32)]
     pub batch_size: usize,
@@ -267,6 +274,8 @@ pub struct Training {
     pub sync_timeout: f64,
     /// Local steps and encodings.
     pub exchange: Exchange,
+    /// `--ema`: the decay of the weights' moving average the shards keep.
+    pub ema: Option<f32>,
 }
 
 impl TrainingArgs {
@@ -400,7 +409,22 @@ impl TrainingArgs {
             heartbeat_timeout: self.heartbeat_timeout,
             sync_timeout: self.sync_timeout,
             exchange,
+            ema: self.ema.map(check_ema).transpose()?,
         })
+    }
+}
+
+/// `--ema DECAY`: finite and strictly between 0 and 1.
+///
+/// # Errors
+/// [`Error::Config`] naming the flag otherwise.
+pub fn check_ema(decay: f32) -> Result<f32> {
+    if decay.is_finite() && decay > 0.0 && decay < 1.0 {
+        Ok(decay)
+    } else {
+        Err(Error::Config(format!(
+            "--ema: the decay must be between 0 and 1, not included (e.g. 0.999), got {decay}"
+        )))
     }
 }
 
@@ -498,6 +522,7 @@ impl Training {
                 model_len,
             },
             counted: self.exchange.local.inner.schedule.counted,
+            average: self.ema,
         }
     }
 }
@@ -1034,6 +1059,25 @@ mod tests {
 
     fn training(flags: &[&str]) -> Result<Training> {
         parse(flags).unwrap().check().map(|c| c.training)
+    }
+
+    /// Issue 20 (`--ema`): a decay strictly between 0 and 1 reaches every shard's setup;
+    /// anything else is refused naming the flag; none keeps no average.
+    #[test]
+    fn the_weights_moving_average_is_checked_and_reaches_the_shards() {
+        let t = training(&["--ema", "0.999"]).unwrap();
+        assert_eq!(t.ema, Some(0.999));
+        assert_eq!(t.shard_setup(true, 10).average, Some(0.999));
+        assert_eq!(training(&[]).unwrap().shard_setup(true, 10).average, None);
+        for bad in ["1", "0", "-0.5", "1.5", "NaN", "inf"] {
+            let e = training(&[&format!("--ema={bad}")])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("--ema") && e.contains("between 0 and 1"),
+                "{bad}: {e}"
+            );
+        }
     }
 
     /// Issue 20: the PyTorch comparison peer's optimizer (AdamW, betas 0.9/0.95, eps 1e-8,

@@ -72,6 +72,7 @@ pub const KEYS: &[Key] = &[
     key("training.lr_decay", "lr_decay", Kind::Str),
     key("training.lr_decay_samples", "lr_decay_samples", Kind::Int),
     key("training.lr_min_ratio", "lr_min_ratio", Kind::Float),
+    key("training.ema", "ema", Kind::Float),
     key("training.batch_size", "batch_size", Kind::Int),
     key("training.seed", "seed", Kind::Int),
     key("training.consistency", "consistency", Kind::Str),

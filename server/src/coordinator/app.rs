@@ -175,6 +175,9 @@ pub struct Status {
     /// local steps, at shard 0's version, or under `auto` at the most samples a shard applied
     /// (`crowdgrad_core::schedule`). The peak without one.
     pub lr_now: f32,
+    /// `--ema`: the decay of the weights' moving average the shards keep, which the
+    /// evaluations, the text samples and `/api/params` are of (`null`: the live weights).
+    pub ema: Option<f32>,
     /// Seconds since start.
     pub uptime_s: f64,
     /// The run's egress budget for parameters sent to workers, bytes per second (`null`:
@@ -359,6 +362,7 @@ impl App {
             optimizer: self.spec.optimizer,
             local: self.spec.local,
             lr_now: self.lr_now(&shards),
+            ema: self.cfg.training.ema,
             uptime_s: self.started.elapsed().as_secs_f64(),
             egress_budget: self.cfg.training.exchange.egress_budget.get(),
             shards,
@@ -568,6 +572,7 @@ impl App {
             "dataset": self.spec.dataset.name,
             "optimizer": self.spec.optimizer,
             "local": self.spec.local,
+            "ema": self.cfg.training.ema,
             "task": self.task(),
             "private_run": self.cfg.join_token.is_some(),
             "config": self.cfg.resolved,
@@ -593,9 +598,24 @@ impl App {
         }
     }
 
-    /// The full parameter vector assembled from the shards' current snapshots, and their
-    /// versions. Shards are read one after another, so versions may differ (read skew).
+    /// The full parameter vector the run evaluates and exports, assembled from the shards
+    /// ([`crate::shard::Shard::evaluated`]: their current values, or with `--ema` their
+    /// moving averages), and their versions. Shards are read one after another, so versions
+    /// may differ (read skew).
     pub fn params(&self) -> (Vec<f32>, Vec<u64>) {
+        let mut all = Vec::with_capacity(self.model.param_len());
+        let mut versions = Vec::with_capacity(self.shards.len());
+        for s in &self.shards {
+            let (version, values) = s.evaluated();
+            all.extend_from_slice(&values);
+            versions.push(version);
+        }
+        (all, versions)
+    }
+
+    /// The full parameter vector the workers train (the shards' current snapshots, whether
+    /// or not the run keeps a moving average), and the shards' versions.
+    pub fn live_params(&self) -> (Vec<f32>, Vec<u64>) {
         let mut all = Vec::with_capacity(self.model.param_len());
         let mut versions = Vec::with_capacity(self.shards.len());
         for s in &self.shards {

@@ -529,6 +529,7 @@ mod tests {
             push_encoding: crowdgrad_core::codec::Encoding::F32,
             pacing: crowdgrad_core::shard::Pacing::OFF,
             counted: false,
+            average: None,
         };
         let shard = Shard::start(1, KeyRange { start: 4, end: 6 }, vec![0.0; 2], opts)
             .expect("a valid setup");

@@ -175,8 +175,7 @@ impl Shard {
         initial: Vec<f32>,
         setup: ShardSetup,
     ) -> crate::Result<Self> {
-        let core = ShardCore::new(initial, setup.optimizer, setup.staleness, setup.consistency)
-            .with_aggregation(setup.aggregation);
+        let core = setup.core(initial);
         Self::with_core(id, range, core, setup)
     }
 
@@ -192,7 +191,8 @@ impl Shard {
         setup: ShardSetup,
     ) -> crate::Result<Self> {
         let core = ShardCore::restore(saved, setup.optimizer, setup.staleness, setup.consistency)?
-            .with_aggregation(setup.aggregation);
+            .with_aggregation(setup.aggregation)
+            .with_average(setup.average);
         Self::with_core(id, range, core, setup)
     }
 
@@ -295,6 +295,20 @@ impl Shard {
     /// The current snapshot (lock-free; never waits for an update).
     pub fn snapshot(&self) -> Snapshot {
         Snapshot::clone(&self.inner.current.load())
+    }
+
+    /// What the run evaluates and exports: the moving average of the values with `--ema`
+    /// (taken under the state lock, an `Arc` clone: the next update copies the average while
+    /// the caller holds it), else the current snapshot's values; and the version.
+    pub fn evaluated(&self) -> (u64, Arc<Vec<f32>>) {
+        {
+            let st = self.state();
+            if let Some(avg) = st.core().average() {
+                return (st.version(), avg.clone());
+            }
+        }
+        let snap = self.snapshot();
+        (snap.version, snap.values)
     }
 
     /// Updates applied so far, keyed by how many gradients each merged (sync mode: K for a full

@@ -431,15 +431,15 @@ async fn ws(
 }
 
 async fn params(State(p): State<Arc<ShardProc>>) -> Response {
-    let snap = p.shard.snapshot();
-    let bytes: Vec<u8> = snap.values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let (version, values) = p.shard.evaluated();
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
     let mut r = bytes.into_response();
     let h = r.headers_mut();
     h.insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/octet-stream"),
     );
-    h.insert("x-crowdgrad-versions", HeaderValue::from(snap.version));
+    h.insert("x-crowdgrad-versions", HeaderValue::from(version));
     r
 }
 

@@ -255,6 +255,8 @@ pub struct SimConfig {
     pub sync_timeout: f64,
     /// Local steps, overlap and encodings.
     pub exchange: crate::config::Exchange,
+    /// `--ema`: evaluate the shards' moving average of the weights with this decay.
+    pub ema: Option<f32>,
     /// Keep every read in [`SimResult::reads`] (for tests; costs memory on long runs).
     pub log_reads: bool,
 }
@@ -337,6 +339,7 @@ impl SimArgs {
             heartbeat: t.heartbeat_timeout,
             sync_timeout: t.sync_timeout,
             exchange: t.exchange,
+            ema: t.ema,
             log_reads: false,
         };
         cfg.validate()?;
@@ -371,6 +374,7 @@ impl SimConfig {
             heartbeat_timeout: self.heartbeat,
             sync_timeout: self.sync_timeout,
             exchange: self.exchange,
+            ema: self.ema,
         }
     }
 
@@ -382,6 +386,9 @@ impl SimConfig {
         let bad = |m: String| Err(Error::Config(m));
         self.optimizer.validate()?;
         self.aggregation.validate(self.consistency)?;
+        if let Some(d) = self.ema {
+            crate::config::check_ema(d)?;
+        }
         ModelSpec::check_text(&self.model)?;
         let finite = |v: f64| v.is_finite();
         // Each simulated worker holds its parameters and gradient (~1 MB for the default MLP).

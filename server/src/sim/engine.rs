@@ -587,7 +587,10 @@ impl Engine<'_> {
     fn evaluate(&mut self, full: bool) -> Row {
         self.params.clear();
         for s in &self.shards {
-            self.params.extend_from_slice(s.driver.state().values());
+            // With --ema, the shard's moving average (what `serve` evaluates too).
+            let state = s.driver.state();
+            let values = state.core().average().unwrap_or(state.values());
+            self.params.extend_from_slice(values);
         }
         let set = if full { &*self.test } else { &self.test_subset };
         let stats = crowdgrad_core::eval::evaluate(&self.model, &self.params, set);

@@ -410,35 +410,34 @@ async fn reads(State(app): State<Arc<App>>, RawQuery(query): RawQuery) -> Respon
 }
 
 async fn params(State(app): State<Arc<App>>, RawQuery(query): RawQuery) -> Response {
-    let (values, versions) = app.params();
-    match query.as_deref() {
-        None | Some("") | Some("format=f32") => {}
-        Some("format=safetensors") => {
-            // The export format (crate::checkpoint::format::encode_model): named tensors.
-            let a = app.clone();
-            let encoded = tokio::task::spawn_blocking(move || {
-                crate::checkpoint::format::encode_model(&a.spec, &values, &versions)
-            })
-            .await;
-            return match encoded {
-                Ok(Ok(bytes)) => {
-                    let mut r = bytes.into_response();
-                    r.headers_mut().insert(
-                        header::CONTENT_TYPE,
-                        HeaderValue::from_static("application/octet-stream"),
-                    );
-                    r
-                }
-                Ok(Err(e)) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
-                Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
-            };
-        }
-        Some(q) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                format!("unknown query {q:?} (expected format=f32 or format=safetensors)"),
-            )
-        }
+    let (safetensors, live) = match params_query(query.as_deref()) {
+        Ok(q) => q,
+        Err(m) => return error(StatusCode::BAD_REQUEST, m),
+    };
+    let (values, versions) = if live {
+        app.live_params()
+    } else {
+        app.params()
+    };
+    if safetensors {
+        // The export format (crate::checkpoint::format::encode_model): named tensors.
+        let a = app.clone();
+        let encoded = tokio::task::spawn_blocking(move || {
+            crate::checkpoint::format::encode_model(&a.spec, &values, &versions)
+        })
+        .await;
+        return match encoded {
+            Ok(Ok(bytes)) => {
+                let mut r = bytes.into_response();
+                r.headers_mut().insert(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/octet-stream"),
+                );
+                r
+            }
+            Ok(Err(e)) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+            Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        };
     }
     let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
     let versions: Vec<String> = versions.iter().map(ToString::to_string).collect();
@@ -451,6 +450,28 @@ async fn params(State(app): State<Arc<App>>, RawQuery(query): RawQuery) -> Respo
         r.headers_mut().insert("x-crowdgrad-versions", v);
     }
     r
+}
+
+/// `/api/params`'s query: `format=f32` (the default) or `format=safetensors`, and
+/// `weights=evaluated` (the default: with `--ema` the moving average, else the live weights)
+/// or `weights=live`, joined by `&`. Returns (safetensors, live).
+fn params_query(query: Option<&str>) -> Result<(bool, bool), String> {
+    let (mut safetensors, mut live) = (false, false);
+    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+        match pair {
+            "format=f32" => safetensors = false,
+            "format=safetensors" => safetensors = true,
+            "weights=evaluated" => live = false,
+            "weights=live" => live = true,
+            other => {
+                return Err(format!(
+                    "unknown query {other:?} (expected format=f32 or format=safetensors, \
+                     weights=evaluated or weights=live)"
+                ))
+            }
+        }
+    }
+    Ok((safetensors, live))
 }
 
 async fn data(
