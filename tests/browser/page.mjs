@@ -447,11 +447,15 @@ async function phoneSavingData(server) {
 
 async function privateRefused() {
   const port = await freePort();
-  const server = await startServer(port, 'page-private', ['--model', 'softmax', '--join-token', 'class-token-42']);
+  // --ema too: the run line says what the charts are of.
+  const server = await startServer(port, 'page-private', ['--model', 'softmax', '--join-token', 'class-token-42', '--ema', '0.999']);
   const page = await newPage('private');
   await page.size(1280, 720);
   await page.goto(`${server.base}/`);
   check('a private run shows the join-token field', await page.shown('join-token-label'));
+  const runLine = await page.eval("document.getElementById('run-info').textContent");
+  check('with --ema the run line says the charts are of the weights\' moving average',
+    runLine.includes("evaluates the weights' moving average (ema 0.999)"), runLine);
   await page.click('contribute');
   const stopped = await waitFor('the refused tab to stop', () => page.eval(`(() => {
     const v = window.crowdgrad.volunteer; const e = document.getElementById('my-error');

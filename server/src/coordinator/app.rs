@@ -572,7 +572,8 @@ impl App {
             "dataset": self.spec.dataset.name,
             "optimizer": self.spec.optimizer,
             "local": self.spec.local,
-            "ema": self.cfg.training.ema,
+            // As typed (0.999), not as the f32's f64 value (0.9990000128746033).
+            "ema": self.cfg.training.ema.and_then(|d| d.to_string().parse::<f64>().ok()),
             "task": self.task(),
             "private_run": self.cfg.join_token.is_some(),
             "config": self.cfg.resolved,
