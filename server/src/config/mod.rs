@@ -79,10 +79,10 @@ pub struct TrainingArgs {
     #[arg(long, value_name = "F")]
     pub lr_min_ratio: Option<f32>,
     /// Keep an exponential moving average of the weights on every shard, moved by
-    /// `avg = d avg + (1 - d) weights` after each update (d = DECAY, lower for the first
-    /// updates), and evaluate, sample text from and export it; workers still train the live
-    /// weights. Between 0 and 1, e.g. 0.999 (about the last 1,000 updates)
-    /// (docs/training.md, "A moving average of the weights").
+    /// `avg = d avg + (1 - d) weights` after each update (d = DECAY, bias-corrected as Adam's
+    /// moments: the initial weights count for nothing), and evaluate, sample text from and
+    /// export it; workers still train the live weights. Between 0 and 1, e.g. 0.999 (about
+    /// the last 1,000 updates) (docs/training.md, "A moving average of the weights").
     #[arg(long, value_name = "DECAY")]
     pub ema: Option<f32>,
     /// Examples per worker gradient.
