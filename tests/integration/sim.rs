@@ -51,6 +51,46 @@ fn same_seed_gives_the_same_csv_bytes_and_another_seed_does_not() {
     assert!(a.csv().starts_with(sim::CSV_HEADER));
 }
 
+/// Issue 20 (`--ema`): the simulated shards keep the moving average and the rows are of it;
+/// the training is the same run (the same updates, staleness and accepted pushes), only what
+/// is evaluated differs.
+#[test]
+fn with_ema_the_rows_evaluate_the_average_of_the_same_training() {
+    let data = mnist();
+    let cfg = small(4, 6_000);
+    let plain = sim::run(&cfg, &data).expect("run");
+    let averaged = sim::run(
+        &SimConfig {
+            ema: Some(0.99),
+            ..cfg.clone()
+        },
+        &data,
+    )
+    .expect("run");
+    assert_eq!(plain.rows.len(), averaged.rows.len());
+    for (p, a) in plain.rows.iter().zip(&averaged.rows) {
+        assert_eq!(
+            (p.samples, p.updates, p.accepted, p.max_staleness),
+            (a.samples, a.updates, a.accepted, a.max_staleness)
+        );
+    }
+    assert_eq!(plain.totals.shard_versions, averaged.totals.shard_versions);
+    assert!(plain.final_params != averaged.final_params);
+    let (p, a) = (plain.rows.last().unwrap(), averaged.rows.last().unwrap());
+    assert!(
+        (p.test_loss - a.test_loss).abs() > 1e-6,
+        "{} vs {}",
+        p.test_loss,
+        a.test_loss
+    );
+    let bad = SimConfig {
+        ema: Some(1.0),
+        ..cfg
+    };
+    let e = sim::run(&bad, &data).unwrap_err().to_string();
+    assert!(e.contains("--ema"), "{e}");
+}
+
 /// Issue 7: at the default learning rate, turning on the staleness-aware rule (`scale`,
 /// relative to the shard's mean staleness) must not make the run worse. With lr / staleness it
 /// did: 92.29% against 95.07% for plain async (16 workers, seed 7, 200k examples).
