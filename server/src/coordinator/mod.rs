@@ -181,7 +181,8 @@ pub async fn run(
             &ranges,
             &spec.model.to_string(),
             &spec.consistency.to_string(),
-        )?;
+        )?
+        .with_ema(cfg.training.ema);
         r.rewrite(&mut spec.shards);
         Some(Arc::new(r))
     };

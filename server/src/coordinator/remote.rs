@@ -69,6 +69,8 @@ pub struct RemoteShards {
     shards: Vec<Remote>,
     model: String,
     consistency: String,
+    /// `--ema`: what each shard process must keep (the evaluations are of its `/api/params`).
+    ema: Option<f32>,
 }
 
 /// `ws://host:port[/]` → (`ws://host:port`, `http://host:port`); `wss` → `https`.
@@ -139,7 +141,16 @@ impl RemoteShards {
             shards,
             model: model.to_string(),
             consistency: consistency.to_string(),
+            ema: None,
         })
+    }
+
+    /// The same shards, expected to keep a moving average of their weights with decay `ema`
+    /// (`--ema`; `None`: none): a shard process started with another is not ready, and says
+    /// so.
+    pub fn with_ema(mut self, ema: Option<f32>) -> Self {
+        self.ema = ema;
+        self
     }
 
     /// Points `map`'s paths at the remote shards: each `path` becomes the shard's absolute
@@ -220,6 +231,9 @@ impl RemoteShards {
         }
         if rep.range != r.range {
             return want("range", &rep.range, &r.range);
+        }
+        if rep.ema != self.ema {
+            return want("--ema", &rep.ema, &self.ema);
         }
         None
     }
@@ -379,5 +393,38 @@ mod tests {
         assert_eq!(map[1].path, "ws://127.0.0.1:2/ws/shard/1");
         assert!(!r.all_ready(), "nothing checked yet");
         assert!(RemoteShards::new(&["ws://h:1".into()], &ranges, "mlp", "async").is_err());
+    }
+
+    /// Issue 20: a shard process started without the coordinator's `--ema` (or with another)
+    /// serves the live weights where the run evaluates an average: not ready, and it says why.
+    #[test]
+    fn a_shard_process_with_another_ema_is_a_mismatch() {
+        let ranges = [KeyRange { start: 0, end: 5 }];
+        let r = RemoteShards::new(&["ws://127.0.0.1:1".into()], &ranges, "mlp", "async")
+            .unwrap()
+            .with_ema(Some(0.999));
+        let mut rep = ShardReport {
+            index: 0,
+            of: 1,
+            range: ranges[0],
+            model: "mlp".into(),
+            consistency: "async".into(),
+            ema: Some(0.999),
+            version: 0,
+            uptime_s: 1.0,
+            status: serde_json::Value::Null,
+        };
+        assert_eq!(r.mismatch(&r.shards[0], &rep), None);
+        for other in [None, Some(0.99)] {
+            rep.ema = other;
+            let m = r.mismatch(&r.shards[0], &rep).expect("a mismatch");
+            assert!(m.contains("--ema") && m.contains("training flags"), "{m}");
+        }
+        // A report from a shard process older than --ema reads as none.
+        let old: ShardReport = serde_json::from_str(
+            r#"{"index":0,"of":1,"range":{"start":0,"end":5},"model":"mlp","consistency":"async","version":0,"uptime_s":1,"status":null}"#,
+        )
+        .unwrap();
+        assert_eq!(old.ema, None);
     }
 }

@@ -63,6 +63,10 @@ pub struct ShardReport {
     pub model: String,
     /// Consistency mode text.
     pub consistency: String,
+    /// `--ema`: the decay of the moving average its `/api/params` serves (absent: none, and
+    /// from shard processes older than it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ema: Option<f32>,
     /// Current version.
     pub version: u64,
     /// Seconds since the process started.

@@ -456,6 +456,7 @@ fn shard_report(p: &ShardProc) -> ShardReport {
         range: s.range(),
         model: p.spec.model.to_string(),
         consistency: p.spec.consistency.to_string(),
+        ema: s.config().setup.average,
         version: s.version(),
         uptime_s: p.started.elapsed().as_secs_f64(),
         status: serde_json::to_value(status).unwrap_or_default(),
