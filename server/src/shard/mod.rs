@@ -297,11 +297,12 @@ impl Shard {
         Snapshot::clone(&self.inner.current.load())
     }
 
-    /// What the run evaluates and exports: the moving average of the values with `--ema`
+    /// What the run evaluates and exports: with `--ema` the moving average of the values
     /// (taken under the state lock, an `Arc` clone: the next update copies the average while
-    /// the caller holds it), else the current snapshot's values; and the version.
+    /// the caller holds it), else the current snapshot's values without the lock; and the
+    /// version.
     pub fn evaluated(&self) -> (u64, Arc<Vec<f32>>) {
-        {
+        if self.inner.cfg.setup.average.is_some() {
             let st = self.state();
             if let Some(avg) = st.core().average() {
                 return (st.version(), avg.clone());
