@@ -604,25 +604,29 @@ impl App {
     /// moving averages), and their versions. Shards are read one after another, so versions
     /// may differ (read skew).
     pub fn params(&self) -> (Vec<f32>, Vec<u64>) {
-        let mut all = Vec::with_capacity(self.model.param_len());
-        let mut versions = Vec::with_capacity(self.shards.len());
-        for s in &self.shards {
-            let (version, values) = s.evaluated();
-            all.extend_from_slice(&values);
-            versions.push(version);
-        }
-        (all, versions)
+        self.gather(crate::shard::Shard::evaluated)
     }
 
     /// The full parameter vector the workers train (the shards' current snapshots, whether
     /// or not the run keeps a moving average), and the shards' versions.
     pub fn live_params(&self) -> (Vec<f32>, Vec<u64>) {
+        self.gather(|s| {
+            let snap = s.snapshot();
+            (snap.version, snap.values)
+        })
+    }
+
+    /// Every shard's (version, values) as `read` gives them, concatenated in shard order.
+    fn gather(
+        &self,
+        read: impl Fn(&crate::shard::Shard) -> (u64, Arc<Vec<f32>>),
+    ) -> (Vec<f32>, Vec<u64>) {
         let mut all = Vec::with_capacity(self.model.param_len());
         let mut versions = Vec::with_capacity(self.shards.len());
         for s in &self.shards {
-            let snap = s.snapshot();
-            all.extend_from_slice(&snap.values);
-            versions.push(snap.version);
+            let (version, values) = read(s);
+            all.extend_from_slice(&values);
+            versions.push(version);
         }
         (all, versions)
     }
