@@ -54,6 +54,11 @@ pub enum Cmd {
         /// The file to write.
         #[arg(long, default_value = "model.safetensors")]
         out: PathBuf,
+        /// Which weights: `evaluated` (with `--ema` the moving average the server evaluates
+        /// and a checkpoint keeps, else the live weights) or `live` (the weights the workers
+        /// train)
+        #[arg(long, value_enum, default_value = "evaluated")]
+        weights: ExportWeights,
     },
     /// Control a running server through its admin API (pause, resume, drain, stop,
     /// checkpoint, set-lr, set-consistency, state).
@@ -144,4 +149,13 @@ pub enum BenchCmd {
         #[arg(long, default_value = "data/mnist")]
         data_dir: PathBuf,
     },
+}
+
+/// `crowdgrad export --weights`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ExportWeights {
+    /// What the run evaluates: the moving average with `--ema`, else the live weights.
+    Evaluated,
+    /// The weights the workers train.
+    Live,
 }

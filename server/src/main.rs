@@ -150,24 +150,31 @@ fn main() -> anyhow::Result<()> {
             checkpoint_dir,
             server,
             out,
+            weights,
         } => {
+            let live = weights == crowdgrad::cli::ExportWeights::Live;
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
             let done = rt.block_on(async {
                 match (checkpoint_dir, server) {
-                    (Some(dir), _) => crowdgrad::checkpoint::export_checkpoint(&dir, &out).await,
-                    (None, Some(url)) => crowdgrad::checkpoint::export_server(&url, &out).await,
+                    (Some(dir), _) => {
+                        crowdgrad::checkpoint::export_checkpoint(&dir, &out, live).await
+                    }
+                    (None, Some(url)) => {
+                        crowdgrad::checkpoint::export_server(&url, &out, live).await
+                    }
                     (None, None) => Err(crowdgrad::Error::Config(
                         "give --checkpoint-dir or --server".into(),
                     )),
                 }
             })?;
             println!(
-                "wrote {} ({}, {} parameters, versions {:?}, {} bytes) from {}",
+                "wrote {} ({}, {} parameters, {} weights, versions {:?}, {} bytes) from {}",
                 out.display(),
                 done.model,
                 done.params,
+                done.weights,
                 done.versions,
                 done.bytes,
                 done.source

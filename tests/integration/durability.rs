@@ -165,7 +165,12 @@ fn f32_le(values: &[f32]) -> Vec<u8> {
 
 /// `/api/params` and its versions header.
 async fn params(base: &str) -> (Vec<u8>, Vec<u64>) {
-    let url = format!("{base}/api/params");
+    params_of(base, "").await
+}
+
+/// `/api/params{query}` and its versions header.
+async fn params_of(base: &str, query: &str) -> (Vec<u8>, Vec<u64>) {
+    let url = format!("{base}/api/params{query}");
     tokio::task::spawn_blocking(move || {
         let mut r = ureq::get(&url).call().expect("params");
         let versions = r
@@ -494,6 +499,120 @@ async fn kill_9_then_restart_continues_the_newest_valid_checkpoint() {
         "the final checkpoint equals the live parameters"
     );
     assert!(third.stderr().contains("final checkpoint written"));
+}
+
+/// Issue 20 (`--ema`): a checkpoint keeps the shards' moving average beside the live weights
+/// (`{tensor}.ema`), so a drained and restarted run evaluates and exports the same average it
+/// did, bit for bit, rather than starting it again from the live weights; `crowdgrad export`
+/// from the checkpoint gives the average by default and the live weights with `--weights
+/// live`, and says which, as the server's export does; a restart with another decay, or
+/// without `--ema`, evaluates the live weights.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_keeps_the_moving_average_and_a_restart_continues_it() {
+    let dir = scratch("ema");
+    let ckdir = dir.join("checkpoints");
+    let ck = ckdir.to_str().expect("utf-8 path").to_string();
+    let token = "durability-admin-token-0123456789";
+    let common = [
+        "--checkpoint-dir",
+        ck.as_str(),
+        "--checkpoint-every",
+        "3600",
+        "--admin-token",
+        token,
+    ];
+    let with_ema = |d: &'static str| [&common[..], &["--ema", d]].concat();
+    let mut first = Server::start("ema-first", &with_ema("0.99"), &[]);
+    let url = first.url.clone();
+    let mut o = WorkOptions::new(&url);
+    o.steps = Some(120);
+    tokio::task::spawn_blocking(move || WorkerThread::spawn(o).join())
+        .await
+        .expect("join")
+        .expect("worker");
+    wait_for(&url, Duration::from_secs(30), "the sockets to close", |s| {
+        s["workers_connected"] == 0
+    })
+    .await;
+    let (average, versions) = params(&url).await;
+    let (live, _) = params_of(&url, "?weights=live").await;
+    assert_ne!(average, live, "the average lags the live weights");
+    let export = |args: &[&str], name: &str| {
+        let out = dir.join(name);
+        let out_s = out.to_str().expect("utf-8").to_string();
+        let (st, so, se) = crowdgrad(&[&["export", "--out", &out_s][..], args].concat(), &[]);
+        assert!(st.success(), "export {args:?}: {so} {se}");
+        (safetensors_values(&out), so, out)
+    };
+    let (served_avg, so, _) = export(&["--server", &url], "served-average.safetensors");
+    assert!(so.contains("moving average weights"), "{so}");
+    let (served_live, so, _) = export(
+        &["--server", &url, "--weights", "live"],
+        "served-live.safetensors",
+    );
+    assert!(so.contains("live weights"), "{so}");
+    assert_ne!(served_avg, served_live);
+
+    let (st, so, se) = crowdgrad(&["ctl", "--server", &url, "--token", token, "drain"], &[]);
+    assert!(st.success(), "ctl drain: {so} {se}");
+    assert!(first.wait_exit(Duration::from_secs(30)).await.success());
+    let newest = checkpoints(&ckdir).pop().expect("a final checkpoint");
+    let saved = Checkpoint::decode(&std::fs::read(&newest).expect("read")).expect("valid");
+    assert_eq!(saved.versions(), versions);
+    assert!(f32_le(&saved.values) == live, "the live weights are kept");
+    let kept = saved.average.as_deref().expect("the average is kept");
+    assert!(f32_le(kept) == average, "and so is the average, exactly");
+    assert!(saved
+        .shards
+        .iter()
+        .all(|s| s.ema.is_some_and(|e| e.decay == 0.99 && e.power < 1.0)));
+
+    // From the checkpoint: the average unless asked for the live weights, as the server did.
+    let (from_dir, so, out) = export(&["--checkpoint-dir", &ck], "from-dir.safetensors");
+    assert!(so.contains("moving average weights"), "{so}");
+    assert_eq!(from_dir, served_avg);
+    let meta = safetensors::SafeTensors::read_metadata(&std::fs::read(&out).expect("read"))
+        .expect("header")
+        .1
+        .metadata()
+        .clone()
+        .unwrap_or_default();
+    assert_eq!(
+        meta.get("weights").map(String::as_str),
+        Some("moving average")
+    );
+    let (from_dir_live, so, _) = export(
+        &["--checkpoint-dir", &ck, "--weights", "live"],
+        "from-dir-live.safetensors",
+    );
+    assert!(so.contains("live weights"), "{so}");
+    assert_eq!(from_dir_live, served_live);
+
+    // Restarted with the same decay, the run evaluates the average it had.
+    let second = Server::start("ema-same", &with_ema("0.99"), &[]);
+    assert!(
+        params(&second.url).await.0 == average,
+        "the average continues"
+    );
+    assert!(params_of(&second.url, "?weights=live").await.0 == live);
+    drop(second);
+    // With another decay, or none, it starts again from the live weights.
+    let third = Server::start("ema-other", &with_ema("0.9"), &[]);
+    assert!(
+        params(&third.url).await.0 == live,
+        "another decay starts again"
+    );
+    assert!(
+        third.stderr().contains("moving average"),
+        "{}",
+        third.stderr()
+    );
+    drop(third);
+    let fourth = Server::start("ema-none", &common, &[]);
+    assert!(
+        params(&fourth.url).await.0 == live,
+        "no --ema: the live weights"
+    );
 }
 
 fn wait_for_acc(s: &serde_json::Value) -> f64 {

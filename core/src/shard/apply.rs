@@ -69,6 +69,20 @@ pub struct ShardExport {
     pub scaled_pushes: u64,
     /// Samples in the updates applied ([`ShardCore::samples`]).
     pub samples: u64,
+    /// `--ema`: the moving average of the values, when the shard keeps one.
+    pub average: Option<AverageExport>,
+}
+
+/// A shard's moving average of its values (`--ema`) as a checkpoint keeps it: restored with
+/// the same decay it continues where it was ([`ShardCore::with_average`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AverageExport {
+    /// Its decay per update.
+    pub decay: f32,
+    /// The average.
+    pub values: Arc<Vec<f32>>,
+    /// `decay^t`, t the updates it has seen since it started (its bias correction).
+    pub power: f64,
 }
 
 /// A shard's state and update logic.
@@ -129,7 +143,8 @@ pub struct ShardCore {
 /// and no weight is left on the values it started from, so the first updates are not held
 /// back by the initial weights. Kept corrected, one pass per update:
 /// `avg_t = a·avg_{t−1} + (1 − a)·values_t` with `a = d·(1 − d^(t−1)) / (1 − d^t)`. It starts
-/// again (t = 0, the values it is given) at a restore, a rollback and a restart.
+/// again (t = 0, the values it is given) at a rollback and a restart, and at a restore of a
+/// checkpoint without one or with another decay; a restore with the same decay continues it.
 #[derive(Debug, Clone)]
 struct Average {
     decay: f32,
@@ -202,9 +217,14 @@ impl ShardCore {
 
     /// The same shard keeping an exponential moving average of its values with `decay` per
     /// version ([`Average`]; the caller checked `0 < decay < 1`), starting from its current
-    /// values. `None` keeps none.
+    /// values, or continuing the average [`ShardCore::restore`] brought back when that has the
+    /// same decay. `None` keeps none.
     pub fn with_average(mut self, decay: Option<f32>) -> Self {
-        self.average = decay.map(|decay| Average::new(decay, self.values.clone()));
+        self.average = match (decay, self.average.take()) {
+            (Some(d), Some(saved)) if saved.decay == d => Some(saved),
+            (Some(d), _) => Some(Average::new(d, self.values.clone())),
+            (None, _) => None,
+        };
         self
     }
 
@@ -288,9 +308,11 @@ impl ShardCore {
     /// A shard that continues from `saved` (a [`ShardCore::export`], maybe of another shard
     /// layout re-cut by the caller) under `cfg`, `policy` and `consistency`.
     ///
+    /// A saved moving average is kept for [`ShardCore::with_average`] to continue.
+    ///
     /// # Errors
-    /// [`Error::Config`] when the optimizer state does not fit `cfg.rule` and the values (slot
-    /// count or lengths), or a value is not finite.
+    /// [`Error::Config`] when the optimizer state or the average does not fit `cfg.rule` and
+    /// the values (slot count or lengths), or a value is not finite.
     pub fn restore(
         saved: ShardExport,
         cfg: OptimizerConfig,
@@ -337,7 +359,28 @@ impl ShardCore {
             1.0
         };
         core.scaled_pushes = saved.scaled_pushes;
-        core.restart_average();
+        if let Some(a) = saved.average {
+            let fits = a.values.len() == n
+                && a.decay > 0.0
+                && a.decay < 1.0
+                && (0.0..=1.0).contains(&a.power)
+                && a.values.iter().all(|v| v.is_finite());
+            if !fits {
+                return Err(Error::Config(format!(
+                    "the saved moving average does not fit: {} values for {n}, decay {}, \
+                     power {}, all finite: {}",
+                    a.values.len(),
+                    a.decay,
+                    a.power,
+                    a.values.iter().all(|v| v.is_finite())
+                )));
+            }
+            core.average = Some(Average {
+                decay: a.decay,
+                values: a.values,
+                power: a.power,
+            });
+        }
         Ok(core)
     }
 
@@ -407,6 +450,11 @@ impl ShardCore {
             inv_staleness_mean: self.inv_staleness_mean,
             scaled_pushes: self.scaled_pushes,
             samples: self.samples,
+            average: self.average.as_ref().map(|a| AverageExport {
+                decay: a.decay,
+                values: a.values.clone(),
+                power: a.power,
+            }),
         }
     }
 
@@ -947,16 +995,41 @@ mod tests {
         assert_eq!(&s.average().unwrap()[..], &[1.0, 1.0]);
         s.restart(vec![5.0, 5.0]).unwrap();
         assert_eq!(&s.average().unwrap()[..], &[5.0, 5.0], "so does a restart");
-        let saved = s.export();
-        let r = ShardCore::restore(
-            saved,
+        s.push(s.version(), &[1.0, -1.0]);
+        s.push(s.version(), &[1.0, -1.0]);
+        let restore = |s: &ShardCore, decay| {
+            ShardCore::restore(
+                s.export(),
+                sgd(1.0),
+                StalenessPolicy::default(),
+                Consistency::Async,
+            )
+            .unwrap()
+            .with_average(decay)
+        };
+        // A checkpoint keeps the average: restored with the same decay it continues, update
+        // for update, as the shard that was saved.
+        let mut r = restore(&s, Some(d));
+        assert_eq!(r.average(), s.average(), "a restore continues it");
+        s.push(s.version(), &[2.0, 0.0]);
+        r.push(r.version(), &[2.0, 0.0]);
+        assert_eq!(r.average(), s.average(), "and so does the next update");
+        assert_eq!(
+            &restore(&s, Some(0.25)).average().unwrap()[..],
+            &s.values()[..],
+            "another decay starts again from the values"
+        );
+        assert!(restore(&s, None).average().is_none());
+        let mut bad = s.export();
+        bad.average.as_mut().unwrap().values = Arc::new(vec![1.0]);
+        let e = ShardCore::restore(
+            bad,
             sgd(1.0),
             StalenessPolicy::default(),
             Consistency::Async,
         )
-        .unwrap()
-        .with_average(Some(d));
-        assert_eq!(&r.average().unwrap()[..], &[5.0, 5.0], "and a restore");
+        .unwrap_err();
+        assert!(e.to_string().contains("moving average"), "{e}");
 
         let plain = ShardCore::new(
             vec![0.0],

@@ -59,7 +59,7 @@ mod clock;
 pub mod pace;
 mod policy;
 
-pub use apply::{Outcome, ShardCore, ShardExport, ANONYMOUS, DC_HISTORY};
+pub use apply::{AverageExport, Outcome, ShardCore, ShardExport, ANONYMOUS, DC_HISTORY};
 pub use clock::SspClock;
 pub use pace::{pace_ms, pace_s, paced_steps, pull_due, EgressBudget, Pacing};
 pub use policy::{Consistency, LrScale, StalenessPolicy, STALENESS_WINDOW};

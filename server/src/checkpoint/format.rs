@@ -4,11 +4,12 @@
 //!   `layer0.weight` `[784, 128]`, `layer0.bias` `[128]`, ... exactly as
 //!   [`crowdgrad_core::model::ModelSpec::layout`] lays out the flat vector; the optimizer's
 //!   state slots are tensors of the same shapes named `{tensor}.{slot}`
-//!   (`layer0.weight.adagrad_acc`, [`crowdgrad_core::optim::Rule::slot_names`]). All F32.
+//!   (`layer0.weight.adagrad_acc`, [`crowdgrad_core::optim::Rule::slot_names`]), and with
+//!   `--ema` the shards' moving average `{tensor}.ema` ([`AVERAGE`]). All F32.
 //! - The header's metadata holds the rest as strings: `format` (`crowdgrad-checkpoint`),
 //!   `format_version` (`1`), `run` (the run spec JSON, its shard map included), `shards` (JSON:
-//!   per shard its range, version, optimizer update count and the `scale` policy's running
-//!   mean), `ledger` (the contribution ledger's position, `{"seq": N}`; older checkpoints
+//!   per shard its range, version, optimizer update count, the `scale` policy's running
+//!   mean, its samples and its average's decay and bias correction), `ledger` (the contribution ledger's position, `{"seq": N}`; older checkpoints
 //!   hold the whole ledger as JSON), `created_unix_ms`, optionally `history` (JSON: the
 //!   coordinator's evaluation history of every experiment, issue 19; absent in older
 //!   checkpoints, which load as before) and `checksum`.
@@ -25,7 +26,7 @@
 use crate::error::{Error, Result};
 use crowdgrad_core::optim::OptState;
 use crowdgrad_core::partition::KeyRange;
-use crowdgrad_core::shard::ShardExport;
+use crowdgrad_core::shard::{AverageExport, ShardExport};
 use crowdgrad_core::spec::RunSpec;
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use serde::{Deserialize, Serialize};
@@ -40,6 +41,9 @@ pub const FORMAT: &str = "crowdgrad-checkpoint";
 pub const EXPORT_FORMAT: &str = "crowdgrad-model";
 /// `format_version` this build writes and reads.
 pub const FORMAT_VERSION: &str = "1";
+/// The suffix of the moving average's tensors (`layer0.weight.ema`; `ema` in a shard
+/// process's checkpoint).
+pub const AVERAGE: &str = "ema";
 
 /// A shard as the checkpoint's `shards` metadata records it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -60,6 +64,38 @@ pub struct ShardMeta {
     /// from before it: 0).
     #[serde(default)]
     pub samples: u64,
+    /// `--ema`: the moving average's decay and bias correction; absent when the shard keeps no
+    /// average (and in checkpoints from before it was kept).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ema: Option<EmaMeta>,
+}
+
+/// A shard's moving average as the checkpoint's metadata records it (its values are tensors).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct EmaMeta {
+    /// Decay per update.
+    pub decay: f32,
+    /// `decay^t`, t the updates it has seen ([`crowdgrad_core::shard::AverageExport::power`]).
+    pub power: f64,
+}
+
+impl EmaMeta {
+    /// What `e` records of its average, if it keeps one.
+    pub fn of(e: &ShardExport) -> Option<Self> {
+        e.average.as_ref().map(|a| Self {
+            decay: a.decay,
+            power: a.power,
+        })
+    }
+
+    /// The average again, with `values`.
+    pub fn export(self, values: Vec<f32>) -> AverageExport {
+        AverageExport {
+            decay: self.decay,
+            values: Arc::new(values),
+            power: self.power,
+        }
+    }
 }
 
 /// Everything a checkpoint holds, decoded.
@@ -73,6 +109,9 @@ pub struct Checkpoint {
     pub values: Vec<f32>,
     /// The optimizer's state slots over the full vector, in slot order.
     pub slots: Vec<Vec<f32>>,
+    /// `--ema`: the moving average over the full vector (tensors `{tensor}.ema`), when the
+    /// shards keep one.
+    pub average: Option<Vec<f32>>,
     /// The contribution ledger's position (`{"seq": N}`, [`crate::registry::ledger`]); older
     /// checkpoints hold the whole ledger (`{"contributors": [...]}`).
     pub ledger: serde_json::Value,
@@ -271,6 +310,8 @@ impl Checkpoint {
         let mut values = Vec::with_capacity(n);
         let mut slots = vec![Vec::with_capacity(n); rule.slots()];
         let mut shards = Vec::with_capacity(exports.len());
+        let keeps_average = exports.first().is_some_and(|e| e.average.is_some());
+        let mut average = Vec::with_capacity(if keeps_average { n } else { 0 });
         for (i, (r, e)) in ranges.iter().zip(exports).enumerate() {
             if e.values.len() != r.len() {
                 return Err(bad(format!(
@@ -287,6 +328,17 @@ impl Checkpoint {
                 }
                 all.extend_from_slice(part);
             }
+            match &e.average {
+                Some(a) if keeps_average && a.values.len() == r.len() => {
+                    average.extend_from_slice(&a.values);
+                }
+                None if !keeps_average => {}
+                _ => {
+                    return Err(bad(format!(
+                        "shard {i}: its moving average does not match the other shards'"
+                    )))
+                }
+            }
             shards.push(ShardMeta {
                 id: i as u32,
                 range: *r,
@@ -295,6 +347,7 @@ impl Checkpoint {
                 inv_staleness_mean: e.inv_staleness_mean,
                 scaled_pushes: e.scaled_pushes,
                 samples: e.samples,
+                ema: EmaMeta::of(e),
             });
         }
         Ok(Self {
@@ -302,6 +355,7 @@ impl Checkpoint {
             shards,
             values,
             slots,
+            average: keeps_average.then_some(average),
             ledger,
             created_unix_ms: now_ms(),
             history: None,
@@ -316,7 +370,7 @@ impl Checkpoint {
     /// Shard exports for the key ranges `ranges` (the checkpoint's own, or another layout's
     /// when resharding): values and slots are re-cut from the full vectors; a new shard takes
     /// the largest version, update count and samples of the old shards it overlaps, and the
-    /// `scale` statistics of the first of them.
+    /// `scale` statistics and the moving average's bias correction of the first of them.
     pub fn exports_for(&self, ranges: &[KeyRange]) -> Vec<ShardExport> {
         ranges
             .iter()
@@ -343,6 +397,10 @@ impl Checkpoint {
                     inv_staleness_mean: overlap.first().map_or(1.0, |s| s.inv_staleness_mean),
                     scaled_pushes: overlap.first().map_or(0, |s| s.scaled_pushes),
                     samples: overlap.iter().map(|s| s.samples).max().unwrap_or(0),
+                    average: match (&self.average, overlap.first().and_then(|s| s.ema)) {
+                        (Some(all), Some(ema)) => Some(ema.export(all[r.start..r.end].to_vec())),
+                        _ => None,
+                    },
                 }
             })
             .collect()
@@ -376,6 +434,9 @@ impl Checkpoint {
         for (name, s) in rule.slot_names().iter().zip(&self.slots) {
             flats.push((name, s));
         }
+        if let Some(a) = &self.average {
+            flats.push((AVERAGE, a));
+        }
         serialize(&self.spec, &flats, meta)
     }
 
@@ -405,11 +466,20 @@ impl Checkpoint {
         let rule = spec.optimizer.rule;
         let by_name: HashMap<&str, &TensorView<'_>> =
             tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
-        let expected = layout.tensors.len() * (1 + rule.slots());
+        let keeps_average = shards.first().is_some_and(|s| s.ema.is_some());
+        if shards.iter().any(|s| s.ema.is_some() != keeps_average) {
+            return Err(bad("some shards keep a moving average and some do not"));
+        }
+        let expected = layout.tensors.len() * (1 + rule.slots() + usize::from(keeps_average));
         if by_name.len() != expected {
             return Err(bad(format!(
-                "{} tensors, the run's model and optimizer need {expected}",
-                by_name.len()
+                "{} tensors, the run's model and optimizer{} need {expected}",
+                by_name.len(),
+                if keeps_average {
+                    " and the moving average"
+                } else {
+                    ""
+                }
             )));
         }
         let flat = |suffix: &str| -> Result<Vec<f32>> {
@@ -441,11 +511,17 @@ impl Checkpoint {
             .iter()
             .map(|s| flat(s))
             .collect::<Result<Vec<_>>>()?;
+        let average = if keeps_average {
+            Some(flat(AVERAGE)?)
+        } else {
+            None
+        };
         Ok(Self {
             spec,
             shards,
             values,
             slots,
+            average,
             ledger,
             created_unix_ms,
             // Covered by the checksum like every entry; unreadable only from a writer's bug,
@@ -459,23 +535,49 @@ impl Checkpoint {
 
 /// The export format: the model's named tensors only (`layer0.weight` `[784, 128]`, ...), F32,
 /// with `format` = `crowdgrad-model`, `run` (the run spec JSON), `versions` (the shards'
-/// versions, JSON) and `checksum` in the metadata. Loads with Python's
+/// versions, JSON), `weights` ([`Weights::name`]: `live`, or `moving average` when `values`
+/// is the `--ema` average) and `checksum` in the metadata. Loads with Python's
 /// `safetensors.numpy.load_file` and `safetensors.torch.load_file`.
 ///
 /// # Errors
 /// When `values` does not have the model's length.
-pub fn encode_model(spec: &RunSpec, values: &[f32], versions: &[u64]) -> Result<Vec<u8>> {
+pub fn encode_model(
+    spec: &RunSpec,
+    values: &[f32],
+    versions: &[u64],
+    weights: Weights,
+) -> Result<Vec<u8>> {
     let meta: HashMap<String, String> = [
         ("format", EXPORT_FORMAT.to_string()),
         ("format_version", FORMAT_VERSION.to_string()),
         ("run", json(spec)?),
         ("versions", json(&versions)?),
+        ("weights", weights.name().to_string()),
         ("created_unix_ms", now_ms().to_string()),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
     serialize(spec, &[("", values)], meta)
+}
+
+/// Which weights an export holds (its `weights` metadata).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Weights {
+    /// The weights the workers train.
+    Live,
+    /// The shards' moving average of them (`--ema`).
+    Average,
+}
+
+impl Weights {
+    /// As the metadata and `crowdgrad export` name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Live => "live",
+            Self::Average => "moving average",
+        }
+    }
 }
 
 /// JSON for the metadata.
@@ -540,6 +642,7 @@ mod tests {
                     inv_staleness_mean: 0.5,
                     scaled_pushes: 3,
                     samples: 320 + i as u64,
+                    average: None,
                 }
             })
             .collect();
@@ -570,6 +673,58 @@ mod tests {
         }
     }
 
+    /// `--ema`: the shards' moving average is kept as `{tensor}.ema` tensors with its decay
+    /// and bias correction per shard, re-cut with the values when resharding; a checkpoint
+    /// without it (written before it was kept, or by a run without `--ema`) loads with none,
+    /// and one that lacks a tensor of it is refused.
+    #[test]
+    fn the_moving_average_is_kept_and_recut() {
+        let spec3 = spec(3, "adam");
+        let n = spec3.model.param_len();
+        let mut exports = sample(3, "adam").exports_for(&spec3.ranges());
+        for (i, e) in exports.iter_mut().enumerate() {
+            e.average = Some(AverageExport {
+                decay: 0.999,
+                values: Arc::new(e.values.iter().map(|v| v + 100.0).collect()),
+                power: 0.25 + i as f64 / 10.0,
+            });
+        }
+        let c = Checkpoint::assemble(spec3, &exports, serde_json::json!({"seq": 0})).unwrap();
+        let all: Vec<f32> = c.values.iter().map(|v| v + 100.0).collect();
+        assert_eq!(c.average.as_ref(), Some(&all));
+        let bytes = c.encode().unwrap();
+        let back = Checkpoint::decode(&bytes).unwrap();
+        assert_eq!(back, c);
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        assert_eq!(st.tensor("layer0.weight.ema").unwrap().shape(), &[6, 5]);
+        assert_eq!(back.exports_for(&back.spec.ranges()), exports);
+        // Onto two shards: the whole average, re-cut.
+        let two = back.exports_for(&spec(2, "adam").ranges());
+        let recut: Vec<f32> = two
+            .iter()
+            .flat_map(|e| e.average.as_ref().unwrap().values.to_vec())
+            .collect();
+        assert_eq!(recut, all);
+        assert_eq!(two[0].average.as_ref().unwrap().decay, 0.999);
+        assert_eq!(recut.len(), n);
+
+        // A shard without an average beside shards with one cannot be assembled.
+        let mut mixed = exports.clone();
+        mixed[1].average = None;
+        let e = Checkpoint::assemble(back.spec.clone(), &mixed, serde_json::json!({}))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("moving average"), "{e}");
+
+        // The average's metadata without its tensors: refused, naming what is missing.
+        let mut lacking = back.clone();
+        lacking.average = None;
+        let e = Checkpoint::decode(&lacking.encode().unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("moving average"), "{e}");
+    }
+
     #[test]
     fn the_history_is_kept_and_optional() {
         // Issue 19: a checkpoint carries the coordinator's history; one without it (written
@@ -597,7 +752,7 @@ mod tests {
         flipped[last] ^= 0x40;
         let e = Checkpoint::decode(&flipped).unwrap_err().to_string();
         assert!(e.contains("checksum"), "{e}");
-        let export = encode_model(&spec(2, "sgd"), &vec![0.0; 59], &[1, 2]).unwrap();
+        let export = encode_model(&spec(2, "sgd"), &vec![0.0; 59], &[1, 2], Weights::Live).unwrap();
         let e = Checkpoint::decode(&export).unwrap_err().to_string();
         assert!(e.contains("format"), "{e}");
     }
@@ -624,7 +779,7 @@ mod tests {
         let s = spec(2, "adagrad");
         let n = s.model.param_len();
         let v: Vec<f32> = (0..n).map(|i| i as f32).collect();
-        let bytes = encode_model(&s, &v, &[3, 4]).unwrap();
+        let bytes = encode_model(&s, &v, &[3, 4], Weights::Average).unwrap();
         let st = SafeTensors::deserialize(&bytes).unwrap();
         let mut names = st.names();
         names.sort();

@@ -329,7 +329,8 @@ async fn load(store: &Store, e: &Entry, spec: &RunSpec, reshard: bool) -> Result
     };
     let diffs = check_compatible(&e.name, &saved, spec, reshard)?;
     let n = spec.model.param_len() as u64;
-    let limit = MAX_HEADER + 4 * n * (1 + spec.optimizer.rule.slots() as u64) + 8;
+    // Values, optimizer slots and maybe a moving average (`--ema`).
+    let limit = MAX_HEADER + 4 * n * (2 + spec.optimizer.rule.slots() as u64) + 8;
     let bytes = match store.get(&e.name, limit).await {
         Ok(b) => b,
         Err(err) => return skip(err),
@@ -432,6 +433,8 @@ pub struct Exported {
     pub versions: Vec<u64>,
     /// Bytes written.
     pub bytes: u64,
+    /// Which weights ([`format::Weights::name`]).
+    pub weights: &'static str,
 }
 
 /// Writes `bytes` to `out` atomically (temporary name in the same directory, fsync, rename).
@@ -448,11 +451,17 @@ fn write_out(out: &std::path::Path, bytes: &[u8]) -> Result<()> {
 }
 
 /// `crowdgrad export --checkpoint-dir D --out F`: the model of the newest valid checkpoint in
-/// `location` as a safetensors file of named tensors ([`format::encode_model`]).
+/// `location` as a safetensors file of named tensors ([`format::encode_model`]): its moving
+/// average when it keeps one (`--ema`, what the server evaluated and exported) unless `live`,
+/// else the live weights.
 ///
 /// # Errors
 /// No valid checkpoint, or the output cannot be written.
-pub async fn export_checkpoint(location: &str, out: &std::path::Path) -> Result<Exported> {
+pub async fn export_checkpoint(
+    location: &str,
+    out: &std::path::Path,
+    live: bool,
+) -> Result<Exported> {
     let store = Store::open(location)?;
     let entries = store.list().await?;
     for e in entries.iter().rev() {
@@ -467,12 +476,16 @@ pub async fn export_checkpoint(location: &str, out: &std::path::Path) -> Result<
         };
         let decoded = tokio::task::spawn_blocking(move || {
             let c = Checkpoint::decode(&bytes)?;
-            let model = format::encode_model(&c.spec, &c.values, &c.versions())?;
-            Ok::<_, Error>((c, model))
+            let (values, weights) = match &c.average {
+                Some(avg) if !live => (avg, format::Weights::Average),
+                _ => (&c.values, format::Weights::Live),
+            };
+            let model = format::encode_model(&c.spec, values, &c.versions(), weights)?;
+            Ok::<_, Error>((c, model, weights))
         })
         .await
         .map_err(|err| Error::Task(format!("export: {err}")))?;
-        let (c, model) = match decoded {
+        let (c, model, weights) = match decoded {
             Ok(x) => x,
             Err(err) => {
                 tracing::warn!(checkpoint = %e.name, %err, "skipping an unusable checkpoint");
@@ -486,6 +499,7 @@ pub async fn export_checkpoint(location: &str, out: &std::path::Path) -> Result<
             params: c.values.len(),
             versions: c.versions(),
             bytes: model.len() as u64,
+            weights: weights.name(),
         });
     }
     Err(Error::Checkpoint(format!(
@@ -494,15 +508,17 @@ pub async fn export_checkpoint(location: &str, out: &std::path::Path) -> Result<
     )))
 }
 
-/// `crowdgrad export --server URL --out F`: the live model of a running server
-/// (`GET /api/params?format=safetensors`).
+/// `crowdgrad export --server URL --out F`: the model of a running server
+/// (`GET /api/params?format=safetensors`): what it evaluates (with `--ema` the moving average)
+/// unless `live`, else the weights the workers train (`&weights=live`).
 ///
 /// # Errors
 /// The server cannot be reached or answers with an error, or the file cannot be written.
-pub async fn export_server(server: &str, out: &std::path::Path) -> Result<Exported> {
+pub async fn export_server(server: &str, out: &std::path::Path, live: bool) -> Result<Exported> {
     let url = format!(
-        "{}/api/params?format=safetensors",
-        server.trim_end_matches('/')
+        "{}/api/params?format=safetensors{}",
+        server.trim_end_matches('/'),
+        if live { "&weights=live" } else { "" }
     );
     let u = url.clone();
     let bytes = tokio::task::spawn_blocking(move || -> Result<Vec<u8>> {
@@ -540,5 +556,11 @@ pub async fn export_server(server: &str, out: &std::path::Path) -> Result<Export
         params: spec.model.param_len(),
         versions,
         bytes: bytes.len() as u64,
+        // As the server says; one from before the metadata existed sent live weights.
+        weights: if m.get("weights").map(String::as_str) == Some(format::Weights::Average.name()) {
+            format::Weights::Average.name()
+        } else {
+            format::Weights::Live.name()
+        },
     })
 }

@@ -180,7 +180,8 @@ impl Shard {
     }
 
     /// Starts shard `id` over `range` from a checkpoint's export of it (values, optimizer
-    /// state, version): versions continue from there.
+    /// state, version, and the moving average when `setup` keeps one with the same decay):
+    /// versions continue from there.
     ///
     /// # Errors
     /// When the export does not fit the range or the optimizer ([`ShardCore::restore`]).
@@ -190,6 +191,19 @@ impl Shard {
         saved: ShardExport,
         setup: ShardSetup,
     ) -> crate::Result<Self> {
+        match (saved.average.as_ref().map(|a| a.decay), setup.average) {
+            (Some(was), now) if now != Some(was) => tracing::warn!(
+                shard = id,
+                "the checkpoint's moving average (ema {was}) is not continued: this run has {}; \
+                 it evaluates from the live weights",
+                now.map_or("no --ema".to_string(), |d| format!("--ema {d}"))
+            ),
+            (None, Some(d)) => tracing::info!(
+                shard = id,
+                "the checkpoint holds no moving average: --ema {d} starts from its weights"
+            ),
+            _ => {}
+        }
         let core = ShardCore::restore(saved, setup.optimizer, setup.staleness, setup.consistency)?
             .with_aggregation(setup.aggregation)
             .with_average(setup.average);

@@ -7,7 +7,8 @@
 //! `s3://bucket/prefix`, through the same [`Store`] as the coordinator's checkpoints, written
 //! atomically, the newest `--checkpoint-keep` kept). One file holds one shard:
 //! - tensors `values` `[len]` and one tensor per optimizer slot, named as the slot
-//!   (`adagrad_acc`, [`crowdgrad_core::optim::Rule::slot_names`]), all F32, of the shard's range;
+//!   (`adagrad_acc`, [`crowdgrad_core::optim::Rule::slot_names`]), and with `--ema` its moving
+//!   average `ema`, all F32, of the shard's range;
 //! - metadata `format` = `crowdgrad-shard-checkpoint`, `format_version` = `1`, `run` (the run
 //!   spec JSON the process derived from its flags), `shard` (JSON [`ShardMeta`]: index, range,
 //!   version, optimizer update count, `scale` statistics), `created_unix_ms` and `checksum`
@@ -18,7 +19,7 @@
 //! warning, one of another model, optimizer rule, shard layout or index stops the start with
 //! an error naming the difference ([`crate::checkpoint::check_compatible`]).
 
-use crate::checkpoint::format::{bad, checksum, le_bytes, open, ShardMeta, F32};
+use crate::checkpoint::format::{bad, checksum, le_bytes, open, EmaMeta, ShardMeta, AVERAGE, F32};
 use crate::checkpoint::store::{self, Entry, Store};
 use crate::error::{Error, Result};
 use crate::shard::Shard;
@@ -67,6 +68,8 @@ pub struct ShardCheckpoint {
     pub values: Vec<f32>,
     /// Its optimizer slots, in slot order.
     pub slots: Vec<Vec<f32>>,
+    /// `--ema`: its moving average (tensor `ema`), when it keeps one.
+    pub average: Option<Vec<f32>>,
     /// When it was taken, ms since the Unix epoch.
     pub created_unix_ms: u64,
 }
@@ -87,7 +90,10 @@ impl ShardCheckpoint {
             .ok_or_else(|| bad(format!("no shard {index} in the run")))?;
         let rule = spec.optimizer.rule;
         let slots: Vec<Vec<f32>> = e.state.slots(&rule).iter().map(|s| s.to_vec()).collect();
-        if e.values.len() != range.len() || slots.iter().any(|s| s.len() != range.len()) {
+        let average = e.average.as_ref().map(|a| a.values.to_vec());
+        if e.values.len() != range.len()
+            || slots.iter().chain(&average).any(|s| s.len() != range.len())
+        {
             return Err(bad(format!(
                 "shard {index} exported {} values for a range of {}",
                 e.values.len(),
@@ -103,9 +109,11 @@ impl ShardCheckpoint {
                 inv_staleness_mean: e.inv_staleness_mean,
                 scaled_pushes: e.scaled_pushes,
                 samples: e.samples,
+                ema: EmaMeta::of(e),
             },
             values: e.values.to_vec(),
             slots,
+            average,
             spec,
             created_unix_ms: (crate::registry::metrics::unix_now() * 1000.0) as u64,
         })
@@ -125,6 +133,11 @@ impl ShardCheckpoint {
             inv_staleness_mean: self.meta.inv_staleness_mean,
             scaled_pushes: self.meta.scaled_pushes,
             samples: self.meta.samples,
+            average: self
+                .meta
+                .ema
+                .zip(self.average.clone())
+                .map(|(ema, values)| ema.export(values)),
         }
     }
 
@@ -155,7 +168,8 @@ impl ShardCheckpoint {
                 data: le_bytes(&self.values),
             },
         )];
-        for (name, s) in names.iter().zip(&self.slots) {
+        let average = self.average.iter().map(|a| (&AVERAGE, a));
+        for (name, s) in names.iter().zip(&self.slots).chain(average) {
             named.push((
                 name.to_string(),
                 F32 {
@@ -189,11 +203,17 @@ impl ShardCheckpoint {
             .parse()
             .map_err(|_| bad("bad created_unix_ms"))?;
         let names = spec.optimizer.rule.slot_names();
-        if tensors.len() != 1 + names.len() {
+        let keeps_average = shard.ema.is_some();
+        let expected = 1 + names.len() + usize::from(keeps_average);
+        if tensors.len() != expected {
             return Err(bad(format!(
-                "{} tensors, the run's optimizer needs {}",
+                "{} tensors, the run's optimizer{} needs {expected}",
                 tensors.len(),
-                1 + names.len()
+                if keeps_average {
+                    " with the moving average"
+                } else {
+                    ""
+                }
             )));
         }
         let by_name: HashMap<&str, _> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
@@ -216,11 +236,17 @@ impl ShardCheckpoint {
         };
         let values = flat("values")?;
         let slots = names.iter().map(|s| flat(s)).collect::<Result<Vec<_>>>()?;
+        let average = if keeps_average {
+            Some(flat(AVERAGE)?)
+        } else {
+            None
+        };
         Ok(Self {
             spec,
             meta: shard,
             values,
             slots,
+            average,
             created_unix_ms,
         })
     }
@@ -340,7 +366,8 @@ async fn load(
     index: usize,
 ) -> Result<Option<ShardCheckpoint>> {
     let range: KeyRange = spec.ranges()[index];
-    let slots = 1 + spec.optimizer.rule.slots() as u64;
+    // Values, optimizer slots and maybe a moving average (`--ema`).
+    let slots = 2 + spec.optimizer.rule.slots() as u64;
     let limit = MAX_HEADER + 4 * range.len() as u64 * slots;
     let bytes = match store.get(&e.name, limit).await {
         Ok(b) => b,
@@ -445,6 +472,7 @@ mod tests {
             inv_staleness_mean: 0.75,
             scaled_pushes: 4,
             samples: 544,
+            average: None,
         }
     }
 
@@ -469,6 +497,23 @@ mod tests {
             .to_string();
         assert!(e.contains("truncated"), "{e}");
         // An export of the wrong length is refused.
-        assert!(ShardCheckpoint::of(s, 1, &export(n - 1)).is_err());
+        assert!(ShardCheckpoint::of(s.clone(), 1, &export(n - 1)).is_err());
+
+        // `--ema`: the moving average is kept (tensor `ema`, its decay and bias correction
+        // in `shard`) and given back whole; one of the wrong length is refused.
+        let mut e = export(n);
+        e.average = Some(crowdgrad_core::shard::AverageExport {
+            decay: 0.999,
+            values: Arc::new((0..n).map(|i| i as f32 * 0.25).collect()),
+            power: 0.5,
+        });
+        let c = ShardCheckpoint::of(s.clone(), 1, &e).unwrap();
+        let bytes = c.encode().unwrap();
+        let back = ShardCheckpoint::decode(&bytes).unwrap();
+        assert_eq!(back.export().average, e.average);
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        assert_eq!(st.tensor("ema").unwrap().shape(), &[n]);
+        e.average.as_mut().unwrap().values = Arc::new(vec![0.0; n - 1]);
+        assert!(ShardCheckpoint::of(s, 1, &e).is_err());
     }
 }

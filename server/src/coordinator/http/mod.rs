@@ -5,6 +5,7 @@ pub mod admin;
 mod history;
 mod ledger;
 
+use crate::checkpoint::format::Weights;
 use crate::coordinator::app::App;
 use crate::net::ConnSlot;
 use crate::registry::{MAX_PAGE, RECENT_WORKERS};
@@ -419,11 +420,16 @@ async fn params(State(app): State<Arc<App>>, RawQuery(query): RawQuery) -> Respo
     } else {
         app.params()
     };
+    let weights = if live || app.cfg.training.ema.is_none() {
+        Weights::Live
+    } else {
+        Weights::Average
+    };
     if safetensors {
         // The export format (crate::checkpoint::format::encode_model): named tensors.
         let a = app.clone();
         let encoded = tokio::task::spawn_blocking(move || {
-            crate::checkpoint::format::encode_model(&a.spec, &values, &versions)
+            crate::checkpoint::format::encode_model(&a.spec, &values, &versions, weights)
         })
         .await;
         return match encoded {
@@ -449,6 +455,10 @@ async fn params(State(app): State<Arc<App>>, RawQuery(query): RawQuery) -> Respo
     if let Ok(v) = HeaderValue::from_str(&versions.join(",")) {
         r.headers_mut().insert("x-crowdgrad-versions", v);
     }
+    r.headers_mut().insert(
+        "x-crowdgrad-weights",
+        HeaderValue::from_static(weights.name()),
+    );
     r
 }
 
