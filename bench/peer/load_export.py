@@ -9,7 +9,8 @@ run spec from the file's metadata (the model `gpt:L,D,H,T` and the `chars` vocab
 `gpt` forward pass written out in numpy (pre-LN blocks, causal attention, tanh GELU, tied or
 untied head), and prints the mean cross-entropy over the validation windows the server's
 evaluator reads (512 evenly spaced windows of T+1 tokens at stride T). Compare it with the
-server's own `eval.loss` at the same versions. Needs `pip install numpy safetensors`; a
+server's own `eval.loss` at the same versions. `--all` reads every window at stride T, the
+whole validation set `crowdgrad sim` evaluates at the end. Needs `pip install numpy safetensors`; a
 benchmark script, not a test dependency.
 """
 import argparse
@@ -64,6 +65,9 @@ def main():
     ap.add_argument("export")
     ap.add_argument("--valid", required=True, help="the run's valid.txt")
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--all", action="store_true",
+                    help="every window at stride T (what `crowdgrad sim` reports at the end), "
+                         "not the evaluator's 512")
     args = ap.parse_args()
 
     with safe_open(args.export, "np") as f:
@@ -89,7 +93,7 @@ def main():
     unk = len(chars)
     ids = np.array([stoi.get(c, unk) for c in open(args.valid, encoding="utf-8").read()])
     rows = (len(ids) - 1) // T
-    n = min(EVAL_WINDOWS, rows)
+    n = rows if args.all else min(EVAL_WINDOWS, rows)
     picks = [k * rows // n for k in range(n)]
     windows = np.stack([ids[r * T:r * T + T + 1] for r in picks])
     total, hits = 0.0, 0
