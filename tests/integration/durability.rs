@@ -16,6 +16,17 @@ fn scratch(name: &str) -> PathBuf {
     crate::util::scratch("durability", name)
 }
 
+/// The admin token the checkpointing servers here are started with.
+const ADMIN_TOKEN: &str = "durability-admin-token-0123456789";
+
+/// A fresh scratch directory, its `checkpoints` directory and that as a `--checkpoint-dir`.
+fn checkpoint_dir(name: &str) -> (PathBuf, PathBuf, String) {
+    let dir = scratch(name);
+    let ckdir = dir.join("checkpoints");
+    let ck = ckdir.to_str().expect("utf-8 path").to_string();
+    (dir, ckdir, ck)
+}
+
 /// A `crowdgrad serve` process ([`Proc`]: killed when dropped) and the URL it listens on.
 struct Server {
     proc: Proc,
@@ -263,10 +274,8 @@ async fn contributors(base: &str) -> serde_json::Value {
 /// from where it was; drain exits 0 with a final checkpoint equal to the live parameters.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_then_restart_continues_the_newest_valid_checkpoint() {
-    let dir = scratch("kill9");
-    let ckdir = dir.join("checkpoints");
-    let ck = ckdir.to_str().expect("utf-8 path").to_string();
-    let token = "durability-admin-token-0123456789";
+    let (dir, ckdir, ck) = checkpoint_dir("kill9");
+    let token = ADMIN_TOKEN;
     let common = [
         "--checkpoint-dir",
         ck.as_str(),
@@ -509,10 +518,8 @@ async fn kill_9_then_restart_continues_the_newest_valid_checkpoint() {
 /// without `--ema`, evaluates the live weights.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_keeps_the_moving_average_and_a_restart_continues_it() {
-    let dir = scratch("ema");
-    let ckdir = dir.join("checkpoints");
-    let ck = ckdir.to_str().expect("utf-8 path").to_string();
-    let token = "durability-admin-token-0123456789";
+    let (dir, ckdir, ck) = checkpoint_dir("ema");
+    let token = ADMIN_TOKEN;
     let common = [
         "--checkpoint-dir",
         ck.as_str(),
