@@ -88,6 +88,23 @@ impl EmaMeta {
         })
     }
 
+    /// Checks what the metadata says: a decay strictly between 0 and 1 and a bias correction
+    /// in `[0, 1]`, as a shard keeps them.
+    ///
+    /// # Errors
+    /// [`Error::Checkpoint`] naming the values.
+    pub fn check(self) -> Result<Self> {
+        if self.decay > 0.0 && self.decay < 1.0 && (0.0..=1.0).contains(&self.power) {
+            Ok(self)
+        } else {
+            Err(bad(format!(
+                "a moving average with decay {} and power {} (a decay must be in (0, 1), a \
+                 power in [0, 1])",
+                self.decay, self.power
+            )))
+        }
+    }
+
     /// The average again, with `values`.
     pub fn export(self, values: Vec<f32>) -> AverageExport {
         AverageExport {
@@ -466,6 +483,9 @@ impl Checkpoint {
         let rule = spec.optimizer.rule;
         let by_name: HashMap<&str, &TensorView<'_>> =
             tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        for ema in shards.iter().filter_map(|s| s.ema) {
+            ema.check()?;
+        }
         let keeps_average = shards.first().is_some_and(|s| s.ema.is_some());
         if shards.iter().any(|s| s.ema.is_some() != keeps_average) {
             return Err(bad("some shards keep a moving average and some do not"));
@@ -715,6 +735,18 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("moving average"), "{e}");
+
+        // A decay out of range in the metadata is refused at decode, before any shard
+        // restores it.
+        let mut odd = back.clone();
+        odd.shards[0].ema = Some(EmaMeta {
+            decay: 1.5,
+            power: 0.5,
+        });
+        let e = Checkpoint::decode(&odd.encode().unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("decay 1.5"), "{e}");
 
         // The average's metadata without its tensors: refused, naming what is missing.
         let mut lacking = back.clone();

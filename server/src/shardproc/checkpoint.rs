@@ -203,6 +203,9 @@ impl ShardCheckpoint {
             .parse()
             .map_err(|_| bad("bad created_unix_ms"))?;
         let names = spec.optimizer.rule.slot_names();
+        if let Some(ema) = shard.ema {
+            ema.check()?;
+        }
         let keeps_average = shard.ema.is_some();
         let expected = 1 + names.len() + usize::from(keeps_average);
         if tensors.len() != expected {
