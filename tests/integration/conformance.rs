@@ -223,7 +223,7 @@ fn through_sim(cfg: &ServeConfig, server: &Played, script: Script) -> Played {
                 .shard_setup(true, initial.len())
                 .state(i as u32, *r, initial[r.start..r.end].to_vec())
                 .expect("state");
-            let mut d = ShardDriver::new(state);
+            let mut d = ShardDriver::new(state, false);
             for &id in &server.ids {
                 d.register(id);
             }

@@ -528,3 +528,61 @@ fn issue21_sybil_poison_over_the_bound_is_refused_and_under_it_hurts() {
         clean.final_accuracy()
     );
 }
+
+/// `crowdgrad sim` parsed from `flags`, as the command line would give it.
+fn parsed(flags: &[&str]) -> SimConfig {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct P {
+        #[command(flatten)]
+        a: sim::SimArgs,
+    }
+    P::parse_from(std::iter::once("sim").chain(flags.iter().copied()))
+        .a
+        .check()
+        .expect("valid flags")
+}
+
+/// `--announce-spot-checks` models what a spot-checking server (`serve`'s default) costs
+/// honest workers: each round's inner optimizer starts afresh, so a stateless inner optimizer
+/// trains exactly as before, and an adaptive one does not (its moments no longer carry from
+/// round to round).
+#[test]
+fn announced_spot_checks_restart_the_inner_optimizer_of_every_round() {
+    let data = mnist();
+    let run = |inner: &str, announce: bool| {
+        let mut flags = vec![
+            "--workers",
+            "3",
+            "--samples",
+            "3000",
+            "--eval-every",
+            "3000",
+            "--eval-subset",
+            "300",
+            "--local-steps",
+            "4",
+            "--inner-optimizer",
+            inner,
+            "--inner-lr",
+        ];
+        flags.push(if inner == "sgd" { "0.05" } else { "0.002" });
+        if announce {
+            flags.push("--announce-spot-checks");
+        }
+        let cfg = parsed(&flags);
+        assert_eq!(cfg.announce_spot_checks, announce);
+        sim::run(&cfg, &data).expect("run")
+    };
+    let (plain, announced) = (run("sgd", false), run("sgd", true));
+    assert!(
+        plain.final_params == announced.final_params,
+        "sgd keeps no state: same run"
+    );
+    let (plain, announced) = (run("adamw", false), run("adamw", true));
+    assert!(
+        plain.final_params != announced.final_params,
+        "adamw's moments restart each round when checks are announced"
+    );
+    assert_eq!(plain.rows.len(), announced.rows.len());
+}

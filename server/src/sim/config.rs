@@ -118,6 +118,12 @@ pub struct SimArgs {
     /// Separate values with `;` when they contain commas (staleness=accept;drop:8,scale).
     #[arg(long)]
     pub sweep: Option<String>,
+    /// The shards announce spot checks, as `serve`'s do by default (`--spot-check auto`):
+    /// workers then tag every push and start each round's inner optimizer afresh, so that a
+    /// round can be recomputed (docs/protocol.md, "Spot checks"). The simulator does not
+    /// recompute pushes; it models what announcing checks costs honest workers.
+    #[arg(long)]
+    pub announce_spot_checks: bool,
     /// Print only the summary.
     #[arg(long)]
     pub quiet: bool,
@@ -257,6 +263,9 @@ pub struct SimConfig {
     pub exchange: crate::config::Exchange,
     /// `--ema`: evaluate the shards' moving average of the weights with this decay.
     pub ema: Option<f32>,
+    /// `--announce-spot-checks`: the shards' Welcomes say they spot-check (nothing is
+    /// recomputed).
+    pub announce_spot_checks: bool,
     /// Keep every read in [`SimResult::reads`] (for tests; costs memory on long runs).
     pub log_reads: bool,
 }
@@ -340,6 +349,7 @@ impl SimArgs {
             sync_timeout: t.sync_timeout,
             exchange: t.exchange,
             ema: t.ema,
+            announce_spot_checks: self.announce_spot_checks,
             log_reads: false,
         };
         cfg.validate()?;

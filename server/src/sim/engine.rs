@@ -243,7 +243,7 @@ impl<'a> Engine<'a> {
                 let setup = training.shard_setup(false, initial.len());
                 let state = setup.state(i as u32, *r, initial[r.start..r.end].to_vec())?;
                 Ok(SimShard {
-                    driver: ShardDriver::new(state),
+                    driver: ShardDriver::new(state, cfg.announce_spot_checks),
                     links: BTreeMap::new(),
                 })
             })

@@ -44,6 +44,8 @@ pub enum Output {
 struct Host {
     state: ShardState,
     known: BTreeSet<u64>,
+    /// Whether Welcomes announce spot checks (`--announce-spot-checks`).
+    spot_checks: bool,
 }
 
 impl ShardAccess for Host {
@@ -55,6 +57,9 @@ impl ShardAccess for Host {
     }
     fn with<R>(&mut self, f: impl FnOnce(&mut ShardState) -> R) -> R {
         f(&mut self.state)
+    }
+    fn spot_checks(&self) -> bool {
+        self.spot_checks
     }
     fn admit(&self, worker: u64, _credential: Option<&str>) -> Admission {
         if self.known.contains(&worker) {
@@ -80,12 +85,15 @@ pub struct ShardDriver {
 }
 
 impl ShardDriver {
-    /// A shard over `state`, with no connection and no known worker.
-    pub fn new(state: ShardState) -> Self {
+    /// A shard over `state`, with no connection and no known worker. With `spot_checks` its
+    /// Welcomes announce spot checks and it refuses untagged pushes, as a spot-checking
+    /// server's shard does; it never draws a push for a check.
+    pub fn new(state: ShardState, spot_checks: bool) -> Self {
         Self {
             host: Host {
                 state,
                 known: BTreeSet::new(),
+                spot_checks,
             },
             conns: BTreeMap::new(),
         }
