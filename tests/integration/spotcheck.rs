@@ -672,3 +672,74 @@ async fn shuffled_labels_stay_far_outside_the_tolerances_while_the_model_trains(
     assert_eq!(s["reputation"]["quarantined"], 0);
     running.stop().await.expect("stops");
 }
+
+/// The cost spot checks put on local steps is said at start, where a host looks: with checks
+/// on and an inner optimizer that keeps state (the default `auto` with Adam), `serve` logs that
+/// every round's inner optimizer starts afresh, as a warning for a language model; with
+/// checks off, or a stateless inner optimizer, it says nothing (docs/defences.md, "Spot
+/// checks and the inner optimizer").
+#[test]
+fn serve_states_that_spot_checks_restart_the_inner_optimizer() {
+    use crate::util::{crowdgrad, mnist_dir, scratch, Proc};
+    let text = scratch("spotcheck", "inner-notice");
+    let line = "The quick brown fox jumps over the lazy dog.\n";
+    std::fs::write(text.join("train.txt"), line.repeat(200)).unwrap();
+    std::fs::write(text.join("valid.txt"), line.repeat(20)).unwrap();
+    let started = |tag: &str, args: &[&str]| {
+        let mut c = crowdgrad();
+        c.args(["serve", "--addr", "127.0.0.1:0", "--no-fetch"])
+            .args(args)
+            .env("RUST_LOG", "info");
+        if args.contains(&"--model") {
+            c.arg("--data-dir").arg(&text);
+        } else {
+            c.arg("--data-dir").arg(mnist_dir());
+        }
+        let mut p = Proc::spawn(c, tag);
+        p.listening(Duration::from_secs(60));
+        // The shards and their defence are set up after the listener; the first evaluation
+        // comes after them.
+        let t0 = std::time::Instant::now();
+        while !p.stderr().contains("evaluation") {
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "{tag}: {}",
+                p.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let notice = p
+            .stderr_lines()
+            .into_iter()
+            .find(|l| l.contains("starts afresh"));
+        (notice, p.stderr())
+    };
+    let (notice, log) = started("notice-mlp", &[]);
+    let notice = notice.unwrap_or_else(|| panic!("no notice by default: {log}"));
+    assert!(
+        notice.contains("INFO") && notice.contains("\"adam\""),
+        "{notice}"
+    );
+    let gpt = [
+        "--model",
+        "gpt:1,16,2,8",
+        "--dataset",
+        "lines",
+        "--inner-optimizer",
+        "adamw",
+    ];
+    let (notice, log) = started("notice-gpt", &gpt);
+    let notice = notice.unwrap_or_else(|| panic!("no notice for gpt: {log}"));
+    assert!(
+        notice.contains("WARN") && notice.contains("--spot-check 0"),
+        "{notice}"
+    );
+    for (tag, args) in [
+        ("notice-off", &["--spot-check", "0"][..]),
+        ("notice-sgd", &["--inner-optimizer", "sgd"][..]),
+        ("notice-h1", &["--local-steps", "1"][..]),
+    ] {
+        let (notice, _) = started(tag, args);
+        assert_eq!(notice, None, "{tag}");
+    }
+}
