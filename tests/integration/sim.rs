@@ -572,6 +572,7 @@ fn announced_spot_checks_restart_the_inner_optimizer_of_every_round() {
         }
         let cfg = parsed(&flags);
         assert_eq!(cfg.announce_spot_checks, announce);
+        assert_eq!(cfg.describe().contains("spot checks announced"), announce);
         sim::run(&cfg, &data).expect("run")
     };
     let (plain, announced) = (run("sgd", false), run("sgd", true));

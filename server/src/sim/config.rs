@@ -527,6 +527,9 @@ impl SimConfig {
         if param != "overlap" && x.local.overlap {
             parts.push("overlap".into());
         }
+        if self.announce_spot_checks {
+            parts.push("spot checks announced".into());
+        }
         if self.faulty > 0.0 || param == "fault" {
             let share = if param == "faulty" {
                 String::new()
