@@ -449,7 +449,17 @@ fn layer_times_cover_every_stage() {
     let m = Model::new(shaped("cnn", &[28, 28], 10)).unwrap();
     let p = m.init_params(1);
     let (x, y) = toy_batch(4, 784, 10, 1);
-    let mut ws = m.workspace(4);
+    let (times, _) = ticked(&m, &p, &x, &y);
+    // One tick per stage forward and backward and one for the loss.
+    assert_eq!(times.forward, vec![1.0; 6]);
+    assert_eq!(times.backward, vec![1.0; 6]);
+    assert_eq!(times.loss, 1.0);
+}
+
+/// The layer times and the gradient of one step of `m` on `(x, y)`, with a clock that ticks
+/// one second per reading (so each stage's time is the number of readings it took).
+pub(crate) fn ticked(m: &Model, p: &[f32], x: &Array2<f32>, y: &[u8]) -> (LayerTimes, Vec<f32>) {
+    let mut ws = m.workspace(x.nrows());
     let mut g = vec![0.0; p.len()];
     let mut times = m.layer_times();
     let mut t = 0.0;
@@ -457,10 +467,7 @@ fn layer_times_cover_every_stage() {
         t += 1.0;
         t
     };
-    m.loss_and_grad_timed(&p, x.view(), &y, 0, &mut g, &mut ws, &mut clock, &mut times)
+    m.loss_and_grad_timed(p, x.view(), y, 0, &mut g, &mut ws, &mut clock, &mut times)
         .unwrap();
-    // One tick per stage forward and backward and one for the loss.
-    assert_eq!(times.forward, vec![1.0; 6]);
-    assert_eq!(times.backward, vec![1.0; 6]);
-    assert_eq!(times.loss, 1.0);
+    (times, g)
 }

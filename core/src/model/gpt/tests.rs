@@ -595,20 +595,12 @@ fn layout_stages_and_times() {
     assert!(!m.has_dropout());
     let p = m.init_params(1);
     let (x, y) = tokens(2, 4, 5, 1);
-    let mut ws = m.workspace(2);
-    let mut g = vec![0.0; p.len()];
-    let mut times = m.layer_times();
-    let mut t = 0.0;
-    let mut clock = || {
-        t += 1.0;
-        t
-    };
-    m.loss_and_grad_timed(&p, x.view(), &y, 0, &mut g, &mut ws, &mut clock, &mut times)
-        .unwrap();
+    let (times, g) = crate::model::tests::ticked(&m, &p, &x, &y);
     assert_eq!(times.forward, vec![1.0; 4]);
     assert_eq!(times.backward, vec![1.0; 4]);
     assert_eq!(times.loss, 1.0);
     let mut g2 = vec![0.0; p.len()];
+    let mut ws = m.workspace(2);
     m.loss_and_grad_seeded(&p, x.view(), &y, 99, &mut g2, &mut ws)
         .unwrap();
     assert_eq!(g, g2, "no dropout: the seed changes nothing");
